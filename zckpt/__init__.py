@@ -1,0 +1,1 @@
+"""zckpt: reshard MindSpore distributed checkpoints through a global-coordinate Zarr store."""

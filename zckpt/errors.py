@@ -1,0 +1,63 @@
+"""One exception hierarchy for everything zckpt refuses.
+
+Every error carries the file and the parameter it is about (when known) so that a user
+can act on the message alone. The classes also derive from the builtin exception that
+MindSpore raises in the same situation, so code written against ``mindspore`` keeps
+catching what it used to catch after swapping the import.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+
+class ZckptError(Exception):
+    """Base class: ``str(err)`` names the file and parameter involved."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | PathLike[str] | None = None,
+        param: str | None = None,
+    ) -> None:
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.param = param
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"file {self.path}")
+        if self.param is not None:
+            where.append(f"parameter {self.param!r}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+class CheckpointFormatError(ZckptError, ValueError):
+    """A ``.ckpt`` file is truncated, corrupt or holds something zckpt cannot represent."""
+
+
+class StrategyError(ZckptError, ValueError):
+    """A strategy file cannot be read, or a layout is inconsistent."""
+
+
+class LayoutError(ZckptError, ValueError):
+    """A layout does not fit a tensor (shape not divisible, axis out of range, ...)."""
+
+
+class SourceError(ZckptError, ValueError):
+    """The set of source shards is incomplete or inconsistent (missing rank, replicas differ)."""
+
+
+class StoreError(ZckptError, ValueError):
+    """The Zarr store is missing, foreign, or incomplete."""
+
+
+class OutputError(ZckptError, ValueError):
+    """The output location cannot be written (exists, not a directory, ...)."""
+
+
+class UsageError(ZckptError, ValueError):
+    """Arguments are invalid."""

@@ -1,0 +1,1 @@
+"""MindSpore file formats: checkpoint shards (``ckpt``) and parallel strategy files (``strategy``)."""
