@@ -261,6 +261,27 @@ class CkptReader:
             )
         return flat.reshape(e.shape)
 
+    def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``[r0, r1)`` of a tensor along axis 0: a view when they lie in one segment."""
+        e = self.entries[name]
+        shape = e.shape
+        if not shape:
+            return self.array(name)
+        dt = ms_dtype(e.ms_type).storage
+        row_elems = math.prod(shape[1:])
+        row_bytes = row_elems * dt.itemsize
+        if not 0 <= r0 <= r1 <= shape[0]:
+            raise self._fail(f"rows [{r0}, {r1}) outside {shape[0]} rows", name)
+        if row_bytes == 0 or r0 == r1:
+            return np.empty((r1 - r0,) + shape[1:], dtype=dt)
+        seg = _segment_holding(_segment_row_bounds(e, row_bytes), r0, r1)
+        if seg is not None:
+            s, seg_row0 = seg
+            flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=s.offset + (r0 - seg_row0) * row_bytes)
+        else:
+            flat = self._gather(e, r0 * row_bytes, r1 * row_bytes, dt)
+        return flat.reshape((r1 - r0,) + shape[1:])
+
     def row_blocks(self, name: str, max_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(first_row, block)`` covering the tensor along axis 0, each at most
         ``max_bytes`` (but at least one row); blocks inside one segment are views."""
@@ -433,10 +454,12 @@ class CkptWriter:
         payload = np.array(value).tobytes()
         self._write(value_header(name, STRING_TYPE, [0], len(payload)) + payload)
 
-    def write_raw_value(self, name: str, payload: bytes) -> None:
-        """Write an already-encoded ``Value`` message (used to pass MapParameters through)."""
+    def write_map(self, name: str, body: bytes) -> None:
+        """Write a MapParameter entry from its encoded ``MapTensorProto`` body (passed through)."""
         self._claim(name)
-        self._write(wire.encode_len_field(1, len(payload)) + payload)
+        tag = name.encode("utf-8")
+        value = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(3, len(body)) + body
+        self._write(wire.encode_len_field(1, len(value)) + value)
 
     def commit(self) -> Path:
         """Finish the file: trailer, flush, fsync, atomic rename to the final name."""

@@ -1,0 +1,156 @@
+"""Export: materialise each destination rank's slices from the store into ``.ckpt`` files.
+
+Every slice is a lazy ``dask.array`` view of the Zarr array; it is computed band by band
+(at most ``block_bytes`` of tensor data at a time) and streamed into the rank's file, which
+is written under a temporary name and renamed only when complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+
+from zckpt.errors import OutputError, StoreError
+from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.strategy import StrategyMap
+from zckpt.ingest import StrategyArg, load_strategy
+from zckpt.layout import Box
+from zckpt.plan import ExportPlan, RankExport, build_export_plan
+from zckpt.store import Store
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    prefix: str = "checkpoint_"
+    block_bytes: int = 64 * MiB
+    overwrite: bool = False
+    crc: bool = False
+    scheduler: str = "threads"
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    path: str
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    out_dir: str
+    ranks: tuple[RankResult, ...]
+    seconds: float
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(r.bytes for r in self.ranks)
+
+
+def rank_file(out_dir: str | Path, rank: int, prefix: str, suffix: str = "") -> Path:
+    return Path(out_dir) / f"rank_{rank}" / f"{prefix}{rank}{suffix}.ckpt"
+
+
+def plan_export(store: Store, strategy: StrategyArg, ranks: Iterable[int] | None = None) -> ExportPlan:
+    smap: StrategyMap | None = load_strategy(strategy)
+    return build_export_plan(store.specs(), smap, ranks=ranks)
+
+
+def check_coverage(store: Store, plan: ExportPlan) -> None:
+    """Refuse to export from a store that lacks any region a destination rank needs."""
+    if store.complete:
+        return
+    kinds = {e.name: e.kind for e in store.entries()}
+    for rank in plan.ranks:
+        for s in rank.slices:
+            if kinds[s.name] == "str":
+                continue
+            missing = store.missing_in(s.name, s.box)
+            if missing == [-1]:
+                raise StoreError(
+                    f"store is incomplete: destination rank {rank.rank} needs region {s.box.to_json()} that "
+                    "no source shard covered",
+                    path=store.path,
+                    param=s.name,
+                )
+            if missing:
+                raise StoreError(
+                    f"store is incomplete: destination rank {rank.rank} needs data of source rank(s) {missing}, "
+                    "which were never ingested",
+                    path=store.path,
+                    param=s.name,
+                )
+
+
+def export(
+    store_or_path: Store | str | Path,
+    out_dir: str | Path,
+    strategy: StrategyArg = None,
+    *,
+    ranks: Iterable[int] | None = None,
+    options: ExportOptions = ExportOptions(),
+) -> ExportReport:
+    """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
+    t0 = time.perf_counter()
+    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
+    plan = plan_export(store, strategy, ranks)
+    check_coverage(store, plan)
+    out = Path(out_dir)
+    targets = {r.rank: rank_file(out, r.rank, options.prefix) for r in plan.ranks}
+    if not options.overwrite:
+        clash = [str(p) for p in targets.values() if p.exists()]
+        if clash:
+            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
+    if out.exists() and not out.is_dir():
+        raise OutputError("output path exists and is not a directory", path=out)
+    reader = StoreReader(store, options)
+    results = [reader.write_rank(r, targets[r.rank]) for r in plan.ranks]
+    return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+
+
+class StoreReader:
+    """Reads destination slices out of a store as lazy Dask arrays."""
+
+    def __init__(self, store: Store, options: ExportOptions) -> None:
+        self.store = store
+        self.options = options
+        self._entries = {e.name: e for e in store.entries()}
+        self._lazy: dict[str, da.Array] = {}
+
+    def lazy(self, name: str) -> da.Array:
+        if name not in self._lazy:
+            self._lazy[name] = da.from_zarr(self.store.array(name))
+        return self._lazy[name]
+
+    def blocks(self, name: str, box: Box) -> Iterator[np.ndarray]:
+        """The slice as row bands of at most ``block_bytes`` (at least one row)."""
+        x = self.lazy(name)[box.slices()] if box.ndim else self.lazy(name)
+        if box.ndim == 0 or box.size == 0:
+            yield np.asarray(x.compute(scheduler=self.options.scheduler))
+            return
+        row_bytes = max(1, x.dtype.itemsize * box.size // box.shape[0])
+        per = max(1, self.options.block_bytes // row_bytes)
+        for r0 in range(0, box.shape[0], per):
+            yield np.asarray(x[r0 : r0 + per].compute(scheduler=self.options.scheduler))
+
+    def write_rank(self, rank: RankExport, target: Path) -> RankResult:
+        tensors = 0
+        with CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync) as w:
+            for s in rank.slices:
+                e = self._entries[s.name]
+                if e.kind == "str":
+                    w.write_string(s.name, e.value or "")
+                elif e.kind == "map":
+                    w.write_map(s.name, np.asarray(self.store.array(s.name)[...]).tobytes())
+                else:
+                    w.write_blocks(s.name, e.ms_type, s.box.shape, self.blocks(s.name, s.box))
+                    tensors += 1
+        return RankResult(rank.rank, str(target), tensors, target.stat().st_size)

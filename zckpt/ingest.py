@@ -1,0 +1,292 @@
+"""Ingest: stream MindSpore source shards into a global-coordinate Zarr store.
+
+Each source rank's file is mapped and its boxes are written band by band (whole chunks
+only, so nothing is ever read back and rewritten); tensor data in flight is bounded by
+``block_bytes`` whatever the model size. Replicated copies are written once; unlisted
+tensors held by several ranks are compared byte for byte, because a difference means the
+strategy hides a sharded tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zckpt.errors import SourceError, StrategyError
+from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
+from zckpt.layout import Box
+from zckpt.plan import IngestPlan, ReplicaCheck, Write, build_ingest_plan
+from zckpt.sources import check_rank_map, discover_rank_files
+from zckpt.store import Store, chunk_shape
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """Knobs of an ingest run; defaults suit a laptop and a 24 GiB host alike."""
+
+    chunk_bytes: int = 64 * MiB
+    block_bytes: int = 128 * MiB
+    verify_replicas: bool = False
+    overwrite: bool = False
+    require_complete: bool = True
+    verify_crc: bool = True
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    store: str
+    ranks_read: tuple[int, ...]
+    tensors: int
+    bytes_written: int
+    bytes_compared: int
+    seconds: float
+    complete: bool
+
+
+StrategyArg = str | Path | StrategyMap | None
+
+
+def load_strategy(strategy: StrategyArg) -> StrategyMap | None:
+    """A strategy file, a directory of per-rank strategy files, a StrategyMap, or None."""
+    if strategy is None or isinstance(strategy, StrategyMap):
+        return strategy
+    p = Path(strategy)
+    if p.is_dir():
+        files = sorted(p.glob("*.ckpt")) or sorted(p.glob("*.json"))
+        if not files:
+            raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=p)
+        return read_strategies(files)
+    return read_strategy(p)
+
+
+def resolve_sources(src: str | Path | Mapping[int, str | Path]) -> dict[int, Path]:
+    if isinstance(src, Mapping):
+        return check_rank_map(src)
+    return discover_rank_files(src)
+
+
+def read_indexes(files: Mapping[int, Path], *, verify_crc: bool) -> dict[int, dict[str, EntryInfo]]:
+    out: dict[int, dict[str, EntryInfo]] = {}
+    for rank, path in files.items():
+        with CkptReader(path, verify_crc=verify_crc) as r:
+            out[rank] = dict(r.entries)
+    return out
+
+
+def plan_ingest(
+    src: str | Path | Mapping[int, str | Path],
+    strategy: StrategyArg,
+    *,
+    require_complete: bool = True,
+    verify_crc: bool = True,
+) -> tuple[IngestPlan, StrategyMap | None]:
+    smap = load_strategy(strategy)
+    files = resolve_sources(src)
+    if smap is None:
+        files = {r: p for r, p in files.items() if r == 0}
+    indexes = read_indexes(files, verify_crc=verify_crc)
+    plan = build_ingest_plan(
+        indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
+    )
+    return plan, smap
+
+
+def ingest(
+    src: str | Path | Mapping[int, str | Path],
+    store_path: str | Path,
+    strategy: StrategyArg = None,
+    options: IngestOptions = IngestOptions(),
+) -> IngestReport:
+    """Build a complete store from source shards; on failure the new store is removed."""
+    t0 = time.perf_counter()
+    plan, smap = plan_ingest(
+        src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc
+    )
+    store = Store.create(store_path, overwrite=options.overwrite)
+    try:
+        written, compared, ranks = _run(plan, smap, store, options)
+        complete = not plan.uncovered
+        if complete:
+            store.mark_complete()
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(store.path, ignore_errors=True)
+        raise
+    return IngestReport(
+        store=str(store.path),
+        ranks_read=ranks,
+        tensors=len(plan.tensors),
+        bytes_written=written,
+        bytes_compared=compared,
+        seconds=time.perf_counter() - t0,
+        complete=complete,
+    )
+
+
+def _run(
+    plan: IngestPlan, smap: StrategyMap | None, store: Store, options: IngestOptions
+) -> tuple[int, int, tuple[int, ...]]:
+    writers: dict[str, list[tuple[int, Box]]] = {}
+    for w in plan.writes:
+        writers.setdefault(w.name, []).append((w.rank, w.box))
+    chunks = {}
+    strings: dict[str, str] = {}
+    for t in plan.tensors:
+        ws = writers.get(t.name, [])
+        shard = ws[0][1].shape if ws and t.shape else t.shape
+        itemsize = 1 if t.kind == "map" else max(1, t.nbytes // max(1, _count(t.shape)))
+        chunks[t.name] = chunk_shape(shard, itemsize, options.chunk_bytes)
+    string_writes = [w for w in plan.writes if _kind(plan, w.name) == "str"]
+    for w in string_writes:
+        with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
+            strings[w.name] = r.string(w.name)
+    map_shapes = {}
+    for w in plan.writes:
+        if _kind(plan, w.name) == "map":
+            with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
+                map_shapes[w.name] = len(r.map_bytes(w.name))
+    tensors = [
+        t if t.kind != "map" else type(t)(t.name, t.kind, t.ms_type, (map_shapes[t.name],), t.layouts)
+        for t in plan.tensors
+    ]
+    for t in tensors:
+        if t.kind == "map":
+            chunks[t.name] = (max(1, t.shape[0]),)
+            writers[t.name] = [(writers[t.name][0][0], Box.full(t.shape))]
+    source = _source_record(plan, smap)
+    store.define(tensors, writers, chunks, strings, source)
+    written = 0
+    compared = 0
+    ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
+    for rank in ranks:
+        ws = [w for w in plan.writes_of(rank) if _kind(plan, w.name) != "str"]
+        cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
+        with CkptReader(plan.rank_files[rank], verify_crc=False) as reader:
+            for w in ws:
+                written += _write(store, reader, w, chunks[w.name], options.block_bytes)
+            for c in cs:
+                compared += _compare(store, reader, c, writers, options.block_bytes, plan.rank_files)
+        store.mark_ingested(rank)
+    return written, compared, ranks
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _kind(plan: IngestPlan, name: str) -> str:
+    for t in plan.tensors:
+        if t.name == name:
+            return t.kind
+    raise KeyError(name)
+
+
+def _source_record(plan: IngestPlan, smap: StrategyMap | None) -> dict[str, Any]:
+    files = {}
+    for rank, p in plan.rank_files.items():
+        path = Path(p)
+        files[str(rank)] = {"path": str(path.resolve()), "size": path.stat().st_size}
+    return {
+        "strategy_files": list(smap.sources) if smap is not None else None,
+        "stage_device_num": plan.stage_device_num,
+        "stages": list(smap.stages) if smap is not None else [0],
+        "rank_files": files,
+    }
+
+
+def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of the shard, each a whole number of chunk rows and about block_bytes."""
+    rows = box.shape[0]
+    per = max(1, block_bytes // max(1, chunk0 * row_bytes)) * chunk0
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
+def _write(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], block_bytes: int) -> int:
+    arr = store.array(w.name)
+    entry = reader.entries[w.name]
+    if entry.kind == "map":
+        body = reader.map_bytes(w.name)
+        arr[...] = np.frombuffer(body, dtype=np.uint8)
+        return len(body)
+    if entry.shape != w.box.shape:
+        raise SourceError(
+            f"holds shape {list(entry.shape)} but the plan expects {list(w.box.shape)}",
+            path=reader.path,
+            param=w.name,
+        )
+    if w.box.size == 0:
+        return 0
+    if w.box.ndim == 0:
+        arr[...] = reader.array(w.name)
+        return entry.nbytes
+    row_bytes = entry.nbytes // entry.shape[0]
+    rest = w.box.slices()[1:]
+    for r0, r1 in _bands(w.box, chunks[0], row_bytes, block_bytes):
+        data = reader.rows(w.name, r0, r1)
+        arr[(slice(w.box.start[0] + r0, w.box.start[0] + r1),) + rest] = data
+    return entry.nbytes
+
+
+def _compare(
+    store: Store,
+    reader: CkptReader,
+    c: ReplicaCheck,
+    writers: Mapping[str, list[tuple[int, Box]]],
+    block_bytes: int,
+    files: Mapping[int, str],
+) -> int:
+    box = next(b for r, b in writers[c.name] if r == c.same_as)
+    arr = store.array(c.name)
+    entry = reader.entries[c.name]
+    if entry.shape != box.shape:
+        raise SourceError(f"shape {list(entry.shape)} differs from its replica on rank {c.same_as}",
+                          path=reader.path, param=c.name)
+    if box.size == 0:
+        return 0
+    if box.ndim == 0:
+        same = _same_bytes(np.asarray(arr[...]), reader.array(c.name))
+        bands = []
+    else:
+        same = True
+        bands = _bands(box, arr.chunks[0], entry.nbytes // entry.shape[0], block_bytes)
+    rest = box.slices()[1:]
+    for r0, r1 in bands:
+        stored = np.asarray(arr[(slice(box.start[0] + r0, box.start[0] + r1),) + rest])
+        if not _same_bytes(stored, reader.rows(c.name, r0, r1)):
+            same = False
+            break
+    if not same:
+        if c.required:
+            raise SourceError(
+                f"not listed in the source strategy, yet rank {c.rank} and rank {c.same_as} "
+                f"({files.get(c.same_as)}) hold different values: it is sharded with a layout the strategy does "
+                "not give; zckpt will not guess (save the strategy with only_trainable_params=False)",
+                path=reader.path,
+                param=c.name,
+            )
+        raise SourceError(
+            f"replica differs from rank {c.same_as} ({files.get(c.same_as)}) although the layout says they hold "
+            "the same box",
+            path=reader.path,
+            param=c.name,
+        )
+    return entry.nbytes
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    if a.shape != b.shape or a.dtype.itemsize != b.dtype.itemsize:
+        return False
+    return bool(np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))

@@ -1,0 +1,278 @@
+"""The Zarr v3 store: every checkpoint entry in global coordinates.
+
+Layout (readable without zckpt, see docs/store-format.md)::
+
+    STORE.zarr/zarr.json              group; attributes["zckpt"] = manifest (entries, source, state)
+    STORE.zarr/tensors/<key>/         one array per tensor entry, full logical shape
+    STORE.zarr/maps/<key>/            MapParameter entries: their encoded bytes (uint8)
+
+Array keys are the entry names percent-encoded so that no name can escape the store.
+Each array's attributes say which source rank wrote which box ("writers"); a region is
+present when its writer's rank is listed in the manifest's ``ingested_ranks``. Chunks
+divide the source shard shape, so two writers never touch the same chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from zckpt.dtypes import ms_dtype
+from zckpt.errors import StoreError
+from zckpt.formats.strategy import ParamLayout
+from zckpt.layout import Box
+from zckpt.plan import TensorSpec
+
+FORMAT = "zckpt-store"
+VERSION = 1
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_MAX_KEY = 180
+
+
+def encode_key(name: str) -> str:
+    """A store-safe node name for an entry name (injective, no ``/``, no leading ``.``/``_``)."""
+    out = []
+    for i, ch in enumerate(name):
+        if ch in _SAFE and not (i == 0 and ch in "._"):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
+    key = "".join(out) or "%"
+    if len(key) > _MAX_KEY:
+        digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+        key = f"{key[:_MAX_KEY - 18]}~{digest}"
+    return key
+
+
+def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
+    return {
+        "dev_matrix": list(lay.dev_matrix),
+        "tensor_map": [list(a) for a in lay.tensor_map],
+        "opt_weight_shard_step": lay.opt_shard_step,
+        "opt_weight_shard_size": lay.opt_shard_size,
+    }
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    """A manifest line: one checkpoint entry and where it lives in the store."""
+
+    name: str
+    kind: str
+    ms_type: str
+    shape: tuple[int, ...]
+    key: str
+    value: str | None = None
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.kind, self.ms_type, self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "kind": self.kind,
+            "ms_type": self.ms_type,
+            "shape": list(self.shape),
+            "key": self.key,
+        }
+        if self.value is not None:
+            doc["value"] = self.value
+        return doc
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any]) -> EntryRecord:
+        return EntryRecord(
+            name=str(doc["name"]),
+            kind=str(doc["kind"]),
+            ms_type=str(doc["ms_type"]),
+            shape=tuple(int(x) for x in doc["shape"]),
+            key=str(doc["key"]),
+            value=doc.get("value"),
+        )
+
+
+def chunk_shape(shard: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+    """Largest chunk that divides ``shard`` in every dimension and fits ``target_bytes``.
+
+    Dividing the shard keeps chunk borders on shard borders, so writers never share a chunk.
+    """
+    c = [max(1, int(s)) for s in shard]
+    for d in range(len(c)):
+        while math.prod(c) * itemsize > target_bytes and c[d] > 1:
+            c[d] = _next_divisor_below(max(1, int(shard[d])), c[d])
+    return tuple(c)
+
+
+def _next_divisor_below(n: int, current: int) -> int:
+    for k in range(current - 1, 0, -1):
+        if n % k == 0:
+            return k
+    return 1
+
+
+class Store:
+    """A zckpt store opened for reading or being written by ingest."""
+
+    def __init__(self, path: Path, group: zarr.Group) -> None:
+        self.path = path
+        self.group = group
+
+    # --- creation -----------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | Path, *, overwrite: bool = False) -> Store:
+        p = Path(path)
+        if p.exists():
+            if not overwrite:
+                raise StoreError("store already exists (use overwrite to replace it)", path=p)
+            if (p / "zarr.json").is_file() or not any(p.iterdir()):
+                shutil.rmtree(p)
+            else:
+                raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
+        group = zarr.open_group(str(p), mode="w-", zarr_format=3)
+        group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+        return cls(p, group)
+
+    @classmethod
+    def open(cls, path: str | Path, *, mode: str = "r") -> Store:
+        p = Path(path)
+        if not (p / "zarr.json").is_file():
+            raise StoreError("not a zarr store (no zarr.json)", path=p)
+        try:
+            group = zarr.open_group(str(p), mode=mode, zarr_format=3)
+        except Exception as err:  # zarr raises several unrelated types for a broken store
+            raise StoreError(f"cannot open zarr store: {err}", path=p) from None
+        meta = group.attrs.get("zckpt")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise StoreError("zarr store was not written by zckpt (no zckpt manifest)", path=p)
+        if int(meta.get("version", 0)) > VERSION:
+            raise StoreError(f"store format version {meta.get('version')} is newer than this zckpt", path=p)
+        return cls(p, group)
+
+    # --- manifest ------------------------------------------------------------------
+    @property
+    def manifest(self) -> dict[str, Any]:
+        meta = self.group.attrs.get("zckpt")
+        assert isinstance(meta, dict)
+        return meta
+
+    def _update(self, **changes: Any) -> None:
+        meta = dict(self.manifest)
+        meta.update(changes)
+        self.group.attrs["zckpt"] = meta
+
+    def entries(self) -> list[EntryRecord]:
+        return [EntryRecord.from_json(d) for d in self.manifest.get("entries", [])]
+
+    def entry(self, name: str) -> EntryRecord:
+        for e in self.entries():
+            if e.name == name:
+                return e
+        raise StoreError("no such entry in the store", path=self.path, param=name)
+
+    def specs(self) -> list[TensorSpec]:
+        return [e.spec() for e in self.entries()]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def ingested_ranks(self) -> set[int]:
+        return {int(r) for r in self.manifest.get("ingested_ranks", [])}
+
+    def define(
+        self,
+        tensors: Sequence[TensorSpec],
+        writers: Mapping[str, Sequence[tuple[int, Box]]],
+        chunks: Mapping[str, tuple[int, ...]],
+        strings: Mapping[str, str],
+        source: Mapping[str, Any],
+        compressors: Any = None,
+    ) -> None:
+        """Create every array (no data yet) and write the manifest."""
+        records: list[EntryRecord] = []
+        for t in tensors:
+            key = encode_key(t.name)
+            if t.kind == "str":
+                records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name]))
+                continue
+            folder = "tensors" if t.kind == "tensor" else "maps"
+            dtype = ms_dtype(t.ms_type).storage if t.kind == "tensor" else np.dtype("u1")
+            arr = self.group.create_array(
+                f"{folder}/{key}",
+                shape=t.shape,
+                chunks=chunks[t.name],
+                dtype=dtype,
+                compressors=compressors,
+                fill_value=np.zeros((), dtype=dtype),
+                config={"write_empty_chunks": True},
+            )
+            arr.attrs["zckpt"] = {
+                "name": t.name,
+                "ms_dtype": t.ms_type,
+                "kind": t.kind,
+                "writers": [[r, b.to_json()] for r, b in writers.get(t.name, ())],
+                "source_layouts": {str(s): layout_to_json(lay) for s, lay in t.layouts.items()},
+            }
+            records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}"))
+        self._update(entries=[r.to_json() for r in records], source=dict(source), ingested_ranks=[])
+
+    def mark_ingested(self, rank: int) -> None:
+        done = sorted(self.ingested_ranks() | {rank})
+        self._update(ingested_ranks=done)
+
+    def mark_complete(self) -> None:
+        problems = self.coverage_problems()
+        if problems:
+            raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.path)
+        self._update(complete=True)
+
+    # --- data ------------------------------------------------------------------------
+    def array(self, name: str) -> zarr.Array:
+        e = self.entry(name)
+        if e.kind == "str":
+            raise StoreError("string entries have no array", path=self.path, param=name)
+        node = self.group[e.key]
+        assert isinstance(node, zarr.Array)
+        return node
+
+    def writers(self, name: str) -> list[tuple[int, Box]]:
+        meta = self.array(name).attrs.get("zckpt", {})
+        return [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
+
+    def missing_in(self, name: str, box: Box) -> list[int]:
+        """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it)."""
+        done = self.ingested_ranks()
+        covered = 0
+        missing: list[int] = []
+        for r, b in self.writers(name):
+            part = b.intersect(box) if box.ndim else b
+            if part is None:
+                continue
+            if r in done:
+                covered += part.size
+            else:
+                missing.append(r)
+        if not missing and covered < box.size:
+            return [-1]
+        return missing
+
+    def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
+        problems = []
+        wanted = set(names) if names is not None else None
+        for e in self.entries():
+            if e.kind == "str" or (wanted is not None and e.name not in wanted):
+                continue
+            miss = self.missing_in(e.name, Box.full(e.shape))
+            if miss == [-1]:
+                problems.append(f"{e.name}: part of the tensor is held by no source rank")
+            elif miss:
+                problems.append(f"{e.name}: not yet ingested from source rank(s) {miss}")
+        return problems
