@@ -1,1 +1,47 @@
-"""zckpt: reshard MindSpore distributed checkpoints through a global-coordinate Zarr store."""
+"""zckpt: reshard MindSpore distributed checkpoints through a global-coordinate Zarr v3 store.
+
+The MindSpore-named functions are drop-in replacements (``import zckpt as ms``); ``ingest``,
+``export`` and ``open_store`` expose the store path directly.
+"""
+
+from zckpt.api import (
+    open_store,
+    rank_list_for_transform,
+    transform_checkpoint_by_rank,
+    transform_checkpoints,
+)
+from zckpt.errors import (
+    CheckpointFormatError,
+    LayoutError,
+    OutputError,
+    SourceError,
+    StoreError,
+    StrategyError,
+    UsageError,
+    ZckptError,
+)
+from zckpt.export import ExportOptions, ExportReport, export
+from zckpt.ingest import IngestOptions, IngestReport, ingest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointFormatError",
+    "ExportOptions",
+    "ExportReport",
+    "IngestOptions",
+    "IngestReport",
+    "LayoutError",
+    "OutputError",
+    "SourceError",
+    "StoreError",
+    "StrategyError",
+    "UsageError",
+    "ZckptError",
+    "export",
+    "ingest",
+    "open_store",
+    "rank_list_for_transform",
+    "transform_checkpoint_by_rank",
+    "transform_checkpoints",
+]

@@ -116,6 +116,23 @@ def export(
     return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
 
 
+def export_rank(
+    store: Store,
+    rank: int,
+    target: str | Path,
+    strategy: StrategyArg = None,
+    *,
+    options: ExportOptions = ExportOptions(),
+) -> RankResult:
+    """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``)."""
+    plan = plan_export(store, strategy, [rank])
+    check_coverage(store, plan)
+    path = Path(target)
+    if path.exists() and not options.overwrite:
+        raise OutputError("output file already exists (use overwrite)", path=path)
+    return StoreReader(store, options).write_rank(plan.ranks[0], path)
+
+
 class StoreReader:
     """Reads destination slices out of a store as lazy Dask arrays."""
 
@@ -127,7 +144,7 @@ class StoreReader:
 
     def lazy(self, name: str) -> da.Array:
         if name not in self._lazy:
-            self._lazy[name] = da.from_zarr(self.store.array(name))
+            self._lazy[name] = da.from_zarr(self.store.array(name))  # type: ignore[no-untyped-call]
         return self._lazy[name]
 
     def blocks(self, name: str, box: Box) -> Iterator[np.ndarray]:

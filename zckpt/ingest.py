@@ -49,6 +49,7 @@ class IngestReport:
     bytes_compared: int
     seconds: float
     complete: bool
+    uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]]
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -129,6 +130,7 @@ def ingest(
         bytes_compared=compared,
         seconds=time.perf_counter() - t0,
         complete=complete,
+        uncovered=plan.uncovered,
     )
 
 
@@ -145,15 +147,14 @@ def _run(
         shard = ws[0][1].shape if ws and t.shape else t.shape
         itemsize = 1 if t.kind == "map" else max(1, t.nbytes // max(1, _count(t.shape)))
         chunks[t.name] = chunk_shape(shard, itemsize, options.chunk_bytes)
-    string_writes = [w for w in plan.writes if _kind(plan, w.name) == "str"]
-    for w in string_writes:
+    for w in [x for x in plan.writes if _kind(plan, x.name) == "str"]:
         with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
             strings[w.name] = r.string(w.name)
-    map_shapes = {}
-    for w in plan.writes:
-        if _kind(plan, w.name) == "map":
+    map_shapes: dict[str, int] = {}
+    for mw in plan.writes:
+        if _kind(plan, mw.name) == "map":
             with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
-                map_shapes[w.name] = len(r.map_bytes(w.name))
+                map_shapes[mw.name] = len(r.map_bytes(mw.name))
     tensors = [
         t if t.kind != "map" else type(t)(t.name, t.kind, t.ms_type, (map_shapes[t.name],), t.layouts)
         for t in plan.tensors
@@ -168,11 +169,11 @@ def _run(
     compared = 0
     ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
     for rank in ranks:
-        ws = [w for w in plan.writes_of(rank) if _kind(plan, w.name) != "str"]
+        rank_writes = [x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str"]
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         with CkptReader(plan.rank_files[rank], verify_crc=False) as reader:
-            for w in ws:
-                written += _write(store, reader, w, chunks[w.name], options.block_bytes)
+            for rw in rank_writes:
+                written += _write(store, reader, rw, chunks[rw.name], options.block_bytes)
             for c in cs:
                 compared += _compare(store, reader, c, writers, options.block_bytes, plan.rank_files)
         store.mark_ingested(rank)

@@ -71,7 +71,8 @@ class IngestPlan:
     checks: tuple[ReplicaCheck, ...]
     rank_files: Mapping[int, str]
     stage_device_num: int
-    uncovered: Mapping[str, tuple[Box, ...]] = field(default_factory=dict)
+    uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]] = field(default_factory=dict)
+    """Per tensor: regions no present shard holds, with the source ranks that would hold them."""
 
     def writes_of(self, rank: int) -> tuple[Write, ...]:
         return tuple(w for w in self.writes if w.rank == rank)
@@ -156,7 +157,7 @@ def build_ingest_plan(
     tensors: list[TensorSpec] = []
     writes: list[Write] = []
     checks: list[ReplicaCheck] = []
-    uncovered: dict[str, tuple[Box, ...]] = {}
+    uncovered: dict[str, tuple[tuple[Box, tuple[int, ...]], ...]] = {}
     for name in order:
         ranks = holders[name]
         first = indexes[ranks[0]][name]
@@ -175,8 +176,8 @@ def build_ingest_plan(
         if holes:
             if require_complete:
                 raise SourceError(
-                    f"no source rank covers region(s) {[h.to_json() for h in holes]} of shape {list(spec.shape)}; "
-                    f"missing rank file(s): {_missing_ranks(strategy, indexes)}",
+                    f"no source file covers region(s) {[h.to_json() for h, _ in holes]} of shape {list(spec.shape)}; "
+                    f"they are held by missing source rank(s) {sorted({r for _, rs in holes for r in rs})}",
                     param=name,
                 )
             uncovered[name] = holes
@@ -188,12 +189,6 @@ def build_ingest_plan(
         stage_device_num=stage_dev,
         uncovered=uncovered,
     )
-
-
-def _missing_ranks(strategy: StrategyMap | None, indexes: Mapping[int, object]) -> list[int]:
-    if strategy is None:
-        return []
-    return [r for r in range(strategy.device_num()) if r not in indexes]
 
 
 def _plan_whole(
@@ -229,7 +224,7 @@ def _plan_sharded(
     indexes: Mapping[int, Mapping[str, EntryInfo]],
     rank_files: Mapping[int, str],
     stage_dev: int,
-) -> tuple[TensorSpec, list[Write], list[ReplicaCheck], tuple[Box, ...]]:
+) -> tuple[TensorSpec, list[Write], list[ReplicaCheck], tuple[tuple[Box, tuple[int, ...]], ...]]:
     shape: tuple[int, ...] | None = None
     shardings: dict[int, Sharding] = {}
     for r in ranks:
@@ -254,7 +249,8 @@ def _plan_sharded(
             shape = g
         elif g != shape:
             raise SourceError(
-                f"shard shape {list(e.shape)} implies global shape {list(g)}, but rank {ranks[0]} implies {list(shape)}",
+                f"shard shape {list(e.shape)} implies global shape {list(g)}, "
+                f"but rank {ranks[0]} implies {list(shape)}",
                 path=rank_files.get(r),
                 param=name,
             )
@@ -273,19 +269,24 @@ def _plan_sharded(
         by_box.setdefault(box, []).append(r)
     writes = [Write(name, rs[0], box) for box, rs in by_box.items()]
     checks = [ReplicaCheck(name, r, rs[0], required=False) for rs in by_box.values() for r in rs[1:]]
-    holes = _holes(shape, list(by_box), per_stage.values())
+    holes = _holes(shape, list(by_box), per_stage, stage_dev)
     spec = TensorSpec(name, "tensor", first.ms_type, shape, dict(per_stage))
     return spec, sorted(writes, key=lambda w: w.rank), checks, holes
 
 
-def _holes(shape: tuple[int, ...], have: Sequence[Box], layouts: Iterable[ParamLayout]) -> tuple[Box, ...]:
-    """Boxes of the first layout's partition that no present shard covers."""
-    for lay in layouts:
+def _holes(
+    shape: tuple[int, ...], have: Sequence[Box], per_stage: Mapping[int, ParamLayout], stage_dev: int
+) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+    """Boxes of the layout's partition that no present shard covers, with the global ranks holding them."""
+    got = set(have)
+    missing: dict[Box, set[int]] = {}
+    for stage, lay in sorted(per_stage.items()):
         sh = resolve(lay, shape)
-        want = {rank_box(sh, r) for r in range(sh.device_num)}
-        got = set(have)
-        return tuple(sorted(b for b in want if b not in got))
-    return ()
+        for r in range(sh.device_num):
+            b = rank_box(sh, r)
+            if b not in got:
+                missing.setdefault(b, set()).add(stage * stage_dev + r)
+    return tuple((b, tuple(sorted(rs))) for b, rs in sorted(missing.items()))
 
 
 def build_export_plan(

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -141,7 +142,7 @@ class Store:
         return cls(p, group)
 
     @classmethod
-    def open(cls, path: str | Path, *, mode: str = "r") -> Store:
+    def open(cls, path: str | os.PathLike[str], *, mode: Literal["r", "r+", "a"] = "r") -> Store:
         p = Path(path)
         if not (p / "zarr.json").is_file():
             raise StoreError("not a zarr store (no zarr.json)", path=p)
@@ -235,7 +236,7 @@ class Store:
         self._update(complete=True)
 
     # --- data ------------------------------------------------------------------------
-    def array(self, name: str) -> zarr.Array:
+    def array(self, name: str) -> zarr.Array[Any]:
         e = self.entry(name)
         if e.kind == "str":
             raise StoreError("string entries have no array", path=self.path, param=name)
@@ -244,7 +245,7 @@ class Store:
         return node
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
-        meta = self.array(name).attrs.get("zckpt", {})
+        meta: Any = self.array(name).attrs.get("zckpt", {})
         return [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
 
     def missing_in(self, name: str, box: Box) -> list[int]:

@@ -14,6 +14,7 @@ finished.
 from __future__ import annotations
 
 import binascii
+import contextlib
 import math
 import mmap
 import os
@@ -115,10 +116,8 @@ class CkptReader:
     def close(self) -> None:
         self._buf.release()
         if self._map is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view; it goes with the view
                 self._map.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when it does
             self._map = None
         self._file.close()
 
@@ -277,7 +276,8 @@ class CkptReader:
         seg = _segment_holding(_segment_row_bounds(e, row_bytes), r0, r1)
         if seg is not None:
             s, seg_row0 = seg
-            flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=s.offset + (r0 - seg_row0) * row_bytes)
+            off = s.offset + (r0 - seg_row0) * row_bytes
+            flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
         else:
             flat = self._gather(e, r0 * row_bytes, r1 * row_bytes, dt)
         return flat.reshape((r1 - r0,) + shape[1:])
@@ -439,7 +439,7 @@ class CkptWriter:
                         )
                     pending = _as_le_bytes(nxt, dt)
                 take = min(need, pending.size)
-                self._write(memoryview(pending[:take]))
+                self._write(pending[:take].data)
                 pending = pending[take:]
                 need -= take
         leftover = (0 if pending is None else pending.size) + sum(_as_le_bytes(b, dt).size for b in block_iter)
@@ -478,10 +478,8 @@ class CkptWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.tmp_path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _as_le_bytes(block: np.ndarray, dt: np.dtype) -> np.ndarray:

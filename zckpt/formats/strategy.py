@@ -173,9 +173,9 @@ def _file_stage(ops: Mapping[str, tuple[int, tuple[tuple[int, ...], ...]]]) -> i
     return stages.pop() if len(stages) == 1 else 0
 
 
-def _first_dims(items: Iterable[object]) -> tuple[int, ...]:
+def _first_dims(items: Iterable[pb.ParamSplitShape] | Iterable[pb.IndicesOffset]) -> tuple[int, ...]:
     for it in items:
-        return tuple(int(d) for d in getattr(it, "dim"))
+        return tuple(int(d) for d in it.dim)
     return ()
 
 
@@ -224,7 +224,13 @@ def make_layout(
     used: set[int] = set()
     for entry in tensor_map:
         axes_raw = list(entry) if isinstance(entry, (list, tuple)) else [entry]
-        axes = tuple(int(a) for a in axes_raw if int(a) != -1)  # type: ignore[call-overload]
+        try:
+            ints = [int(a) for a in axes_raw]  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise StrategyError(
+                f"tensor_map entry {entry!r} is not an int or a list of ints", path=path, param=param
+            ) from None
+        axes = tuple(a for a in ints if a != -1)
         for a in axes:
             if not 0 <= a < len(dev):
                 raise StrategyError(

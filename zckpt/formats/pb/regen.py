@@ -13,7 +13,7 @@ def proto_dir() -> Path:
 
 
 def main() -> int:
-    from grpc_tools import protoc  # type: ignore[import-untyped]
+    from grpc_tools import protoc
 
     out = Path(__file__).resolve().parent
     src = proto_dir()

@@ -1,0 +1,144 @@
+"""MindSpore-compatible functions: swap ``import mindspore as ms`` for ``import zckpt as ms``.
+
+Signatures, defaults and the TypeError/ValueError cases follow MindSpore's API reference;
+the work goes through a temporary zckpt store next to the destination (same filesystem),
+so memory stays bounded and any M -> N works.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from zckpt.errors import OutputError, SourceError, UsageError
+from zckpt.export import ExportOptions, export, export_rank, plan_export
+from zckpt.ingest import IngestOptions, ingest, load_strategy
+from zckpt.layout import Box
+from zckpt.store import Store
+
+
+def _check_strategy_arg(value: object, what: str) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"The {what} should be a str, but got {type(value).__name__}.")
+    if isinstance(value, (str, os.PathLike)) and not Path(value).exists():
+        raise UsageError(f"{what} does not exist", path=str(value))
+
+
+def _check_rank_id(rank_id: object) -> None:
+    if not isinstance(rank_id, int) or isinstance(rank_id, bool):
+        raise TypeError(f"The rank_id should be a int, but got {type(rank_id).__name__}.")
+    if rank_id < 0:
+        raise UsageError(f"rank_id {rank_id} must not be negative")
+
+
+def transform_checkpoints(
+    src_checkpoints_dir: str,
+    dst_checkpoints_dir: str,
+    ckpt_prefix: str,
+    src_strategy_file: str | None = None,
+    dst_strategy_file: str | None = None,
+    process_num: int = 1,
+    output_format: str = "ckpt",
+) -> None:
+    """Convert a whole job: ``dst_checkpoints_dir/rank_<r>/<ckpt_prefix><r>.ckpt`` for every rank.
+
+    Unlike MindSpore there is no divisibility requirement between the device counts.
+    """
+    if not isinstance(ckpt_prefix, str):
+        raise TypeError("The ckpt_prefix should be a str.")
+    _check_strategy_arg(src_strategy_file, "src_strategy_file")
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
+    if not os.path.isdir(src_checkpoints_dir):
+        raise NotADirectoryError(f"src_checkpoints_dir {src_checkpoints_dir} is not a directory.")
+    if output_format != "ckpt":
+        raise UsageError(f"output_format {output_format!r} is not supported yet (only 'ckpt')")
+    if not isinstance(process_num, int) or process_num < 1:
+        raise UsageError(f"process_num must be a positive int, got {process_num!r}")
+    dst = Path(dst_checkpoints_dir)
+    if dst.exists() and not dst.is_dir():
+        raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
+    dst.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=dst) as tmp:
+        store = Path(tmp) / "store.zarr"
+        ingest(src_checkpoints_dir, store, src_strategy_file)
+        export(store, dst, dst_strategy_file, options=ExportOptions(prefix=ckpt_prefix, overwrite=True))
+
+
+def transform_checkpoint_by_rank(
+    rank_id: int,
+    checkpoint_files_map: Mapping[int, str],
+    save_checkpoint_file_name: str,
+    src_strategy_file: str | None = None,
+    dst_strategy_file: str | None = None,
+) -> None:
+    """Convert one destination rank from the source files given in ``{rank: file}``.
+
+    The map needs only the ranks :func:`rank_list_for_transform` names; a missing region is
+    reported with the parameter it belongs to.
+    """
+    if not isinstance(checkpoint_files_map, dict):
+        raise TypeError("The checkpoint_files_map should be a dict.")
+    _check_rank_id(rank_id)
+    if not isinstance(save_checkpoint_file_name, str):
+        raise TypeError("The save_checkpoint_file_name should be a str.")
+    if not save_checkpoint_file_name.endswith(".ckpt"):
+        raise UsageError(f"The save_checkpoint_file_name {save_checkpoint_file_name} should end with .ckpt")
+    _check_strategy_arg(src_strategy_file, "src_strategy_file")
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
+    for rank, path in checkpoint_files_map.items():
+        if not os.path.exists(path):
+            raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
+    target = Path(save_checkpoint_file_name)
+    if target.is_dir():
+        raise OutputError("save_checkpoint_file_name is a directory", path=target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent) as tmp:
+        store = Path(tmp) / "store.zarr"
+        report = ingest(checkpoint_files_map, store, src_strategy_file, IngestOptions(require_complete=False))
+        _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_strategy_file)
+        export_rank(Store.open(store), rank_id, target, dst_strategy_file, options=ExportOptions(overwrite=True))
+
+
+def _refuse_holes(
+    uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]],
+    store: Store,
+    rank_id: int,
+    dst_strategy_file: str | None,
+) -> None:
+    """Name the missing source ranks (not the temporary store) when the map lacks data."""
+    if not uncovered:
+        return
+    for s in plan_export(store, dst_strategy_file, [rank_id]).ranks[0].slices:
+        for box, ranks in uncovered.get(s.name, ()):
+            if box.intersect(s.box) is not None:
+                raise SourceError(
+                    f"destination rank {rank_id} needs region {box.to_json()}, held by source rank(s) "
+                    f"{list(ranks)}, none of which is in checkpoint_files_map",
+                    param=s.name,
+                )
+
+
+def rank_list_for_transform(
+    rank_id: int, src_strategy_file: str | None = None, dst_strategy_file: str | None = None
+) -> list[int]:
+    """Source ranks whose checkpoints destination ``rank_id`` needs (MindSpore's order: descending)."""
+    from zckpt.ranklist import rank_list_for_transform_maps
+
+    _check_rank_id(rank_id)
+    _check_strategy_arg(src_strategy_file, "src_strategy_file")
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
+    if src_strategy_file is None:
+        return [0]
+    ranks: list[int] = rank_list_for_transform_maps(
+        rank_id, load_strategy(src_strategy_file), load_strategy(dst_strategy_file)
+    )
+    return ranks
+
+
+def open_store(path: str | os.PathLike[str]) -> Store:
+    """Open a zckpt store read-only (its arrays are plain Zarr v3)."""
+    return Store.open(path)
+
+

@@ -1,0 +1,141 @@
+"""Command line: ``zckpt ingest | export | plan | info``.
+
+Every zckpt error is printed as one line naming the file and parameter, with exit code 1;
+usage errors exit with 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zckpt.errors import ZckptError
+
+MiB = 1024 * 1024
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
+    ing.add_argument("src_dir", help="directory with rank_<r>/*.ckpt")
+    ing.add_argument(
+        "--strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
+    )
+    ing.add_argument("--store", required=True, help="Zarr store to create")
+    ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
+    ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    ing.add_argument("--chunk-mb", type=int, default=64, help="target chunk size (MiB)")
+    ing.add_argument("--block-mb", type=int, default=128, help="tensor data written per step (MiB)")
+    ing.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    exp = sub.add_parser("export", help="write destination rank files from a store")
+    exp.add_argument("store")
+    exp.add_argument("--strategy", help="destination strategy file (omit: one rank with full tensors)")
+    exp.add_argument("--out", required=True, help="output directory (rank_<r>/<prefix><r>.ckpt)")
+    exp.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
+    exp.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
+    exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    exp.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
+    exp.add_argument("--block-mb", type=int, default=64, help="tensor data materialised per step (MiB)")
+    exp.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
+    pl.add_argument("--src-strategy", required=True)
+    pl.add_argument("--dst-strategy")
+    pl.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
+    pl.add_argument("--json", action="store_true")
+
+    inf = sub.add_parser("info", help="describe a .ckpt file, a strategy file or a store")
+    inf.add_argument("path")
+    inf.add_argument("--json", action="store_true")
+    return p
+
+
+def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str]) -> None:
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        for line in lines:
+            print(line)
+
+
+def _cmd_ingest(a: argparse.Namespace) -> int:
+    from zckpt.ingest import IngestOptions, ingest
+
+    opts = IngestOptions(
+        chunk_bytes=a.chunk_mb * MiB, block_bytes=a.block_mb * MiB, verify_replicas=a.verify_replicas,
+        overwrite=a.overwrite,
+    )
+    r = ingest(a.src_dir, a.store, a.strategy, opts)
+    mbps = r.bytes_written / MiB / r.seconds if r.seconds > 0 else 0.0
+    _emit(
+        {"store": r.store, "ranks_read": list(r.ranks_read), "tensors": r.tensors, "bytes_written": r.bytes_written,
+         "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete},
+        a.json,
+        [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
+         f"{r.bytes_written / MiB:.1f} MiB written, {r.bytes_compared / MiB:.1f} MiB compared, "
+         f"{r.seconds:.2f} s ({mbps:.1f} MiB/s), complete={r.complete}"],
+    )
+    return 0
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    from zckpt.export import ExportOptions, export
+
+    opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB)
+    r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
+    lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {x.bytes} bytes)" for x in r.ranks]
+    mbps = r.bytes_written / MiB / r.seconds if r.seconds > 0 else 0.0
+    lines.append(f"wrote {len(r.ranks)} rank file(s), {r.bytes_written / MiB:.1f} MiB in {r.seconds:.2f} s "
+                 f"({mbps:.1f} MiB/s)")
+    _emit({"out_dir": r.out_dir, "seconds": r.seconds,
+           "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]},
+          a.json, lines)
+    return 0
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from zckpt.ingest import load_strategy
+    from zckpt.ranklist import rank_list_for_transform_maps
+
+    src = load_strategy(a.src_strategy)
+    dst = load_strategy(a.dst_strategy)
+    n = dst.device_num() if dst is not None else 1
+    ranks = a.rank if a.rank else list(range(n))
+    table = {r: rank_list_for_transform_maps(r, src, dst) for r in ranks}
+    lines = [f"destination rank {r}: source ranks {sorted(v)}" for r, v in table.items()]
+    _emit({"ranks": {str(r): sorted(v) for r, v in table.items()}}, a.json, lines)
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    from zckpt.info import describe
+
+    doc, lines = describe(Path(a.path))
+    _emit(doc, a.json, lines)
+    return 0
+
+
+_COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "info": _cmd_info}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ZckptError as err:
+        print(f"zckpt {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except (OSError, TypeError, ValueError) as err:
+        print(f"zckpt {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
