@@ -1,0 +1,184 @@
+"""Bad input: a clear zckpt error naming file and parameter, exit code 1, nothing that looks complete.
+
+Uses the bundled MindSpore example (docs/example), so it runs without ../shared.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zckpt
+from zckpt.cli import main as cli_main
+from zckpt.formats.ckpt import CkptReader, value_header
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> Path:
+    dst = tmp_path / "example"
+    shutil.copytree(EXAMPLE, dst)
+    return dst
+
+
+def _ingest_args(ex: Path, store: Path) -> list[str]:
+    return ["ingest", str(ex / "src" / "checkpoints"), "--strategy", str(ex / "src" / "strategy.ckpt"),
+            "--store", str(store)]
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = cli_main(args)
+    return code, capsys.readouterr().err
+
+
+def test_truncated_ckpt(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = example / "src" / "checkpoints" / "rank_3" / "checkpoint_3.ckpt"
+    f.write_bytes(f.read_bytes()[:-100])
+    store = tmp_path / "s.zarr"
+    code, err = _run(_ingest_args(example, store), capsys)
+    assert code == 1
+    assert "checkpoint_3.ckpt" in err and "truncated" in err
+    assert not store.exists()
+
+
+def test_payload_length_disagrees_with_dims(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = example / "src" / "checkpoints" / "rank_0" / "checkpoint_0.ckpt"
+    payload = b"\0" * 12
+    f.write_bytes(f.read_bytes() + value_header("extra.weight", "Float32", [2, 2], len(payload)) + payload)
+    code, err = _run(_ingest_args(example, tmp_path / "s.zarr"), capsys)
+    assert code == 1
+    assert "checkpoint_0.ckpt" in err and "extra.weight" in err and "16" in err
+
+
+def test_unknown_dtype(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = example / "src" / "checkpoints" / "rank_0" / "checkpoint_0.ckpt"
+    f.write_bytes(f.read_bytes() + value_header("odd", "Float8", [4], 4) + b"\0" * 4)
+    code, err = _run(_ingest_args(example, tmp_path / "s.zarr"), capsys)
+    assert code == 1
+    assert "Float8" in err and "odd" in err
+
+
+def test_missing_source_rank(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.rmtree(example / "src" / "checkpoints" / "rank_5")
+    code, err = _run(_ingest_args(example, tmp_path / "s.zarr"), capsys)
+    assert code == 1
+    assert "missing source rank" in err and "5" in err
+    assert "parameter" in err
+
+
+def test_replicas_that_disagree(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ranks 0 and 1 hold the same box of layer1.weight in the example; corrupt one replica's value bytes."""
+    f = example / "src" / "checkpoints" / "rank_4" / "checkpoint_4.ckpt"
+    with CkptReader(f) as r:
+        seg = r.entries["layer1.weight"].segments[0]
+    data = bytearray(f.read_bytes())
+    data[seg.offset] ^= 0xFF
+    f.write_bytes(bytes(data))
+    code, err = _run([*_ingest_args(example, tmp_path / "s.zarr"), "--verify-replicas"], capsys)
+    assert code == 1
+    assert "layer1.weight" in err and "replica" in err
+
+
+def test_strategy_that_does_not_fit(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_ingest_args(example, store)) == 0
+    smap = read_strategy(example / "dst" / "strategy.ckpt")
+    layouts = {k: dict(v) for k, v in smap.layouts.items()}
+    layouts["layer2.bias"] = {0: make_layout([4], [0, -1])}  # a 2-D map for a 1-D tensor
+    bad = tmp_path / "bad_strategy.ckpt"
+    bad.write_bytes(encode_strategy(StrategyMap(layouts=layouts)))
+    out = tmp_path / "out"
+    code, err = _run(["export", str(store), "--strategy", str(bad), "--out", str(out)], capsys)
+    assert code == 1
+    assert "layer2.bias" in err and "tensor_map has 2 entries" in err
+    assert not list(out.rglob("*.ckpt")) if out.exists() else True
+
+
+def test_tensor_map_axis_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+
+    msg = pb.ParallelStrategyMap()
+    msg.current_stage = 0
+    item = msg.parallel_layout_item.add()
+    item.param_name = "w"
+    lay = item.parallel_layouts
+    lay.dev_matrix.add().dim.extend([2, 2])
+    lay.tensor_map.add().dim.extend([3, -1])
+    lay.field, lay.opt_weight_shard_step, lay.opt_weight_shard_size = 0, 0, 0
+    f = tmp_path / "s.ckpt"
+    f.write_bytes(msg.SerializeToString())
+    with pytest.raises(zckpt.StrategyError, match="axis 3"):
+        read_strategy(f)
+
+
+def test_not_a_strategy_file(tmp_path: Path, example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"\xff\xff\xff\xff garbage")
+    code, err = _run(["ingest", str(example / "src" / "checkpoints"), "--strategy", str(junk),
+                      "--store", str(tmp_path / "s.zarr")], capsys)
+    assert code == 1
+    assert "junk.ckpt" in err and "protobuf" in err
+    js = tmp_path / "junk.json"
+    js.write_text("{not json")
+    with pytest.raises(zckpt.StrategyError, match="JSON"):
+        read_strategy(js)
+
+
+def test_existing_output_refused_without_overwrite(example: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_ingest_args(example, store)) == 0
+    out = tmp_path / "out"
+    exp = ["export", str(store), "--strategy", str(example / "dst" / "strategy.ckpt"), "--out", str(out)]
+    assert cli_main(exp) == 0
+    before = (out / "rank_0" / "checkpoint_0.ckpt").read_bytes()
+    code, err = _run(exp, capsys)
+    assert code == 1 and "already exist" in err
+    assert cli_main([*exp, "--overwrite"]) == 0
+    assert (out / "rank_0" / "checkpoint_0.ckpt").read_bytes() == before
+    code, err = _run(_ingest_args(example, store), capsys)
+    assert code == 1 and "already exists" in err
+
+
+def test_incomplete_store_refused_by_export(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = {r: str(example / "src" / "checkpoints" / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in (0, 1)}
+    store = tmp_path / "partial.zarr"
+    report = zckpt.ingest(files, store, str(example / "src" / "strategy.ckpt"),
+                          zckpt.IngestOptions(require_complete=False))
+    assert not report.complete and report.uncovered
+    out = tmp_path / "out"
+    code, err = _run(["export", str(store), "--strategy", str(example / "dst" / "strategy.ckpt"),
+                      "--out", str(out)], capsys)
+    assert code == 1
+    assert "incomplete" in err and "parameter" in err
+    assert not list(out.rglob("*.ckpt")) if out.exists() else True
+
+
+def test_failed_export_leaves_no_complete_looking_file(example: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_ingest_args(example, store)) == 0
+    from zckpt.export import StoreReader
+    from zckpt.layout import Box
+
+    calls = {"n": 0}
+    real = StoreReader.blocks
+
+    def failing(self: StoreReader, name: str, box: Box) -> Iterator[np.ndarray]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        yield from real(self, name, box)
+
+    monkeypatch.setattr(StoreReader, "blocks", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError):
+        zckpt.export(store, out, str(example / "dst" / "strategy.ckpt"))
+    assert not list(out.rglob("*.ckpt")), "a partial file was left under a final name"
+    assert not list(out.rglob("*.tmp-zckpt")), "temporary file left behind"
