@@ -1,0 +1,41 @@
+"""Shared test helpers: where the MindSpore ground-truth fixtures live.
+
+The fixtures (``../shared/fixtures`` next to the repository, see its README) are produced
+by MindSpore itself and are not part of the repository, so every test that needs them
+asks for the ``fixtures_dir`` fixture and is skipped, with a reason, when they are absent.
+Set ``ZCKPT_FIXTURES`` to use another copy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FIXTURES: Path = Path(
+    os.environ.get("ZCKPT_FIXTURES") or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+)
+"""Root of the MindSpore fixtures (may not exist)."""
+
+NO_FIXTURES_REASON = f"MindSpore fixtures not found at {FIXTURES} (set ZCKPT_FIXTURES to their directory)"
+
+
+def have_fixtures() -> bool:
+    return (FIXTURES / "README.md").is_file()
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    """The fixtures root; skips the test when the fixtures are absent."""
+    if not have_fixtures():
+        pytest.skip(NO_FIXTURES_REASON)
+    return FIXTURES
+
+
+def scenario(sid: str) -> Path:
+    """Directory of fixture scenario ``sid`` (e.g. ``"s01"``); skips when it is absent."""
+    path = FIXTURES / sid
+    if not path.is_dir():
+        pytest.skip(f"fixture scenario {sid} not found under {FIXTURES}")
+    return path
