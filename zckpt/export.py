@@ -7,14 +7,17 @@ is written under a temporary name and renamed only when complete.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import dask
 import dask.array as da
 import numpy as np
 
+from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError
 from zckpt.formats.ckpt import CkptWriter
 from zckpt.formats.strategy import StrategyMap
@@ -147,19 +150,28 @@ class StoreReader:
             self._lazy[name] = da.from_zarr(self.store.array(name))  # type: ignore[no-untyped-call]
         return self._lazy[name]
 
-    def blocks(self, name: str, box: Box) -> Iterator[np.ndarray]:
-        """The slice as row bands of at most ``block_bytes`` (at least one row)."""
-        x = self.lazy(name)[box.slices()] if box.ndim else self.lazy(name)
+    def bands(self, name: str, box: Box) -> list[Box]:
+        """The slice cut into row bands of at most ``block_bytes`` (at least one row each)."""
         if box.ndim == 0 or box.size == 0:
-            yield np.asarray(x.compute(scheduler=self.options.scheduler))
-            return
-        row_bytes = max(1, x.dtype.itemsize * box.size // box.shape[0])
+            return [box]
+        itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
+        row_bytes = max(1, itemsize * box.size // box.shape[0])
         per = max(1, self.options.block_bytes // row_bytes)
-        for r0 in range(0, box.shape[0], per):
-            yield np.asarray(x[r0 : r0 + per].compute(scheduler=self.options.scheduler))
+        return [
+            Box((r,) + box.start[1:], (min(box.stop[0], r + per),) + box.stop[1:])
+            for r in range(box.start[0], box.stop[0], per)
+        ]
+
+    def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
+        """Compute a batch of lazy slices in one Dask call (chunk reads run in parallel)."""
+        lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
+        return [np.asarray(x) for x in dask.compute(*lazy, scheduler=self.options.scheduler)]
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0
+        plan = [(s, self.bands(s.name, s.box)) for s in rank.slices if self._entries[s.name].kind == "tensor"]
+        source = _BandSource(self, [(s.name, b) for s, bands in plan for b in bands], self.options.block_bytes)
+        band_counts = {s.name: len(bands) for s, bands in plan}
         with CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync) as w:
             for s in rank.slices:
                 e = self._entries[s.name]
@@ -168,6 +180,34 @@ class StoreReader:
                 elif e.kind == "map":
                     w.write_map(s.name, np.asarray(self.store.array(s.name)[...]).tobytes())
                 else:
-                    w.write_blocks(s.name, e.ms_type, s.box.shape, self.blocks(s.name, s.box))
+                    n = band_counts[s.name]
+                    w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))
                     tensors += 1
         return RankResult(rank.rank, str(target), tensors, target.stat().st_size)
+
+
+class _BandSource:
+    """Hands out band arrays in plan order, computing them batch by batch (bounded memory)."""
+
+    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int) -> None:
+        self.reader = reader
+        self.todo = collections.deque(bands)
+        self.ready: collections.deque[tuple[str, np.ndarray]] = collections.deque()
+        self.limit = limit
+
+    def _fill(self) -> None:
+        batch: list[tuple[str, Box]] = []
+        size = 0
+        while self.todo and (not batch or size + self.todo[0][1].size * 8 <= self.limit):
+            name, box = self.todo.popleft()
+            batch.append((name, box))
+            size += box.size * ms_dtype(self.reader._entries[name].ms_type).storage.itemsize
+        for (name, _), arr in zip(batch, self.reader.materialise(batch), strict=True):
+            self.ready.append((name, arr))
+
+    def next(self, name: str) -> np.ndarray:
+        if not self.ready:
+            self._fill()
+        got, arr = self.ready.popleft()
+        assert got == name, f"band order broken: {got} != {name}"
+        return arr

@@ -172,8 +172,10 @@ def _run(
         rank_writes = [x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str"]
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         with CkptReader(plan.rank_files[rank], verify_crc=False) as reader:
+            batch = _WriteBatch(store, options.block_bytes)
             for rw in rank_writes:
-                written += _write(store, reader, rw, chunks[rw.name], options.block_bytes)
+                written += _write(batch, reader, rw, chunks[rw.name], options.block_bytes)
+            batch.flush()
             for c in cs:
                 compared += _compare(store, reader, c, writers, options.block_bytes, plan.rank_files)
         store.mark_ingested(rank)
@@ -188,10 +190,7 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def _kind(plan: IngestPlan, name: str) -> str:
-    for t in plan.tensors:
-        if t.name == name:
-            return t.kind
-    raise KeyError(name)
+    return plan.kind_of(name)
 
 
 def _source_record(plan: IngestPlan, smap: StrategyMap | None) -> dict[str, Any]:
@@ -214,12 +213,37 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _write(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], block_bytes: int) -> int:
-    arr = store.array(w.name)
+class _WriteBatch:
+    """Collects region writes and sends them to zarr together once ``limit`` bytes are pending.
+
+    The data are views of the mapped source file, so pending writes cost no memory until
+    zarr encodes them; the limit bounds what is in flight.
+    """
+
+    def __init__(self, store: Store, limit: int) -> None:
+        self.store = store
+        self.limit = limit
+        self.items: list[tuple[str, tuple[slice, ...], np.ndarray]] = []
+        self.pending = 0
+
+    def add(self, name: str, sel: tuple[slice, ...], data: np.ndarray) -> None:
+        if self.items and self.pending + data.nbytes > self.limit:
+            self.flush()
+        self.items.append((name, sel, data))
+        self.pending += data.nbytes
+
+    def flush(self) -> None:
+        if self.items:
+            self.store.write_many(self.items)
+        self.items = []
+        self.pending = 0
+
+
+def _write(batch: _WriteBatch, reader: CkptReader, w: Write, chunks: tuple[int, ...], block_bytes: int) -> int:
     entry = reader.entries[w.name]
     if entry.kind == "map":
         body = reader.map_bytes(w.name)
-        arr[...] = np.frombuffer(body, dtype=np.uint8)
+        batch.add(w.name, (slice(None),), np.frombuffer(body, dtype=np.uint8))
         return len(body)
     if entry.shape != w.box.shape:
         raise SourceError(
@@ -230,13 +254,12 @@ def _write(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], 
     if w.box.size == 0:
         return 0
     if w.box.ndim == 0:
-        arr[...] = reader.array(w.name)
+        batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     rest = w.box.slices()[1:]
     for r0, r1 in _bands(w.box, chunks[0], row_bytes, block_bytes):
-        data = reader.rows(w.name, r0, r1)
-        arr[(slice(w.box.start[0] + r0, w.box.start[0] + r1),) + rest] = data
+        batch.add(w.name, (slice(w.box.start[0] + r0, w.box.start[0] + r1), *rest), reader.rows(w.name, r0, r1))
     return entry.nbytes
 
 

@@ -73,6 +73,10 @@ class IngestPlan:
     stage_device_num: int
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]] = field(default_factory=dict)
     """Per tensor: regions no present shard holds, with the source ranks that would hold them."""
+    kinds: Mapping[str, str] = field(default_factory=dict)
+
+    def kind_of(self, name: str) -> str:
+        return self.kinds[name]
 
     def writes_of(self, rank: int) -> tuple[Write, ...]:
         return tuple(w for w in self.writes if w.rank == rank)
@@ -188,6 +192,7 @@ def build_ingest_plan(
         rank_files=dict(rank_files),
         stage_device_num=stage_dev,
         uncovered=uncovered,
+        kinds={t.name: t.kind for t in tensors},
     )
 
 

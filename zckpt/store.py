@@ -14,17 +14,19 @@ divide the source shard shape, so two writers never touch the same chunk.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync as zarr_sync
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
@@ -100,6 +102,18 @@ class EntryRecord:
         )
 
 
+def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Run coroutines concurrently on zarr's own event loop and return their results."""
+    if not coros:
+        return []
+
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*coros))
+
+    result: list[Any] = zarr_sync(run())
+    return result
+
+
 def chunk_shape(shard: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
     """Largest chunk that divides ``shard`` in every dimension and fits ``target_bytes``.
 
@@ -125,6 +139,9 @@ class Store:
     def __init__(self, path: Path, group: zarr.Group) -> None:
         self.path = path
         self.group = group
+        self._entries: dict[str, EntryRecord] | None = None
+        self._writers: dict[str, list[tuple[int, Box]]] = {}
+        self._arrays: dict[str, zarr.Array[Any]] = {}
 
     # --- creation -----------------------------------------------------------------
     @classmethod
@@ -168,15 +185,22 @@ class Store:
         meta = dict(self.manifest)
         meta.update(changes)
         self.group.attrs["zckpt"] = meta
+        if "entries" in changes:
+            self._entries = None
+
+    def _entry_map(self) -> dict[str, EntryRecord]:
+        if self._entries is None:
+            self._entries = {d["name"]: EntryRecord.from_json(d) for d in self.manifest.get("entries", [])}
+        return self._entries
 
     def entries(self) -> list[EntryRecord]:
-        return [EntryRecord.from_json(d) for d in self.manifest.get("entries", [])]
+        return list(self._entry_map().values())
 
     def entry(self, name: str) -> EntryRecord:
-        for e in self.entries():
-            if e.name == name:
-                return e
-        raise StoreError("no such entry in the store", path=self.path, param=name)
+        e = self._entry_map().get(name)
+        if e is None:
+            raise StoreError("no such entry in the store", path=self.path, param=name)
+        return e
 
     def specs(self) -> list[TensorSpec]:
         return [e.spec() for e in self.entries()]
@@ -197,8 +221,10 @@ class Store:
         source: Mapping[str, Any],
         compressors: Any = None,
     ) -> None:
-        """Create every array (no data yet) and write the manifest."""
+        """Create every array (no data yet, all in one round trip) and write the manifest."""
         records: list[EntryRecord] = []
+        pending: list[tuple[str, Awaitable[Any]]] = []
+        agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
         for t in tensors:
             key = encode_key(t.name)
             if t.kind == "str":
@@ -206,24 +232,37 @@ class Store:
                 continue
             folder = "tensors" if t.kind == "tensor" else "maps"
             dtype = ms_dtype(t.ms_type).storage if t.kind == "tensor" else np.dtype("u1")
-            arr = self.group.create_array(
-                f"{folder}/{key}",
-                shape=t.shape,
-                chunks=chunks[t.name],
-                dtype=dtype,
-                compressors=compressors,
-                fill_value=np.zeros((), dtype=dtype),
-                config={"write_empty_chunks": True},
-            )
-            arr.attrs["zckpt"] = {
+            attrs = {
                 "name": t.name,
                 "ms_dtype": t.ms_type,
                 "kind": t.kind,
                 "writers": [[r, b.to_json()] for r, b in writers.get(t.name, ())],
                 "source_layouts": {str(s): layout_to_json(lay) for s, lay in t.layouts.items()},
             }
+            pending.append((t.name, agroup.create_array(
+                f"{folder}/{key}",
+                shape=t.shape,
+                chunks=chunks[t.name],
+                dtype=dtype,
+                compressors=compressors,
+                fill_value=np.zeros((), dtype=dtype),
+                attributes={"zckpt": attrs},
+                config={"write_empty_chunks": True},
+            )))
             records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}"))
+            self._writers[t.name] = list(writers.get(t.name, ()))
+        created = _gather([c for _, c in pending])
+        self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
         self._update(entries=[r.to_json() for r in records], source=dict(source), ingested_ranks=[])
+
+    def write_many(self, items: Sequence[tuple[str, tuple[slice, ...], np.ndarray]]) -> None:
+        """Write several regions concurrently (one event-loop round trip, I/O overlapped)."""
+        _gather([self.array(name)._async_array.setitem(sel, data) for name, sel, data in items])
+
+    def read_many(self, items: Sequence[tuple[str, tuple[slice, ...]]]) -> list[np.ndarray]:
+        """Read several regions concurrently."""
+        out = _gather([self.array(name)._async_array.getitem(sel) for name, sel in items])
+        return [np.asarray(x) for x in out]
 
     def mark_ingested(self, rank: int) -> None:
         done = sorted(self.ingested_ranks() | {rank})
@@ -237,16 +276,23 @@ class Store:
 
     # --- data ------------------------------------------------------------------------
     def array(self, name: str) -> zarr.Array[Any]:
+        cached = self._arrays.get(name)
+        if cached is not None:
+            return cached
         e = self.entry(name)
         if e.kind == "str":
             raise StoreError("string entries have no array", path=self.path, param=name)
         node = self.group[e.key]
-        assert isinstance(node, zarr.Array)
+        if not isinstance(node, zarr.Array):
+            raise StoreError(f"{e.key} is not an array", path=self.path, param=name)
+        self._arrays[name] = node
         return node
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
-        meta: Any = self.array(name).attrs.get("zckpt", {})
-        return [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
+        if name not in self._writers:
+            meta: Any = self.array(name).attrs.get("zckpt", {})
+            self._writers[name] = [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
+        return self._writers[name]
 
     def missing_in(self, name: str, box: Box) -> list[int]:
         """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it)."""

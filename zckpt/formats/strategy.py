@@ -152,6 +152,9 @@ def _read_protobuf(p: Path) -> StrategyMap:
         msg.ParseFromString(p.read_bytes())
     except DecodeError as err:
         raise StrategyError(f"not a protobuf strategy file ({err})", path=p) from None
+    if not msg.IsInitialized():
+        missing = ", ".join(msg.FindInitializationErrors()[:5])
+        raise StrategyError(f"not a protobuf strategy file (required fields missing: {missing})", path=p)
     ops = {
         item.node_name: (
             int(item.parallel_strategys.stage),
@@ -312,6 +315,8 @@ def _layout_to_pb(lay: ParamLayout, out: pb.ParallelLayouts) -> None:
     else:
         for axes in lay.tensor_map:
             out.tensor_map.add().dim.extend(axes if axes else (-1,))
+        if len(lay.tensor_map) == 1:
+            out.tensor_map.add()  # as MindSpore does: one entry alone would read as a flat map
     out.param_split_shape.add().dim.extend(lay.param_split_shape)
     out.indices_offset.add().dim.extend(lay.indices_offset)
     out.field = lay.field_size

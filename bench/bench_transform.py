@@ -1,0 +1,130 @@
+"""Benchmark: zckpt ingest + export against MindSpore's transform_checkpoints and a plain copy.
+
+Generates a transformer-like model (hundreds of 2-D weights plus biases and norms) as real
+MindSpore-format shards on ``--src-ranks`` ranks, a destination strategy on
+``--dst-ranks`` ranks (optimizer parallel by default), then runs every phase in its own
+process and prints wall time, throughput, peak RSS and read amplification side by side.
+
+    python bench/bench_transform.py --size-gib 1 --src-ranks 8 --dst-ranks 4 --work /tmp/zckpt-bench
+
+MindSpore runs when ``--mindspore-python`` (or $ZCKPT_MS_PYTHON) names a Python with
+mindspore installed; it is skipped otherwise. Generated inputs are reused between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from zckpt.formats.strategy import StrategyMap, encode_strategy
+from zckpt.generate import transformer_like, write_model
+
+HERE = Path(__file__).resolve().parent
+GiB = 1024**3
+MiB = 1024**2
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dtype: str) -> tuple[Path, Path, Path]:
+    tag = f"{size}-{src_ranks}-{dst_ranks}-{int(opt)}-{dtype}"
+    root = work / f"model-{tag}"
+    src, src_strategy, dst_strategy = root / "src", root / "src" / "strategy.ckpt", root / "dst_strategy.ckpt"
+    if (root / "ready").is_file():
+        return src, src_strategy, dst_strategy
+    shutil.rmtree(root, ignore_errors=True)
+    tensors = transformer_like(size, device_num=src_ranks, opt_parallel=False, weight_type=dtype)
+    write_model(src, tensors, device_num=src_ranks)
+    dst = transformer_like(size, device_num=dst_ranks, opt_parallel=opt, weight_type=dtype)
+    src_shapes = {t.name: t.shape for t in tensors}
+    if any(src_shapes[t.name] != t.shape for t in dst):
+        raise SystemExit("source and destination models differ in shape; pick ranks with a common hidden size")
+    smap = StrategyMap(layouts={t.name: {0: t.layout} for t in dst if t.layout is not None})
+    dst_strategy.write_bytes(encode_strategy(smap))
+    (root / "ready").write_text("ok")
+    return src, src_strategy, dst_strategy
+
+
+def run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = subprocess.run([python, str(HERE / "phase.py"), *args], capture_output=True, text=True,
+                          env=env, check=False)
+    if proc.returncode != 0:
+        return {"phase": args[0], "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--src-ranks", type=int, default=8)
+    ap.add_argument("--dst-ranks", type=int, default=4)
+    ap.add_argument("--no-opt-parallel", action="store_true")
+    ap.add_argument("--dtype", default="Float32", choices=["Float32", "BFloat16", "Float16"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"))
+    ap.add_argument("--mindspore-python", default=os.environ.get("ZCKPT_MS_PYTHON"))
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    size = int(a.size_gib * GiB)
+    a.work.mkdir(parents=True, exist_ok=True)
+    src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype)
+    src_bytes = _tree_bytes(src)
+    runs = a.work / "runs"
+    shutil.rmtree(runs, ignore_errors=True)
+    runs.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    rows: list[dict[str, Any]] = []
+    if a.mindspore_python:
+        ms = run_phase(a.mindspore_python, "mindspore", str(src), str(runs / "ms"), str(src_strategy),
+                       str(dst_strategy), env={**os.environ, "GLOG_v": "3"})
+        ms["bytes_out"] = _tree_bytes(runs / "ms") if (runs / "ms").exists() else 0
+        rows.append(ms)
+    ing = run_phase(sys.executable, "ingest", str(src), str(src_strategy), str(runs / "store.zarr"), env=env)
+    ing["bytes_out"] = _tree_bytes(runs / "store.zarr")
+    rows.append(ing)
+    exp = run_phase(sys.executable, "export", str(runs / "store.zarr"), str(dst_strategy), str(runs / "dst"), env=env)
+    exp["bytes_out"] = _tree_bytes(runs / "dst")
+    rows.append(exp)
+    cp = run_phase(sys.executable, "copy", str(runs / "dst"), str(runs / "dst-copy"), env=env)
+    cp["bytes_out"] = _tree_bytes(runs / "dst-copy")
+    rows.append(cp)
+    report = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "model": {"bytes": src_bytes, "src_ranks": a.src_ranks, "dst_ranks": a.dst_ranks,
+                  "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
+        "phases": rows,
+    }
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"model: {src_bytes / GiB:.2f} GiB {a.dtype}, {a.src_ranks} -> {a.dst_ranks} ranks, "
+          f"optimizer parallel: {not a.no_opt_parallel}; {os.cpu_count()} cpus")
+    print(f"{'phase':<12}{'wall s':>9}{'MiB/s':>9}{'peak RSS MiB':>14}{'read MiB':>10}{'written MiB':>13}{'read amp':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['phase']:<12} error: {r['error']}")
+            continue
+        out = r["bytes_out"] or 1
+        print(f"{r['phase']:<12}{r['seconds']:>9.2f}{src_bytes / MiB / r['seconds']:>9.1f}"
+              f"{r['max_rss_bytes'] / MiB:>14.0f}{r['read_chars'] / MiB:>10.0f}{r['bytes_out'] / MiB:>13.0f}"
+              f"{r['read_chars'] / out:>10.2f}")
+    zk = [r for r in rows if r["phase"] in ("ingest", "export") and "error" not in r]
+    msr = [r for r in rows if r["phase"] == "mindspore" and "error" not in r]
+    if len(zk) == 2 and msr:
+        total = zk[0]["seconds"] + zk[1]["seconds"]
+        print(f"zckpt ingest+export / MindSpore = {total / msr[0]['seconds']:.3f}")
+    if len(zk) == 2 and "error" not in cp:
+        print(f"zckpt export / cp of its output = {zk[1]['seconds'] / cp['seconds']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Run one benchmark phase in this process and print its cost as JSON.
+
+Each phase runs in its own process so that peak RSS (ru_maxrss) and I/O counters
+(/proc/self/io rchar/wchar) belong to that phase alone.
+
+usage: python bench/phase.py ingest SRC STRATEGY STORE
+       python bench/phase.py export STORE STRATEGY OUT [WORKERS]
+       python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
+       python bench/phase.py copy SRC OUT
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def _io() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            out[key.strip()] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def main(argv: list[str]) -> None:
+    phase, args = argv[0], argv[1:]
+    io0 = _io()
+    t0 = time.perf_counter()
+    if phase == "ingest":
+        from zckpt.ingest import ingest
+
+        ingest(args[0], args[2], args[1] or None)
+    elif phase == "export":
+        from zckpt.export import export
+
+        export(args[0], args[2], args[1] or None)
+    elif phase == "mindspore":
+        import mindspore as ms
+
+        ms.transform_checkpoints(args[0], args[1], "checkpoint_", args[2], args[3])
+    elif phase == "copy":
+        shutil.copytree(args[0], args[1])
+    else:
+        raise SystemExit(f"unknown phase {phase}")
+    seconds = time.perf_counter() - t0
+    io1 = _io()
+    print(json.dumps({
+        "phase": phase,
+        "seconds": seconds,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "read_chars": io1.get("rchar", 0) - io0.get("rchar", 0),
+        "write_chars": io1.get("wchar", 0) - io0.get("wchar", 0),
+    }))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
