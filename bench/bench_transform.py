@@ -108,7 +108,8 @@ def main() -> None:
         return
     print(f"model: {src_bytes / GiB:.2f} GiB {a.dtype}, {a.src_ranks} -> {a.dst_ranks} ranks, "
           f"optimizer parallel: {not a.no_opt_parallel}; {os.cpu_count()} cpus")
-    print(f"{'phase':<12}{'wall s':>9}{'MiB/s':>9}{'peak RSS MiB':>14}{'read MiB':>10}{'written MiB':>13}{'read amp':>10}")
+    print(f"{'phase':<12}{'wall s':>9}{'MiB/s':>9}{'peak RSS MiB':>14}{'read MiB':>10}{'written MiB':>13}"
+          f"{'read amp':>10}")
     for r in rows:
         if "error" in r:
             print(f"{r['phase']:<12} error: {r['error']}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,7 +165,8 @@ class StoreReader:
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Compute a batch of lazy slices in one Dask call (chunk reads run in parallel)."""
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
-        return [np.asarray(x) for x in dask.compute(*lazy, scheduler=self.options.scheduler)]
+        computed = dask.compute(*lazy, scheduler=self.options.scheduler)  # type: ignore[attr-defined,no-untyped-call]
+        return [np.asarray(x) for x in computed]
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0

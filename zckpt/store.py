@@ -232,7 +232,7 @@ class Store:
                 continue
             folder = "tensors" if t.kind == "tensor" else "maps"
             dtype = ms_dtype(t.ms_type).storage if t.kind == "tensor" else np.dtype("u1")
-            attrs = {
+            attrs: dict[str, Any] = {
                 "name": t.name,
                 "ms_dtype": t.ms_type,
                 "kind": t.kind,

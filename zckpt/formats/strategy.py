@@ -153,7 +153,7 @@ def _read_protobuf(p: Path) -> StrategyMap:
     except DecodeError as err:
         raise StrategyError(f"not a protobuf strategy file ({err})", path=p) from None
     if not msg.IsInitialized():
-        missing = ", ".join(msg.FindInitializationErrors()[:5])
+        missing = ", ".join(msg.FindInitializationErrors()[:5])  # type: ignore[attr-defined]
         raise StrategyError(f"not a protobuf strategy file (required fields missing: {missing})", path=p)
     ops = {
         item.node_name: (
