@@ -24,8 +24,9 @@ def _strategy(side: Path) -> str | None:
     return str(f) if f.is_file() else None
 
 
+@pytest.mark.parametrize("reader", ["zarr", "dask"])
 @pytest.mark.parametrize("sid", PLAIN)
-def test_cli_ingest_export_matches_expected(sid: str, tmp_path: Path) -> None:
+def test_cli_ingest_export_matches_expected(sid: str, reader: str, tmp_path: Path) -> None:
     d = scenario(sid)
     store = tmp_path / "store.zarr"
     args = ["ingest", str(d / "src" / "checkpoints"), "--store", str(store), "--verify-replicas"]
@@ -33,7 +34,7 @@ def test_cli_ingest_export_matches_expected(sid: str, tmp_path: Path) -> None:
     if src:
         args += ["--strategy", src]
     assert cli_main(args) == 0
-    exp = ["export", str(store), "--out", str(tmp_path / "out")]
+    exp = ["export", str(store), "--out", str(tmp_path / "out"), "--reader", reader, "--workers", "2"]
     dst = _strategy(d / "dst")
     if dst:
         exp += ["--strategy", dst]

@@ -63,8 +63,9 @@ def _check_output(out: Path, tensors: list[TensorDef], smap: StrategyMap | None,
     return checked
 
 
+@pytest.mark.parametrize("reader", ["zarr", "dask"])
 @pytest.mark.parametrize("src_n,dst_n", [(8, 3), (16, 24), (24, 16), (4, 8), (1, 4), (6, 1), (3, 5)])
-def test_any_m_to_n(src_n: int, dst_n: int, tmp_path: Path) -> None:
+def test_any_m_to_n(src_n: int, dst_n: int, reader: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(src_n * 100 + dst_n)
     tensors = _model(rng, src_n, 10)
     model = write_model(tmp_path / "src", tensors, device_num=src_n, strings={"note": "m->n"})
@@ -72,7 +73,8 @@ def test_any_m_to_n(src_n: int, dst_n: int, tmp_path: Path) -> None:
     store = tmp_path / "store.zarr"
     zckpt.ingest(str(tmp_path / "src"), store, str(model.strategy_path),
                  zckpt.IngestOptions(verify_replicas=True))
-    zckpt.export(store, tmp_path / "out", str(tmp_path / "dst_strategy.ckpt"))
+    zckpt.export(store, tmp_path / "out", str(tmp_path / "dst_strategy.ckpt"),
+                 options=zckpt.ExportOptions(reader=reader, workers=2, block_bytes=4096))
     assert _check_output(tmp_path / "out", tensors, smap, dst_n) == 10 * dst_n
     with CkptReader(tmp_path / "out" / "rank_0" / "checkpoint_0.ckpt") as r:
         assert r.string("note") == "m->n"

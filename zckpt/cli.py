@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
     exp.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
     exp.add_argument("--block-mb", type=int, default=64, help="tensor data materialised per step (MiB)")
+    exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
+                     help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
+    exp.add_argument("--workers", type=int, default=1, help="destination ranks written in parallel")
     exp.add_argument("--json", action="store_true", help="print the report as JSON")
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
@@ -88,7 +91,8 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from zckpt.export import ExportOptions, export
 
-    opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB)
+    opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB,
+                         reader=a.reader, workers=a.workers)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {x.bytes} bytes)" for x in r.ranks]
     mbps = r.bytes_written / MiB / r.seconds if r.seconds > 0 else 0.0

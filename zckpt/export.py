@@ -1,8 +1,13 @@
 """Export: materialise each destination rank's slices from the store into ``.ckpt`` files.
 
-Every slice is a lazy ``dask.array`` view of the Zarr array; it is computed band by band
-(at most ``block_bytes`` of tensor data at a time) and streamed into the rank's file, which
-is written under a temporary name and renamed only when complete.
+Each destination rank is one Dask task (ranks run in parallel with ``workers``). Inside a
+rank, slices are cut into bands of at most ``block_bytes`` and materialised batch by batch,
+then streamed into the rank's file, which is written under a temporary name and renamed
+only when complete. Two readers materialise a batch: ``"zarr"`` (default) issues the whole
+batch as concurrent Zarr reads in one event-loop round trip; ``"dask"`` builds each slice as
+a lazy ``dask.array`` view of the Zarr array and computes the batch with Dask. Both give the
+same bytes; the Zarr reader avoids Dask's per-chunk task overhead (about 4x faster on
+models with hundreds of small tensors, see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class ExportOptions:
     crc: bool = False
     scheduler: str = "threads"
     fsync: bool = True
+    reader: str = "zarr"
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,15 @@ def export(
             raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
+    if options.reader not in ("zarr", "dask"):
+        raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     reader = StoreReader(store, options)
-    results = [reader.write_rank(r, targets[r.rank]) for r in plan.ranks]
+    if options.workers > 1 and len(plan.ranks) > 1:
+        tasks = [dask.delayed(reader.write_rank)(r, targets[r.rank]) for r in plan.ranks]  # type: ignore[attr-defined]
+        done = dask.compute(*tasks, scheduler="threads", num_workers=options.workers)  # type: ignore[attr-defined,no-untyped-call]
+        results = list(done)
+    else:
+        results = [reader.write_rank(r, targets[r.rank]) for r in plan.ranks]
     return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
 
 
@@ -163,7 +177,9 @@ class StoreReader:
         ]
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
-        """Compute a batch of lazy slices in one Dask call (chunk reads run in parallel)."""
+        """Read a batch of slices: concurrent Zarr reads, or one Dask computation of lazy views."""
+        if self.options.reader == "zarr":
+            return self.store.read_many([(name, box.slices()) for name, box in items])
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
         computed = dask.compute(*lazy, scheduler=self.options.scheduler)  # type: ignore[attr-defined,no-untyped-call]
         return [np.asarray(x) for x in computed]
