@@ -73,58 +73,76 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"))
     ap.add_argument("--mindspore-python", default=os.environ.get("ZCKPT_MS_PYTHON"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dask-reader", action="store_true", help="also time export with the dask.array reader")
     a = ap.parse_args()
     size = int(a.size_gib * GiB)
     a.work.mkdir(parents=True, exist_ok=True)
     src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype)
     src_bytes = _tree_bytes(src)
+    logical = sum(t.nbytes for t in transformer_like(size, device_num=a.src_ranks, weight_type=a.dtype))
     runs = a.work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir()
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     rows: list[dict[str, Any]] = []
+
+    def add(label: str, result: dict[str, Any], out: Path, moved: int) -> None:
+        result["label"] = label
+        result["bytes_out"] = _tree_bytes(out) if out.exists() else 0
+        result["bytes_moved"] = moved
+        rows.append(result)
+
     if a.mindspore_python:
         ms = run_phase(a.mindspore_python, "mindspore", str(src), str(runs / "ms"), str(src_strategy),
                        str(dst_strategy), env={**os.environ, "GLOG_v": "3"})
-        ms["bytes_out"] = _tree_bytes(runs / "ms") if (runs / "ms").exists() else 0
-        rows.append(ms)
-    ing = run_phase(sys.executable, "ingest", str(src), str(src_strategy), str(runs / "store.zarr"), env=env)
-    ing["bytes_out"] = _tree_bytes(runs / "store.zarr")
-    rows.append(ing)
-    exp = run_phase(sys.executable, "export", str(runs / "store.zarr"), str(dst_strategy), str(runs / "dst"), env=env)
-    exp["bytes_out"] = _tree_bytes(runs / "dst")
-    rows.append(exp)
-    cp = run_phase(sys.executable, "copy", str(runs / "dst"), str(runs / "dst-copy"), env=env)
-    cp["bytes_out"] = _tree_bytes(runs / "dst-copy")
-    rows.append(cp)
+        add("MindSpore transform_checkpoints", ms, runs / "ms", src_bytes)
+    store = runs / "store.zarr"
+    add("zckpt ingest", run_phase(sys.executable, "ingest", str(src), str(src_strategy), str(store), env=env),
+        store, src_bytes)
+    for workers in (1, 2):
+        out = runs / f"dst-w{workers}"
+        res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), str(workers), env=env)
+        add(f"zckpt export, {workers} worker(s)", res, out, _tree_bytes(out) if out.exists() else 0)
+    if a.dask_reader:
+        out = runs / "dst-dask"
+        res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), "1", "dask", env=env)
+        add("zckpt export, dask.array reader", res, out, _tree_bytes(out) if out.exists() else 0)
+    exported = _tree_bytes(runs / "dst-w1")
+    add("cp -r of the export output", run_phase(sys.executable, "copy", str(runs / "dst-w1"), str(runs / "copy"),
+                                                env=env), runs / "copy", exported)
     report = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "model": {"bytes": src_bytes, "src_ranks": a.src_ranks, "dst_ranks": a.dst_ranks,
-                  "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
+        "model": {"logical_bytes": logical, "source_bytes": src_bytes, "src_ranks": a.src_ranks,
+                  "dst_ranks": a.dst_ranks, "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
         "phases": rows,
     }
     if a.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"model: {src_bytes / GiB:.2f} GiB {a.dtype}, {a.src_ranks} -> {a.dst_ranks} ranks, "
-          f"optimizer parallel: {not a.no_opt_parallel}; {os.cpu_count()} cpus")
-    print(f"{'phase':<12}{'wall s':>9}{'MiB/s':>9}{'peak RSS MiB':>14}{'read MiB':>10}{'written MiB':>13}"
-          f"{'read amp':>10}")
+    print(f"model: {logical / GiB:.2f} GiB {a.dtype} ({src_bytes / GiB:.2f} GiB of source shards incl. replicas), "
+          f"{a.src_ranks} -> {a.dst_ranks} ranks, optimizer parallel on destination: {not a.no_opt_parallel}; "
+          f"{os.cpu_count()} cpus")
+    print(f"| {'phase':<34} | {'wall s':>7} | {'MiB/s':>7} | {'peak RSS MiB':>12} | {'read MiB':>9} | "
+          f"{'written MiB':>11} | {'read amp':>8} |")
+    print(f"|{'-' * 36}|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|")
     for r in rows:
         if "error" in r:
-            print(f"{r['phase']:<12} error: {r['error']}")
+            print(f"| {r['label']:<34} | error: {r['error']}")
             continue
         out = r["bytes_out"] or 1
-        print(f"{r['phase']:<12}{r['seconds']:>9.2f}{src_bytes / MiB / r['seconds']:>9.1f}"
-              f"{r['max_rss_bytes'] / MiB:>14.0f}{r['read_chars'] / MiB:>10.0f}{r['bytes_out'] / MiB:>13.0f}"
-              f"{r['read_chars'] / out:>10.2f}")
-    zk = [r for r in rows if r["phase"] in ("ingest", "export") and "error" not in r]
-    msr = [r for r in rows if r["phase"] == "mindspore" and "error" not in r]
-    if len(zk) == 2 and msr:
-        total = zk[0]["seconds"] + zk[1]["seconds"]
-        print(f"zckpt ingest+export / MindSpore = {total / msr[0]['seconds']:.3f}")
-    if len(zk) == 2 and "error" not in cp:
-        print(f"zckpt export / cp of its output = {zk[1]['seconds'] / cp['seconds']:.2f}")
+        print(f"| {r['label']:<34} | {r['seconds']:>7.2f} | {r['bytes_moved'] / MiB / r['seconds']:>7.1f} | "
+              f"{r['max_rss_bytes'] / MiB:>12.0f} | {r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
+              f"{r['read_chars'] / out:>8.2f} |")
+    by = {r["label"]: r for r in rows if "error" not in r}
+    ms_r, ing, e1, e2 = (by.get("MindSpore transform_checkpoints"), by.get("zckpt ingest"),
+                         by.get("zckpt export, 1 worker(s)"), by.get("zckpt export, 2 worker(s)"))
+    cp = by.get("cp -r of the export output")
+    if ms_r and ing and e1:
+        print(f"zckpt ingest+export / MindSpore wall time = {(ing['seconds'] + e1['seconds']) / ms_r['seconds']:.3f}")
+    if e1 and cp:
+        print(f"zckpt export / cp of its output = {e1['seconds'] / cp['seconds']:.2f}")
+    if e1 and e2:
+        print(f"export speed-up with 2 workers = {e1['seconds'] / e2['seconds']:.2f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each phase runs in its own process so that peak RSS (ru_maxrss) and I/O counters
 (/proc/self/io rchar/wchar) belong to that phase alone.
 
 usage: python bench/phase.py ingest SRC STRATEGY STORE
-       python bench/phase.py export STORE STRATEGY OUT [WORKERS]
+       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]]
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
 """
@@ -39,9 +39,11 @@ def main(argv: list[str]) -> None:
 
         ingest(args[0], args[2], args[1] or None)
     elif phase == "export":
-        from zckpt.export import export
+        from zckpt.export import ExportOptions, export
 
-        export(args[0], args[2], args[1] or None)
+        workers = int(args[3]) if len(args) > 3 else 1
+        reader = args[4] if len(args) > 4 else "zarr"
+        export(args[0], args[2], args[1] or None, options=ExportOptions(workers=workers, reader=reader))
     elif phase == "mindspore":
         import mindspore as ms
 
