@@ -60,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': sizes people can read at a glance."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _rate(n: int, seconds: float) -> str:
+    return f"{human_bytes(n / seconds)}/s" if seconds > 0 else "-"
+
+
 def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str]) -> None:
     if as_json:
         print(json.dumps(doc, indent=1))
@@ -76,14 +89,13 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         overwrite=a.overwrite,
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
-    mbps = r.bytes_written / MiB / r.seconds if r.seconds > 0 else 0.0
     _emit(
         {"store": r.store, "ranks_read": list(r.ranks_read), "tensors": r.tensors, "bytes_written": r.bytes_written,
          "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete},
         a.json,
         [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
-         f"{r.bytes_written / MiB:.1f} MiB written, {r.bytes_compared / MiB:.1f} MiB compared, "
-         f"{r.seconds:.2f} s ({mbps:.1f} MiB/s), complete={r.complete}"],
+         f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
+         f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"],
     )
     return 0
 
@@ -94,10 +106,9 @@ def _cmd_export(a: argparse.Namespace) -> int:
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB,
                          reader=a.reader, workers=a.workers)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
-    lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {x.bytes} bytes)" for x in r.ranks]
-    mbps = r.bytes_written / MiB / r.seconds if r.seconds > 0 else 0.0
-    lines.append(f"wrote {len(r.ranks)} rank file(s), {r.bytes_written / MiB:.1f} MiB in {r.seconds:.2f} s "
-                 f"({mbps:.1f} MiB/s)")
+    lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
+    lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
+                 f"({_rate(r.bytes_written, r.seconds)})")
     _emit({"out_dir": r.out_dir, "seconds": r.seconds,
            "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]},
           a.json, lines)

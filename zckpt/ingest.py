@@ -172,7 +172,7 @@ def _run(
         rank_writes = [x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str"]
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         with CkptReader(plan.rank_files[rank], verify_crc=False) as reader:
-            batch = _WriteBatch(store, options.block_bytes)
+            batch = _WriteBatch(store, options.block_bytes, reader)
             for rw in rank_writes:
                 written += _write(batch, reader, rw, chunks[rw.name], options.block_bytes)
             batch.flush()
@@ -220,8 +220,9 @@ class _WriteBatch:
     zarr encodes them; the limit bounds what is in flight.
     """
 
-    def __init__(self, store: Store, limit: int) -> None:
+    def __init__(self, store: Store, limit: int, reader: CkptReader | None = None) -> None:
         self.store = store
+        self.reader = reader
         self.limit = limit
         self.items: list[tuple[str, tuple[slice, ...], np.ndarray]] = []
         self.pending = 0
@@ -235,6 +236,8 @@ class _WriteBatch:
     def flush(self) -> None:
         if self.items:
             self.store.write_many(self.items)
+            if self.reader is not None:
+                self.reader.release_pages()
         self.items = []
         self.pending = 0
 

@@ -124,6 +124,15 @@ class CkptReader:
     def _fail(self, message: str, param: str | None = None) -> CheckpointFormatError:
         return CheckpointFormatError(message, path=self.path, param=param)
 
+    def release_pages(self) -> None:
+        """Drop the mapped pages this process has touched (they stay in the page cache).
+
+        File-backed pages count in the process's RSS until released; releasing them after
+        each written batch keeps memory flat however large the shard is.
+        """
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def verify_crc(self) -> None:
         """Check MindSpore's CRC32 trailer over the whole protobuf content."""
         crc = 0
