@@ -1,4 +1,4 @@
-"""Command line: ``zckpt ingest | export | plan | info``.
+"""Command line: ``zckpt ingest | export | plan | info | merge-strategies | load``.
 
 Every zckpt error is printed as one line naming the file and parameter, with exit code 1;
 usage errors exit with 2 (argparse's convention).
@@ -57,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     inf = sub.add_parser("info", help="describe a .ckpt file, a strategy file or a store")
     inf.add_argument("path")
     inf.add_argument("--json", action="store_true")
+
+    mrg = sub.add_parser("merge-strategies", help="merge per-rank pipeline strategy files into one (as MindSpore)")
+    mrg.add_argument("src_strategy_dir", help="directory with every rank's strategy file (*.ckpt or *.json)")
+    mrg.add_argument("out_file", help="merged strategy file to write (.json for JSON inputs)")
+    mrg.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    ld = sub.add_parser("load", help="read one destination rank's slice of one parameter from a store")
+    ld.add_argument("store")
+    ld.add_argument("--rank", type=int, default=0, help="destination rank (default: 0)")
+    ld.add_argument("--strategy", help="destination strategy file or directory (omit: one rank, whole tensors)")
+    ld.add_argument("--param", required=True, help="parameter (entry) name")
+    ld.add_argument("--out", help="save the slice to this .npy file (bf16 as uint16 bits)")
+    ld.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 
 
@@ -137,7 +150,34 @@ def _cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "info": _cmd_info}
+def _cmd_merge_strategies(a: argparse.Namespace) -> int:
+    from zckpt.merge import merge_strategies
+
+    r = merge_strategies(a.src_strategy_dir, a.out_file)
+    _emit(
+        {"out_file": r.out_file, "format": r.format, "files": list(r.files), "layouts": r.layouts,
+         "stage_files": {str(s): f for s, f in r.stage_files.items()}, "duplicates": dict(r.duplicates)},
+        a.json,
+        [f"merged {len(r.files)} {r.format} strategy file(s) ({len(r.stage_files)} distinct) of "
+         f"{len(r.stages)} pipeline stage(s), {r.layouts} layouts -> {r.out_file}"],
+    )
+    return 0
+
+
+def _cmd_load(a: argparse.Namespace) -> int:
+    from zckpt.segmented import describe_slice, read_slice, save_npy
+
+    s = read_slice(a.store, a.rank, a.strategy, a.param)
+    doc, lines = describe_slice(s)
+    if a.out:
+        doc["out"] = str(save_npy(a.out, s.array))
+        lines.append(f"  saved to {doc['out']}")
+    _emit(doc, a.json, lines)
+    return 0
+
+
+_COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "info": _cmd_info,
+             "merge-strategies": _cmd_merge_strategies, "load": _cmd_load}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,6 +89,8 @@ class Sharding:
     shape: tuple[int, ...]
     dim_splits: tuple[int, ...]
     opt_axes: tuple[tuple[int, int], ...]
+    dim0_starts: tuple[int, ...] | None = None
+    """Uneven split of dimension 0 (``param_split_shape``): start row of every piece, plus the end."""
 
     @property
     def device_num(self) -> int:
@@ -100,7 +102,10 @@ class Sharding:
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
+        """Shape of every rank's shard (for an uneven dimension 0: of the first piece)."""
         out = [d // s for d, s in zip(self.shape, self.dim_splits, strict=True)]
+        if self.dim0_starts is not None:
+            out[0] = self.dim0_starts[1] - self.dim0_starts[0]
         if out:
             out[0] //= self.opt_size
         return tuple(out)
@@ -156,18 +161,27 @@ def resolve(layout: ParamLayout, shape: Sequence[int], *, param: str | None = No
         raise LayoutError(
             f"tensor_map has {len(layout.tensor_map)} entries but the tensor has shape {list(shape)}", param=param
         )
-    if layout.field_size not in (0, -1):
-        raise LayoutError(f"field-split layouts (field={layout.field_size}) are not supported", param=param)
-    if layout.param_split_shape and any(layout.param_split_shape):
+    if layout.field_size > 0:
         raise LayoutError(
-            f"uneven param_split_shape {list(layout.param_split_shape)} is not supported", param=param
+            f"field-split layouts (field={layout.field_size}, MindSpore's field-sliced EmbeddingLookup that "
+            "interleaves columns of every device's rows) are not supported",
+            param=param,
         )
     splits = tp_splits(layout)
+    starts = uneven_dim0_starts(layout, param=param)
+    if starts is not None and starts[-1] != shape[0]:
+        raise LayoutError(
+            f"param_split_shape {list(layout.param_split_shape)} adds up to {starts[-1]} rows, "
+            f"but dimension 0 has {shape[0]}",
+            param=param,
+        )
     for i, (d, s) in enumerate(zip(shape, splits, strict=True)):
-        if d % s:
+        if d % s and not (i == 0 and starts is not None):
             raise LayoutError(f"dimension {i} of size {d} cannot be split into {s} equal parts", param=param)
     opt = opt_shard_axes(layout, param=param)
     opt_size = math.prod(s for _, s in opt)
+    if starts is not None and opt_size > 1:
+        raise LayoutError("optimizer sharding of an unevenly split (param_split_shape) tensor", param=param)
     if opt_size > 1:
         if not shape:
             raise LayoutError("optimizer sharding of a 0-d tensor", param=param)
@@ -176,7 +190,43 @@ def resolve(layout: ParamLayout, shape: Sequence[int], *, param: str | None = No
                 f"dimension 0 slice of size {shape[0] // splits[0]} cannot be split into {opt_size} optimizer shards",
                 param=param,
             )
-    return Sharding(layout=layout, shape=shape, dim_splits=splits, opt_axes=opt)
+    return Sharding(layout=layout, shape=shape, dim_splits=splits, opt_axes=opt, dim0_starts=starts)
+
+
+def uneven_dim0_starts(layout: ParamLayout, *, param: str | None = None) -> tuple[int, ...] | None:
+    """Row boundaries of an uneven dimension-0 split given by ``param_split_shape``.
+
+    MindSpore lists one dimension-0 size per tensor slice, slices numbered mixed-radix over
+    the tensor dimensions (dimension 0 most significant), so slices that differ only in the
+    other dimensions must agree on their size. ``None`` when the split is even.
+    """
+    sizes = layout.param_split_shape
+    if not sizes:
+        return None
+    splits = tp_splits(layout)
+    if not splits:
+        raise LayoutError("param_split_shape given for a 0-d tensor", param=param)
+    count = math.prod(splits)
+    if len(sizes) != count:
+        raise LayoutError(
+            f"param_split_shape has {len(sizes)} entries but the layout cuts the tensor into {count} slices",
+            param=param,
+        )
+    inner = count // splits[0]
+    pieces = []
+    for k in range(splits[0]):
+        group = set(sizes[k * inner : (k + 1) * inner])
+        if len(group) != 1 or min(group) < 0:
+            raise LayoutError(
+                f"param_split_shape {list(sizes)}: slices {k * inner}..{(k + 1) * inner - 1} share rows "
+                "but give different sizes",
+                param=param,
+            )
+        pieces.append(group.pop())
+    starts = [0]
+    for p in pieces:
+        starts.append(starts[-1] + p)
+    return tuple(starts)
 
 
 def coordinate(dev_matrix: Sequence[int], local_rank: int) -> tuple[int, ...]:
@@ -217,6 +267,8 @@ def rank_box(sh: Sharding, local_rank: int) -> Box:
         size = n // s
         a = k * size
         b = a + size
+        if d == 0 and sh.dim0_starts is not None:
+            a, b = sh.dim0_starts[k], sh.dim0_starts[k + 1]
         if d == 0 and sh.opt_axes:
             sub = size // sh.opt_size
             a += opt * sub
@@ -248,6 +300,10 @@ def global_shape(layout: ParamLayout, shard_shape: Sequence[int], *, param: str 
         )
     splits = tp_splits(layout)
     out = [d * s for d, s in zip(shard, splits, strict=True)]
+    starts = uneven_dim0_starts(layout, param=param)
+    if starts is not None:
+        out[0] = starts[-1]
+        return tuple(out)
     opt = math.prod(s for _, s in opt_shard_axes(layout, param=param))
     if out and opt > 1:
         out[0] *= opt

@@ -7,9 +7,10 @@ tested and shipped to Dask workers as data.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import LayoutError, SourceError
@@ -31,6 +32,10 @@ class TensorSpec:
     ms_type: str
     shape: tuple[int, ...]
     layouts: Mapping[int, ParamLayout] = field(default_factory=dict)
+    stages: tuple[int, ...] = (0,)
+    """Source pipeline stages whose ranks hold this entry."""
+    note: str | None = None
+    """How the layout was decided when the strategy alone did not say (inferred, corrected)."""
 
     @property
     def nbytes(self) -> int:
@@ -150,30 +155,34 @@ def build_ingest_plan(
         stage_dev = 1
     else:
         stage_dev = strategy.stage_device_num()
-    order: list[str] = []
     holders: dict[str, list[int]] = {}
+    sequences: dict[tuple[str, ...], None] = {}
     for rank in sorted(indexes):
+        sequences.setdefault(tuple(indexes[rank]), None)
         for name in indexes[rank]:
-            if name not in holders:
-                order.append(name)
-                holders[name] = []
-            holders[name].append(rank)
+            holders.setdefault(name, []).append(rank)
+    order: list[str] = []
+    for seq in sequences:
+        order = merge_orders(order, seq)
     tensors: list[TensorSpec] = []
     writes: list[Write] = []
     checks: list[ReplicaCheck] = []
     uncovered: dict[str, tuple[tuple[Box, tuple[int, ...]], ...]] = {}
+    layouts, notes = source_layouts(order, holders, indexes, strategy, stage_dev, rank_files)
     for name in order:
         ranks = holders[name]
         first = indexes[ranks[0]][name]
-        per_stage = {} if strategy is None else dict(strategy.layouts.get(name, {}))
-        listed = {r: _layout_for(strategy, name, _stage_of(r, stage_dev)) for r in ranks}
+        stages = tuple(sorted({_stage_of(r, stage_dev) for r in ranks}))
+        per_stage = layouts.get(name, {})
+        listed = {r: per_stage.get(_stage_of(r, stage_dev)) for r in ranks}
         if first.kind != "tensor" or not any(listed.values()):
             spec, w, c = _plan_whole(name, first, ranks, indexes, rank_files)
-            tensors.append(spec)
+            tensors.append(replace(spec, stages=stages))
             writes.append(w)
             checks.extend(c)
             continue
         spec, w2, c2, holes = _plan_sharded(name, first, ranks, listed, per_stage, indexes, rank_files, stage_dev)
+        spec = replace(spec, stages=stages, note=notes.get(name))
         tensors.append(spec)
         writes.extend(w2)
         checks.extend(c2)
@@ -194,6 +203,126 @@ def build_ingest_plan(
         uncovered=uncovered,
         kinds={t.name: t.kind for t in tensors},
     )
+
+
+def merge_orders(first: Sequence[str], second: Sequence[str]) -> list[str]:
+    """Merge two entry orders, keeping each one's relative order and aligning their common entries.
+
+    Pipeline stages hold different parameters but share the optimizer scalars; putting one
+    stage's entries before the other's between shared anchors rebuilds the network's order
+    (parameters, then scalars, then optimizer states), which is the order MindSpore's
+    compiled destination files have.
+    """
+    pos = {x: i for i, x in enumerate(first)}
+    out: list[str] = []
+    taken = 0
+    pending: list[str] = []
+    for x in second:
+        i = pos.get(x)
+        if i is None:
+            pending.append(x)
+        elif i >= taken:
+            out.extend(first[taken:i])
+            out.extend(pending)
+            out.append(x)
+            pending = []
+            taken = i + 1
+    out.extend(first[taken:])
+    out.extend(pending)
+    return out
+
+
+STATE_PREFIXES = ("accu_grads.", "moments.", "moment1.", "moment2.", "adam_m.", "adam_v.", "exp_avg.", "exp_avg_sq.")
+"""Prefixes MindSpore optimizers and gradient accumulation give the states of a parameter."""
+
+
+def state_owner(name: str, known: Iterable[str]) -> str | None:
+    """The parameter an optimizer/accumulator state belongs to (``moments.w`` -> ``w``)."""
+    names = set(known)
+    for prefix in STATE_PREFIXES:
+        if name.startswith(prefix) and name[len(prefix) :] in names:
+            return name[len(prefix) :]
+    return None
+
+
+def without_opt_shard(lay: ParamLayout) -> ParamLayout:
+    return replace(lay, opt_shard_size=0, opt_shard_step=0)
+
+
+def _fits(
+    per_stage: Mapping[int, ParamLayout],
+    shape: tuple[int, ...],
+    ranks: Sequence[int],
+    shards: Mapping[int, tuple[int, ...]],
+    stage_dev: int,
+) -> bool:
+    """Do these layouts, applied to ``shape``, give every holder exactly the shard it has?"""
+    try:
+        for r in ranks:
+            lay = per_stage.get(_stage_of(r, stage_dev))
+            if lay is None or rank_box(resolve(lay, shape), r % stage_dev).shape != shards[r]:
+                return False
+    except LayoutError:
+        return False
+    return True
+
+
+def source_layouts(
+    order: Sequence[str],
+    holders: Mapping[str, Sequence[int]],
+    indexes: Mapping[int, Mapping[str, EntryInfo]],
+    strategy: StrategyMap | None,
+    stage_dev: int,
+    rank_files: Mapping[int, str],
+) -> tuple[dict[str, dict[int, ParamLayout]], dict[str, str]]:
+    """The layout of every source entry per stage, where the shapes on disk prove it.
+
+    Two MindSpore habits need care. Optimizer states may be missing from the strategy
+    (``only_trainable_params=True`` in older versions): such a state takes its parameter's
+    layout when every holder's shard has exactly the shape that layout gives. And
+    ``accu_grads.*`` are listed with their parameter's optimizer-shard fields although the
+    saved tensors are not optimizer-sharded (fixture s07): a listed state whose shards do not
+    fit its parameter's global shape is re-read without the optimizer split if that fits.
+    Anything else that does not fit is left to the checks that refuse it by name.
+    """
+    layouts: dict[str, dict[int, ParamLayout]] = {}
+    notes: dict[str, str] = {}
+    if strategy is None:
+        return layouts, notes
+    listed = {name: dict(strategy.layouts.get(name, {})) for name in order if strategy.layouts.get(name)}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, per in listed.items():
+        r = holders[name][0]
+        lay = per.get(_stage_of(r, stage_dev))
+        if lay is not None and indexes[r][name].kind == "tensor":
+            with contextlib.suppress(LayoutError):  # a misfit is reported later, by name
+                shapes[name] = global_shape(lay, indexes[r][name].shape, param=name)
+    layouts.update(listed)
+    for name in order:
+        ranks = holders[name]
+        if indexes[ranks[0]][name].kind != "tensor":
+            continue
+        owner = state_owner(name, listed)
+        if owner is None or owner not in shapes:
+            continue
+        shards = {r: indexes[r][name].shape for r in ranks}
+        target = shapes[owner]
+        if name in listed:
+            if _fits(listed[name], target, ranks, shards, stage_dev):
+                continue
+            fixed = {s: without_opt_shard(lay) for s, lay in listed[name].items()}
+            if _fits(fixed, target, ranks, shards, stage_dev):
+                layouts[name] = fixed
+                notes[name] = (f"saved without the optimizer split its strategy entry states; read as {owner}'s "
+                               "tensor-parallel slices")
+            continue
+        for cand, how in ((listed[owner], ""), ({s: without_opt_shard(x) for s, x in listed[owner].items()},
+                                                " without its optimizer split")):
+            if _fits(cand, target, ranks, shards, stage_dev):
+                layouts[name] = dict(cand)
+                notes[name] = f"not in the strategy; layout of {owner}{how}, proven by every holder's shard shape"
+                break
+    return layouts, notes
 
 
 def _plan_whole(
@@ -294,6 +423,42 @@ def _holes(
     return tuple((b, tuple(sorted(rs))) for b, rs in sorted(missing.items()))
 
 
+def dropped_entries(tensors: Sequence[TensorSpec], strategy: StrategyMap | None) -> frozenset[str]:
+    """Entries a destination does not hold: gradient-accumulation buffers (``accu_grads.*``)
+    exist only in pipeline training, so a destination whose strategy lists none gets none
+    (MindSpore's transform copies them anyway; its compiled destination jobs do not hold them)."""
+    if strategy is None or any(n.startswith("accu_grads.") for n in strategy.layouts):
+        return frozenset()
+    return frozenset(t.name for t in tensors if t.name.startswith("accu_grads."))
+
+
+def destination_layouts(
+    tensors: Sequence[TensorSpec], strategy: StrategyMap | None
+) -> dict[str, dict[int, ParamLayout]]:
+    """The destination layout of every entry, per destination stage.
+
+    An optimizer state the destination strategy does not list takes its parameter's layout
+    when both have the same global shape (older MindSpore saved strategies without them),
+    and ``accu_grads.*`` are laid out without the optimizer split their strategy entries
+    state, because MindSpore does not optimizer-shard them (fixture s07).
+    """
+    if strategy is None:
+        return {}
+    shapes = {t.name: t.shape for t in tensors}
+    out: dict[str, dict[int, ParamLayout]] = {}
+    for t in tensors:
+        per = dict(strategy.layouts.get(t.name, {}))
+        if not per and t.kind == "tensor":
+            owner = state_owner(t.name, strategy.layouts)
+            if owner is not None and shapes.get(owner) == t.shape:
+                per = dict(strategy.layouts[owner])
+        if t.name.startswith("accu_grads."):
+            per = {s: without_opt_shard(lay) for s, lay in per.items()}
+        if per:
+            out[t.name] = per
+    return out
+
+
 def build_export_plan(
     tensors: Sequence[TensorSpec],
     strategy: StrategyMap | None,
@@ -303,13 +468,16 @@ def build_export_plan(
     """For every destination rank, the box of every entry it holds.
 
     Entries the destination strategy does not list are written whole, as MindSpore does for
-    ``learning_rate`` and the like.
+    ``learning_rate`` and the like; a pipeline destination rank holds only its stage's
+    parameters. Three MindSpore habits are handled (see :func:`destination_layouts`).
     """
     if strategy is None:
         device_num, stage_dev = 1, 1
     else:
         stage_dev = strategy.stage_device_num()
         device_num = strategy.device_num()
+    dst_layouts = destination_layouts(tensors, strategy)
+    dropped = dropped_entries(tensors, strategy)
     wanted = list(range(device_num)) if ranks is None else sorted(set(ranks))
     for r in wanted:
         if not 0 <= r < device_num:
@@ -320,7 +488,9 @@ def build_export_plan(
         stage = _stage_of(r, stage_dev)
         slices: list[Slice] = []
         for t in tensors:
-            per = {} if strategy is None else strategy.layouts.get(t.name, {})
+            if t.name in dropped:
+                continue
+            per = dst_layouts.get(t.name, {})
             if per and stage not in per:
                 continue
             lay = per.get(stage) if per else None
