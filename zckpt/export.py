@@ -44,6 +44,9 @@ class ExportOptions:
     fsync: bool = True
     reader: str = "zarr"
     workers: int = 1
+    per_stage: bool = False
+    """Write one ``<prefix><r>_part<s>.ckpt`` per source pipeline stage ``s`` (MindSpore's per-stage
+    conversion): the parts of a rank together hold what the single file would."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,9 @@ def export(
     plan = plan_export(store, strategy, ranks)
     check_coverage(store, plan)
     out = Path(out_dir)
-    targets = {r.rank: rank_file(out, r.rank, options.prefix) for r in plan.ranks}
+    jobs = output_jobs(store, plan, out, options)
     if not options.overwrite:
-        clash = [str(p) for p in targets.values() if p.exists()]
+        clash = [str(p) for _, p in jobs if p.exists()]
         if clash:
             raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
     if out.exists() and not out.is_dir():
@@ -124,13 +127,28 @@ def export(
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     reader = StoreReader(store, options)
-    if options.workers > 1 and len(plan.ranks) > 1:
-        tasks = [dask.delayed(reader.write_rank)(r, targets[r.rank]) for r in plan.ranks]  # type: ignore[attr-defined]
+    if options.workers > 1 and len(jobs) > 1:
+        tasks = [dask.delayed(reader.write_rank)(r, p) for r, p in jobs]  # type: ignore[attr-defined]
         done = dask.compute(*tasks, scheduler="threads", num_workers=options.workers)  # type: ignore[attr-defined,no-untyped-call]
         results = list(done)
     else:
-        results = [reader.write_rank(r, targets[r.rank]) for r in plan.ranks]
+        results = [reader.write_rank(r, p) for r, p in jobs]
     return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+
+
+def output_jobs(store: Store, plan: ExportPlan, out: Path, options: ExportOptions) -> list[tuple[RankExport, Path]]:
+    """The files to write: one per destination rank, or one per (rank, source stage) part."""
+    if not options.per_stage:
+        return [(r, rank_file(out, r.rank, options.prefix)) for r in plan.ranks]
+    stages = {e.name: e.stages for e in store.entries()}
+    all_stages = sorted({s for v in stages.values() for s in v})
+    jobs = []
+    for r in plan.ranks:
+        for s in all_stages:
+            part = tuple(x for x in r.slices if s in stages[x.name])
+            if part:
+                jobs.append((RankExport(r.rank, part), rank_file(out, r.rank, options.prefix, f"_part{s}")))
+    return jobs
 
 
 def export_rank(

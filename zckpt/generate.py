@@ -500,3 +500,94 @@ def write_model(
         reference_path=ref_path,
         strategy=smap,
     )
+
+
+# --------------------------------------------------------------------------- pipeline jobs
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """What :func:`write_pipeline_model` wrote: a pipeline job's shards and strategy files."""
+
+    root: Path
+    stage_device_num: int
+    stages: tuple[tuple[TensorDef, ...], ...]
+    rank_files: tuple[Path, ...]
+    strategy_dir: Path
+    merged_strategy: Path
+
+    @property
+    def device_num(self) -> int:
+        return self.stage_device_num * len(self.stages)
+
+    def stage_strategy(self, stage: int) -> StrategyMap:
+        return _stage_map(self.stages[stage], stage)
+
+
+def _stage_map(tensors: Sequence[TensorDef], stage: int) -> StrategyMap:
+    """A per-rank strategy file's content: the stage's layouts, and an operator strategy that
+    carries the stage number (that is how MindSpore's files say which stage they describe)."""
+    return StrategyMap(
+        layouts={t.name: {stage: t.layout} for t in tensors if t.layout is not None},
+        operator_strategies={f"MatMul-stage{stage}": (stage, ((1, 1), (1, 1)))},
+    )
+
+
+def write_pipeline_model(
+    out_dir: str | os.PathLike[str],
+    stages: Sequence[Sequence[TensorDef]],
+    *,
+    stage_device_num: int,
+    scalars: bool = True,
+    prefix: str = "checkpoint_",
+) -> PipelineModel:
+    """Write a pipeline-parallel job: stage ``s`` runs on ranks ``s*n .. s*n+n-1``.
+
+    Each rank holds its stage's tensors (a tensor listed in several stages, such as a tied
+    embedding, is held by all of them) plus the optimizer scalars; ``strategy/strategy_<r>.ckpt``
+    is each rank's own strategy file (stage parameters only, no name prefix) and
+    ``strategy_merged.ckpt`` is what ``merge_pipeline_strategys`` makes of them.
+    """
+    root = Path(out_dir)
+    n = stage_device_num
+    for s, tensors in enumerate(stages):
+        for t in tensors:
+            if t.layout is not None and t.layout.device_num != n:
+                raise UsageError(f"stage {s} layout is for {t.layout.device_num} devices, not {n}", param=t.name)
+    extra = default_scalars() if scalars else []
+    rank_files = []
+    for s, tensors in enumerate(stages):
+        defs = [*tensors, *extra]
+        for local in range(n):
+            rank = s * n + local
+            path = root / f"rank_{rank}" / f"{prefix}{rank}.ckpt"
+            with _RawCkptFile(path, crc=False) as f:
+                for t in defs:
+                    value = global_value(t.name, t.shape, t.ms_type)
+                    part = value if t.layout is None else value[rank_box(resolve(t.layout, t.shape), local).slices()]
+                    for chunk in encode_tensor(t.name, t.ms_type, part):
+                        f.write(chunk)
+            rank_files.append(path)
+    strategy_dir = root / "strategy"
+    strategy_dir.mkdir(parents=True, exist_ok=True)
+    for s, tensors in enumerate(stages):
+        data = encode_strategy(_stage_map(tensors, s), merged=False, current_stage=s)
+        for local in range(n):
+            (strategy_dir / f"strategy_{s * n + local}.ckpt").write_bytes(data)
+    merged: dict[str, dict[int, ParamLayout]] = {}
+    ops: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
+    for s, tensors in enumerate(stages):
+        one = _stage_map(tensors, s)
+        ops.update(one.operator_strategies)
+        for name, per in one.layouts.items():
+            merged.setdefault(name, {}).update(per)
+    merged_path = root / "strategy_merged.ckpt"
+    merged_path.write_bytes(encode_strategy(StrategyMap(merged, operator_strategies=ops), merged=True, current_stage=1))
+    return PipelineModel(
+        root=root,
+        stage_device_num=n,
+        stages=tuple(tuple(s) for s in stages),
+        rank_files=tuple(rank_files),
+        strategy_dir=strategy_dir,
+        merged_strategy=merged_path,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class IngestReport:
     seconds: float
     complete: bool
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]]
+    ignored_ranks: tuple[int, ...] = ()
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -82,6 +83,17 @@ def read_indexes(files: Mapping[int, Path], *, verify_crc: bool) -> dict[int, di
     return out
 
 
+def relevant_ranks(files: Mapping[int, Path], smap: StrategyMap | None) -> dict[int, Path]:
+    """The source files the strategy describes: rank 0 alone without a strategy (the full
+    model), else the ranks of the pipeline stages the strategy lists (a single stage's
+    strategy file converts that stage only, as in MindSpore's per-stage conversion)."""
+    if smap is None:
+        return {r: p for r, p in files.items() if r == 0}
+    stage_dev = smap.stage_device_num()
+    stages = set(smap.stages)
+    return {r: p for r, p in files.items() if r // stage_dev in stages}
+
+
 def plan_ingest(
     src: str | Path | Mapping[int, str | Path],
     strategy: StrategyArg,
@@ -90,14 +102,13 @@ def plan_ingest(
     verify_crc: bool = True,
 ) -> tuple[IngestPlan, StrategyMap | None]:
     smap = load_strategy(strategy)
-    files = resolve_sources(src)
-    if smap is None:
-        files = {r: p for r, p in files.items() if r == 0}
+    found = resolve_sources(src)
+    files = relevant_ranks(found, smap)
     indexes = read_indexes(files, verify_crc=verify_crc)
     plan = build_ingest_plan(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )
-    return plan, smap
+    return replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files)))), smap
 
 
 def ingest(
@@ -131,6 +142,7 @@ def ingest(
         seconds=time.perf_counter() - t0,
         complete=complete,
         uncovered=plan.uncovered,
+        ignored_ranks=plan.ignored_ranks,
     )
 
 
@@ -156,7 +168,7 @@ def _run(
             with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
                 map_shapes[mw.name] = len(r.map_bytes(mw.name))
     tensors = [
-        t if t.kind != "map" else type(t)(t.name, t.kind, t.ms_type, (map_shapes[t.name],), t.layouts)
+        t if t.kind != "map" else replace(t, shape=(map_shapes[t.name],))
         for t in plan.tensors
     ]
     for t in tensors:
@@ -177,7 +189,7 @@ def _run(
                 written += _write(batch, reader, rw, chunks[rw.name], options.block_bytes)
             batch.flush()
             for c in cs:
-                compared += _compare(store, reader, c, writers, options.block_bytes, plan.rank_files)
+                compared += _compare(store, reader, c, options.block_bytes, plan.rank_files)
         store.mark_ingested(rank)
     return written, compared, ranks
 
@@ -270,16 +282,15 @@ def _compare(
     store: Store,
     reader: CkptReader,
     c: ReplicaCheck,
-    writers: Mapping[str, list[tuple[int, Box]]],
     block_bytes: int,
     files: Mapping[int, str],
 ) -> int:
-    box = next(b for r, b in writers[c.name] if r == c.same_as)
+    box = c.box
     arr = store.array(c.name)
     entry = reader.entries[c.name]
+    who = ", ".join(f"rank {r} ({files.get(r)})" for r in c.same_as)
     if entry.shape != box.shape:
-        raise SourceError(f"shape {list(entry.shape)} differs from its replica on rank {c.same_as}",
-                          path=reader.path, param=c.name)
+        raise SourceError(f"shape {list(entry.shape)} differs from the copy of {who}", path=reader.path, param=c.name)
     if box.size == 0:
         return 0
     if box.ndim == 0:
@@ -295,17 +306,18 @@ def _compare(
             same = False
             break
     if not same:
-        if c.required:
+        if c.reason == "unlisted":
             raise SourceError(
-                f"not listed in the source strategy, yet rank {c.rank} and rank {c.same_as} "
-                f"({files.get(c.same_as)}) hold different values: it is sharded with a layout the strategy does "
-                "not give; zckpt will not guess (save the strategy with only_trainable_params=False)",
+                f"not listed in the source strategy, yet rank {c.rank} and {who} hold different values: it is "
+                "sharded with a layout the strategy does not give; zckpt will not guess (save the strategy with "
+                "only_trainable_params=False)",
                 path=reader.path,
                 param=c.name,
             )
         raise SourceError(
-            f"replica differs from rank {c.same_as} ({files.get(c.same_as)}) although the layout says they hold "
-            "the same box",
+            f"copy of region {box.to_json()} differs from the one written by {who}, although the layouts say they "
+            + ("hold the same values (a replica)" if c.reason == "replica"
+               else "hold the same values (a parameter shared by several pipeline stages, such as a tied embedding)"),
             path=reader.path,
             param=c.name,
         )

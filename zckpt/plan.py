@@ -11,6 +11,7 @@ import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import LayoutError, SourceError
@@ -55,16 +56,22 @@ class Write:
 
 @dataclass(frozen=True)
 class ReplicaCheck:
-    """``rank``'s copy of ``name`` must equal the copy ``same_as`` writes.
+    """``rank``'s shard of ``name`` must equal the store's region ``box``, written by ``same_as``.
 
-    ``required`` checks run always (an unlisted tensor proves it is replicated this way);
-    the others only with ``--verify-replicas``.
+    ``required`` checks run always: an unlisted tensor proves it is replicated this way, and
+    a parameter shared by several pipeline stages (a tied embedding) must agree across
+    them. The others (replicas inside one stage) run with ``--verify-replicas``.
     """
 
     name: str
     rank: int
-    same_as: int
-    required: bool
+    box: Box
+    same_as: tuple[int, ...]
+    reason: Literal["unlisted", "replica", "shared"]
+
+    @property
+    def required(self) -> bool:
+        return self.reason != "replica"
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class IngestPlan:
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]] = field(default_factory=dict)
     """Per tensor: regions no present shard holds, with the source ranks that would hold them."""
     kinds: Mapping[str, str] = field(default_factory=dict)
+    ignored_ranks: tuple[int, ...] = ()
+    """Source rank files present but outside the strategy's pipeline stages."""
 
     def kind_of(self, name: str) -> str:
         return self.kinds[name]
@@ -345,7 +354,7 @@ def _plan_whole(
                 param=name,
             )
         if first.kind == "tensor":
-            checks.append(ReplicaCheck(name, r, ranks[0], required=True))
+            checks.append(ReplicaCheck(name, r, Box.full(first.shape), (ranks[0],), "unlisted"))
     return spec, Write(name, ranks[0], Box.full(first.shape)), checks
 
 
@@ -397,13 +406,22 @@ def _plan_sharded(
             sh = next(s for s in shardings.values() if s.layout == lay)
         shardings[r] = sh
     assert shape is not None
+    primary = min(_stage_of(r, stage_dev) for r in ranks)
     by_box: dict[Box, list[int]] = {}
     for r in ranks:
-        box = rank_box(shardings[r], r % stage_dev)
-        by_box.setdefault(box, []).append(r)
+        if _stage_of(r, stage_dev) == primary:
+            by_box.setdefault(rank_box(shardings[r], r % stage_dev), []).append(r)
     writes = [Write(name, rs[0], box) for box, rs in by_box.items()]
-    checks = [ReplicaCheck(name, r, rs[0], required=False) for rs in by_box.values() for r in rs[1:]]
-    holes = _holes(shape, list(by_box), per_stage, stage_dev)
+    writers = {w.rank for w in writes}
+    checks = []
+    for r in ranks:
+        if r in writers:
+            continue
+        box = rank_box(shardings[r], r % stage_dev)
+        same_as = tuple(w.rank for w in writes if w.box.intersect(box) is not None)
+        reason: Literal["shared", "replica"] = "shared" if _stage_of(r, stage_dev) != primary else "replica"
+        checks.append(ReplicaCheck(name, r, box, same_as, reason))
+    holes = _holes(shape, list(by_box), {primary: per_stage[primary]} if primary in per_stage else {}, stage_dev)
     spec = TensorSpec(name, "tensor", first.ms_type, shape, dict(per_stage))
     return spec, sorted(writes, key=lambda w: w.rank), checks, holes
 

@@ -74,9 +74,11 @@ class EntryRecord:
     shape: tuple[int, ...]
     key: str
     value: str | None = None
+    stages: tuple[int, ...] = (0,)
+    note: str | None = None
 
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.kind, self.ms_type, self.shape)
+        return TensorSpec(self.name, self.kind, self.ms_type, self.shape, stages=self.stages, note=self.note)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -88,6 +90,9 @@ class EntryRecord:
         }
         if self.value is not None:
             doc["value"] = self.value
+        doc["stages"] = list(self.stages)
+        if self.note is not None:
+            doc["note"] = self.note
         return doc
 
     @staticmethod
@@ -99,6 +104,8 @@ class EntryRecord:
             shape=tuple(int(x) for x in doc["shape"]),
             key=str(doc["key"]),
             value=doc.get("value"),
+            stages=tuple(int(s) for s in doc.get("stages", [0])),
+            note=doc.get("note"),
         )
 
 
@@ -228,7 +235,7 @@ class Store:
         for t in tensors:
             key = encode_key(t.name)
             if t.kind == "str":
-                records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name]))
+                records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name], t.stages, t.note))
                 continue
             folder = "tensors" if t.kind == "tensor" else "maps"
             dtype = ms_dtype(t.ms_type).storage if t.kind == "tensor" else np.dtype("u1")
@@ -238,7 +245,10 @@ class Store:
                 "kind": t.kind,
                 "writers": [[r, b.to_json()] for r, b in writers.get(t.name, ())],
                 "source_layouts": {str(s): layout_to_json(lay) for s, lay in t.layouts.items()},
+                "source_stages": list(t.stages),
             }
+            if t.note:
+                attrs["note"] = t.note
             pending.append((t.name, agroup.create_array(
                 f"{folder}/{key}",
                 shape=t.shape,
@@ -249,7 +259,7 @@ class Store:
                 attributes={"zckpt": attrs},
                 config={"write_empty_chunks": True},
             )))
-            records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}"))
+            records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}", None, t.stages, t.note))
             self._writers[t.name] = list(writers.get(t.name, ()))
         created = _gather([c for _, c in pending])
         self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
