@@ -116,7 +116,8 @@ def _stages(rng: np.random.Generator, n: int, shared: bool = True) -> list[list[
         return TensorDef(name, shape, ms_type, random_layout(rng, shape, n))
 
     emb = (48, 24)
-    s0 = [t("embedding.weight", emb, "Float32"), t("l0.w", (24, 48), "BFloat16"), t("moments.l0.w", (24, 48), "Float32")]
+    s0 = [t("embedding.weight", emb, "Float32"), t("l0.w", (24, 48), "BFloat16"),
+          t("moments.l0.w", (24, 48), "Float32")]
     s1 = [t("l1.w", (48, 24), "Float16"), t("l1.b", (24,), "Float32"), t("moments.l1.w", (48, 24), "Float32")]
     if shared:
         s1.append(t("embedding.weight", emb, "Float32"))
