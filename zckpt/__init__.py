@@ -5,6 +5,8 @@ The MindSpore-named functions are drop-in replacements (``import zckpt as ms``);
 """
 
 from zckpt.api import (
+    load_segmented_checkpoints,
+    merge_pipeline_strategys,
     open_store,
     rank_list_for_transform,
     transform_checkpoint_by_rank,
@@ -22,6 +24,7 @@ from zckpt.errors import (
 )
 from zckpt.export import ExportOptions, ExportReport, export
 from zckpt.ingest import IngestOptions, IngestReport, ingest
+from zckpt.segmented import SegmentedCheckpoint, load_slice, open_segmented
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,7 @@ __all__ = [
     "IngestReport",
     "LayoutError",
     "OutputError",
+    "SegmentedCheckpoint",
     "SourceError",
     "StoreError",
     "StrategyError",
@@ -40,6 +44,10 @@ __all__ = [
     "ZckptError",
     "export",
     "ingest",
+    "load_segmented_checkpoints",
+    "load_slice",
+    "merge_pipeline_strategys",
+    "open_segmented",
     "open_store",
     "rank_list_for_transform",
     "transform_checkpoint_by_rank",

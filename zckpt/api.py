@@ -14,8 +14,11 @@ from pathlib import Path
 
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, export, export_rank, plan_export
+from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import IngestOptions, ingest, load_strategy
 from zckpt.layout import Box
+from zckpt.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
+from zckpt.segmented import load_segmented_checkpoints as load_segmented_checkpoints  # re-export (MindSpore name)
 from zckpt.store import Store
 
 
@@ -60,10 +63,26 @@ def transform_checkpoints(
     if dst.exists() and not dst.is_dir():
         raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
     dst.mkdir(parents=True, exist_ok=True)
+    src_map, dst_map = load_strategy(src_strategy_file), load_strategy(dst_strategy_file)
     with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=dst) as tmp:
         store = Path(tmp) / "store.zarr"
-        ingest(src_checkpoints_dir, store, src_strategy_file)
-        export(store, dst, dst_strategy_file, options=ExportOptions(prefix=ckpt_prefix, overwrite=True))
+        ingest(src_checkpoints_dir, store, src_map)
+        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map))
+        export(store, dst, dst_map, options=opts)
+
+
+_PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
+
+
+def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None) -> bool:
+    """MindSpore's rule for the per-stage conversion: the source strategy is one pipeline
+    stage's file whose parameters are a strict subset of a single-stage destination's. The
+    output is then ``rank_<r>/<prefix><r>_part<stage>.ckpt``."""
+    if src is None or dst is None or src.stage_num != 1 or dst.stage_num != 1:
+        return False
+    src_keys = {n for n in src.layouts if not n.startswith(_PIPELINE_ONLY)}
+    dst_keys = {n for n in dst.layouts if not n.startswith(_PIPELINE_ONLY)}
+    return src_keys < dst_keys
 
 
 def transform_checkpoint_by_rank(

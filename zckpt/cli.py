@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     exp.add_argument("--workers", type=int, default=1, help="destination ranks written in parallel")
+    exp.add_argument("--per-stage", action="store_true",
+                     help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     exp.add_argument("--json", action="store_true", help="print the report as JSON")
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
@@ -103,12 +105,14 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     _emit(
-        {"store": r.store, "ranks_read": list(r.ranks_read), "tensors": r.tensors, "bytes_written": r.bytes_written,
+        {"store": r.store, "ranks_read": list(r.ranks_read), "ignored_ranks": list(r.ignored_ranks),
+         "tensors": r.tensors, "bytes_written": r.bytes_written,
          "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete},
         a.json,
         [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
          f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
-         f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"],
+         f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]
+        + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else []),
     )
     return 0
 
@@ -117,7 +121,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     from zckpt.export import ExportOptions, export
 
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB,
-                         reader=a.reader, workers=a.workers)
+                         reader=a.reader, workers=a.workers, per_stage=a.per_stage)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,11 @@ from typing import Any, Literal
 
 import numpy as np
 import zarr
+from zarr.codecs import BytesCodec
+from zarr.core.metadata import ArrayV3Metadata
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
+from zarr.storage import LocalStore
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
@@ -109,6 +115,39 @@ class EntryRecord:
         )
 
 
+_TEMPLATES: dict[str, dict[str, Any]] = {}
+
+
+def _template(dtype: np.dtype) -> dict[str, Any]:
+    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once)."""
+    key = dtype.str
+    if key not in _TEMPLATES:
+        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(1,), chunks=(1,), dtype=dtype,
+                                compressors=None, fill_value=np.zeros((), dtype=dtype))
+        buf = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
+        _TEMPLATES[key] = json.loads(buf.to_bytes())
+    return _TEMPLATES[key]
+
+
+def _write_array_json(
+    folder: Path, dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
+) -> None:
+    doc = dict(_template(dtype))
+    doc["shape"] = [int(s) for s in shape]
+    doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}}
+    doc["attributes"] = attributes
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "zarr.json").write_text(json.dumps(doc), encoding="utf-8")
+
+
+def _is_raw(arr: zarr.Array[Any]) -> bool:
+    codecs = arr.metadata.codecs if isinstance(arr.metadata, ArrayV3Metadata) else ()
+    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
+        return False
+    endian = codecs[0].endian
+    return endian is None or endian.value == sys.byteorder
+
+
 def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
     """Run coroutines concurrently on zarr's own event loop and return their results."""
     if not coros:
@@ -143,9 +182,10 @@ def _next_divisor_below(n: int, current: int) -> int:
 class Store:
     """A zckpt store opened for reading or being written by ingest."""
 
-    def __init__(self, path: Path, group: zarr.Group) -> None:
+    def __init__(self, path: Path, group: zarr.Group, mode: Literal["r", "r+", "a", "w", "w-"] = "r") -> None:
         self.path = path
         self.group = group
+        self._mode: Literal["r", "r+", "a", "w", "w-"] = "r" if mode == "r" else "r+"
         self._entries: dict[str, EntryRecord] | None = None
         self._writers: dict[str, list[tuple[int, Box]]] = {}
         self._arrays: dict[str, zarr.Array[Any]] = {}
@@ -163,7 +203,7 @@ class Store:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
         group = zarr.open_group(str(p), mode="w-", zarr_format=3)
         group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
-        return cls(p, group)
+        return cls(p, group, mode="w-")
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, mode: Literal["r", "r+", "a"] = "r") -> Store:
@@ -179,7 +219,7 @@ class Store:
             raise StoreError("zarr store was not written by zckpt (no zckpt manifest)", path=p)
         if int(meta.get("version", 0)) > VERSION:
             raise StoreError(f"store format version {meta.get('version')} is newer than this zckpt", path=p)
-        return cls(p, group)
+        return cls(p, group, mode=mode)
 
     # --- manifest ------------------------------------------------------------------
     @property
@@ -228,10 +268,19 @@ class Store:
         source: Mapping[str, Any],
         compressors: Any = None,
     ) -> None:
-        """Create every array (no data yet, all in one round trip) and write the manifest."""
+        """Create every array (no data yet) and write the manifest.
+
+        Uncompressed arrays get their ``zarr.json`` from a template that zarr itself
+        rendered for the dtype, with shape, chunks and attributes filled in: creating
+        thousands of arrays through zarr's API costs milliseconds each.
+        """
         records: list[EntryRecord] = []
         pending: list[tuple[str, Awaitable[Any]]] = []
         agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
+        fast = compressors is None
+        if fast:
+            for folder in ("tensors", "maps"):
+                self.group.require_group(folder)
         for t in tensors:
             key = encode_key(t.name)
             if t.kind == "str":
@@ -249,7 +298,10 @@ class Store:
             }
             if t.note:
                 attrs["note"] = t.note
-            pending.append((t.name, agroup.create_array(
+            if fast:
+                _write_array_json(self.path / folder / key, dtype, t.shape, chunks[t.name], {"zckpt": attrs})
+            else:
+                pending.append((t.name, agroup.create_array(
                 f"{folder}/{key}",
                 shape=t.shape,
                 chunks=chunks[t.name],
@@ -258,7 +310,7 @@ class Store:
                 fill_value=np.zeros((), dtype=dtype),
                 attributes={"zckpt": attrs},
                 config={"write_empty_chunks": True},
-            )))
+                )))
             records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}", None, t.stages, t.note))
             self._writers[t.name] = list(writers.get(t.name, ()))
         created = _gather([c for _, c in pending])
@@ -292,11 +344,24 @@ class Store:
         e = self.entry(name)
         if e.kind == "str":
             raise StoreError("string entries have no array", path=self.path, param=name)
-        node = self.group[e.key]
-        if not isinstance(node, zarr.Array):
-            raise StoreError(f"{e.key} is not an array", path=self.path, param=name)
+        try:
+            node = zarr.open_array(store=self.group.store, path=e.key, mode=self._mode,
+                                   config={"write_empty_chunks": True})
+        except Exception as err:  # zarr raises several types for a missing or broken node
+            raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.path, param=name) from None
         self._arrays[name] = node
         return node
+
+    def raw_chunk_file(self, name: str, coords: Sequence[int]) -> Path | None:
+        """Path of a chunk whose stored bytes are the raw C-order little-endian values
+        (uncompressed, bytes codec only), or ``None`` when chunks are encoded otherwise.
+
+        Such chunks can be filled from and copied to checkpoint files without decoding.
+        """
+        arr = self.array(name)
+        if not _is_raw(arr) or not isinstance(self.group.store, LocalStore):
+            return None
+        return Path(self.group.store.root) / arr.path / arr.metadata.encode_chunk_key(tuple(coords))
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
         if name not in self._writers:

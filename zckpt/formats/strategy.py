@@ -172,8 +172,9 @@ def _read_protobuf(p: Path) -> StrategyMap:
 
 def _file_stage(ops: Mapping[str, tuple[int, tuple[tuple[int, ...], ...]]]) -> int:
     """A per-rank pipeline file names its stage only through its operator strategies."""
-    stages = {stage for stage, _ in ops.values()}
-    return stages.pop() if len(stages) == 1 else 0
+    for stage, _ in ops.values():
+        return stage  # MindSpore takes the first operator's stage
+    return 0
 
 
 def _first_dims(items: Iterable[pb.ParamSplitShape] | Iterable[pb.IndicesOffset]) -> tuple[int, ...]:
