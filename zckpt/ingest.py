@@ -9,6 +9,7 @@ strategy hides a sharded tensor.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -225,6 +226,56 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
+def _copy_chunks(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...]) -> bool:
+    """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
+    copies, no byte passes through Python) when chunks are stored raw and span the shard's
+    full width, so that each chunk is one contiguous byte range of the shard. Returns
+    ``False`` (nothing written) when that does not hold, and zarr writes the box instead."""
+    box = w.box
+    if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
+        return False
+    rows = chunks[0]
+    plan: list[tuple[Path, int, int]] = []
+    for r0 in range(0, box.shape[0], rows):
+        span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
+        if span is None:
+            return False
+        coords = ((box.start[0] + r0) // rows,) + tuple(s // c for s, c in zip(box.start[1:], chunks[1:], strict=True))
+        path = store.raw_chunk_file(w.name, coords)
+        assert path is not None
+        plan.append((path, span[0], span[1]))
+    made: set[Path] = set()
+    for path, offset, length in plan:
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made.add(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _copy_range(reader.fileno(), fd, offset, length)
+        finally:
+            os.close(fd)
+    return True
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, offset + done)
+        except OSError:
+            n = 0
+        if n == 0:  # not supported here (e.g. across filesystems): copy through a buffer
+            os.lseek(dst, done, os.SEEK_SET)
+            while done < length:
+                chunk = os.pread(src, min(length - done, 16 * MiB), offset + done)
+                if not chunk:
+                    raise OSError(f"source ended after {done} of {length} bytes")
+                os.write(dst, chunk)
+                done += len(chunk)
+            return
+        done += n
+
+
 class _WriteBatch:
     """Collects region writes and sends them to zarr together once ``limit`` bytes are pending.
 
@@ -270,6 +321,8 @@ def _write(batch: _WriteBatch, reader: CkptReader, w: Write, chunks: tuple[int, 
         return 0
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
+        return entry.nbytes
+    if _copy_chunks(batch.store, reader, w, chunks):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     rest = w.box.slices()[1:]

@@ -29,8 +29,8 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 from zarr.codecs import BytesCodec
-from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import LocalStore
 

@@ -269,6 +269,25 @@ class CkptReader:
             )
         return flat.reshape(e.shape)
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def row_bytes_range(self, name: str, r0: int, r1: int) -> tuple[int, int] | None:
+        """File offset and length of rows ``[r0, r1)`` when they lie in one payload segment
+        (so they can be copied file to file without passing through memory)."""
+        e = self.entries[name]
+        shape = e.shape
+        if not shape or not 0 <= r0 < r1 <= shape[0]:
+            return None
+        row_bytes = math.prod(shape[1:]) * ms_dtype(e.ms_type).storage.itemsize
+        if row_bytes == 0:
+            return None
+        seg = _segment_holding(_segment_row_bounds(e, row_bytes), r0, r1)
+        if seg is None:
+            return None
+        s, seg_row0 = seg
+        return s.offset + (r0 - seg_row0) * row_bytes, (r1 - r0) * row_bytes
+
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows ``[r0, r1)`` of a tensor along axis 0: a view when they lie in one segment."""
         e = self.entries[name]
