@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import ZckptError
+from zckpt.errors import UsageError, ZckptError
+from zckpt.runner import memory_budget
 
 MiB = 1024 * 1024
 
@@ -30,9 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     ing.add_argument("--store", required=True, help="Zarr store to create")
     ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
-    ing.add_argument("--chunk-mb", type=int, default=64, help="target chunk size (MiB)")
-    ing.add_argument("--block-mb", type=int, default=128, help="tensor data written per step (MiB)")
+    ing.add_argument("--chunk-mb", type=int, help="largest chunk (MiB; default min(64, max-mem/16))")
+    ing.add_argument("--block-mb", type=int, help="tensor data written per step (MiB; default max-mem/4)")
     ing.add_argument("--json", action="store_true", help="print the report as JSON")
+    _engine_args(ing)
 
     exp = sub.add_parser("export", help="write destination rank files from a store")
     exp.add_argument("store")
@@ -42,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
     exp.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    exp.add_argument("--block-mb", type=int, default=64, help="tensor data materialised per step (MiB)")
+    exp.add_argument("--block-mb", type=int, help="tensor data materialised per step (MiB; default max-mem/4)")
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
-    exp.add_argument("--workers", type=int, default=1, help="destination ranks written in parallel")
+    _engine_args(exp)
     exp.add_argument("--per-stage", action="store_true",
                      help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     exp.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -75,6 +77,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=1,
+                   help="run on a Dask LocalCluster of this many worker processes (default: in this process)")
+    p.add_argument("--scheduler", help="run on an existing Dask cluster (scheduler address, e.g. tcp://host:8786)")
+    p.add_argument("--max-mem", default="1GiB",
+                   help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _progress(a: argparse.Namespace) -> bool:
+    return not (a.quiet or a.json) and sys.stderr.isatty()
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' / '2GiB' / '1.5G' / '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tib": 1024**4}
+    s = text.strip().lower()
+    i = len(s)
+    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
+        i -= 1
+    try:
+        value = float(s[:i])
+        unit = units[s[i:].strip()]
+    except (ValueError, KeyError):
+        raise UsageError(f"cannot read size {text!r} (examples: 512MiB, 2GiB)") from None
+    if value <= 0:
+        raise UsageError(f"size must be positive, got {text!r}")
+    return int(value * unit)
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB': sizes people can read at a glance."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -99,9 +132,10 @@ def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str]) -> None:
 def _cmd_ingest(a: argparse.Namespace) -> int:
     from zckpt.ingest import IngestOptions, ingest
 
+    budget = memory_budget(parse_size(a.max_mem), a.block_mb, a.chunk_mb)
     opts = IngestOptions(
-        chunk_bytes=a.chunk_mb * MiB, block_bytes=a.block_mb * MiB, verify_replicas=a.verify_replicas,
-        overwrite=a.overwrite,
+        chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
+        overwrite=a.overwrite, workers=a.workers, scheduler=a.scheduler, progress=_progress(a),
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     _emit(
@@ -120,8 +154,10 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from zckpt.export import ExportOptions, export
 
-    opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=a.block_mb * MiB,
-                         reader=a.reader, workers=a.workers, per_stage=a.per_stage)
+    budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
+    opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
+                         reader=a.reader, workers=a.workers, scheduler=a.scheduler, per_stage=a.per_stage,
+                         progress=_progress(a))
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "

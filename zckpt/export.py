@@ -30,6 +30,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
+from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
 
 MiB = 1024 * 1024
@@ -41,13 +42,21 @@ class ExportOptions:
     block_bytes: int = 64 * MiB
     overwrite: bool = False
     crc: bool = False
-    scheduler: str = "threads"
+    dask_scheduler: str = "threads"
+    """Dask scheduler computing lazy views inside one task (reader "dask")."""
     fsync: bool = True
     reader: str = "zarr"
     workers: int = 1
+    scheduler: str | None = None
+    progress: bool = False
     per_stage: bool = False
     """Write one ``<prefix><r>_part<s>.ckpt`` per source pipeline stage ``s`` (MindSpore's per-stage
     conversion): the parts of a rank together hold what the single file would."""
+    # --- safetensors output (zckpt.export_safetensors) ---
+    format: str = "ckpt"
+    """``"ckpt"`` or ``"safetensors"`` (``rank_<r>/<prefix><r>.safetensors``, MindSpore's layout)."""
+    max_file_bytes: int = 0
+    """safetensors only: split a rank above this size into HF-style parts + index (0: never)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,10 @@ def export(
     options: ExportOptions = ExportOptions(),
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
+    if options.format != "ckpt":  # safetensors output: zckpt.export_safetensors
+        from zckpt.export_safetensors import export_safetensors
+
+        return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
     store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
     plan = plan_export(store, strategy, ranks)
@@ -127,14 +140,20 @@ def export(
         raise OutputError("output path exists and is not a directory", path=out)
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
-    reader = StoreReader(store, options)
-    if options.workers > 1 and len(jobs) > 1:
-        tasks = [dask.delayed(reader.write_rank)(r, p) for r, p in jobs]  # type: ignore[attr-defined]
-        done = dask.compute(*tasks, scheduler="threads", num_workers=options.workers)  # type: ignore[attr-defined,no-untyped-call]
-        results = list(done)
-    else:
-        results = [reader.write_rank(r, p) for r, p in jobs]
+    sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
+    units = [(r, str(p)) for r, p in jobs]
+    engine = Engine(options.workers, options.scheduler, options.progress)
+    with dask_client(engine) as client:
+        results = run_all(write_file, units, str(store.path), options, client=client, label="export",
+                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
+                          progress=options.progress)
     return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+
+
+def write_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
+    """Write one destination file from the store (a Dask task: it opens the store itself)."""
+    rank, target = unit
+    return StoreReader(Store.open(store_path), options).write_rank(rank, Path(target))
 
 
 def output_jobs(store: Store, plan: ExportPlan, out: Path, options: ExportOptions) -> list[tuple[RankExport, Path]]:
@@ -203,7 +222,7 @@ class StoreReader:
             fetched = iter(self.store.read_many(rest))
             return [got if got is not None else next(fetched) for got in direct]
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
-        computed = dask.compute(*lazy, scheduler=self.options.scheduler)  # type: ignore[attr-defined,no-untyped-call]
+        computed = dask.compute(*lazy, scheduler=self.options.dask_scheduler)  # type: ignore[attr-defined,no-untyped-call]
         return [np.asarray(x) for x in computed]
 
     def _read_raw(self, name: str, box: Box) -> np.ndarray | None:

@@ -9,6 +9,7 @@ strategy hides a sharded tensor.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -20,9 +21,11 @@ import numpy as np
 
 from zckpt.errors import SourceError, StrategyError
 from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.shards import open_shard  # .ckpt or .safetensors shards
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box
-from zckpt.plan import IngestPlan, ReplicaCheck, Write, build_ingest_plan
+from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
+from zckpt.runner import Engine, dask_client, run_all
 from zckpt.sources import check_rank_map, discover_rank_files
 from zckpt.store import Store, chunk_shape
 
@@ -39,6 +42,9 @@ class IngestOptions:
     overwrite: bool = False
     require_complete: bool = True
     verify_crc: bool = True
+    workers: int = 1
+    scheduler: str | None = None
+    progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ def resolve_sources(src: str | Path | Mapping[int, str | Path]) -> dict[int, Pat
 def read_indexes(files: Mapping[int, Path], *, verify_crc: bool) -> dict[int, dict[str, EntryInfo]]:
     out: dict[int, dict[str, EntryInfo]] = {}
     for rank, path in files.items():
-        with CkptReader(path, verify_crc=verify_crc) as r:
+        with open_shard(path, verify_crc=verify_crc) as r:
             out[rank] = dict(r.entries)
     return out
 
@@ -147,6 +153,18 @@ def ingest(
     )
 
 
+@dataclass(frozen=True)
+class RankJob:
+    """One source rank's share of an ingest: a unit of work for any Dask worker."""
+
+    rank: int
+    path: str
+    writes: tuple[Write, ...]
+    checks: tuple[ReplicaCheck, ...]
+    chunks: Mapping[str, tuple[int, ...]]
+    nbytes: int
+
+
 def _run(
     plan: IngestPlan, smap: StrategyMap | None, store: Store, options: IngestOptions
 ) -> tuple[int, int, tuple[int, ...]]:
@@ -156,17 +174,17 @@ def _run(
     chunks = {}
     strings: dict[str, str] = {}
     for t in plan.tensors:
-        ws = writers.get(t.name, [])
-        shard = ws[0][1].shape if ws and t.shape else t.shape
+        boxes = [b for _, b in writers.get(t.name, [])]
+        grid = _common_grid(boxes) if boxes and t.shape else t.shape
         itemsize = 1 if t.kind == "map" else max(1, t.nbytes // max(1, _count(t.shape)))
-        chunks[t.name] = chunk_shape(shard, itemsize, options.chunk_bytes)
+        chunks[t.name] = chunk_shape(grid, itemsize, options.chunk_bytes)
     for w in [x for x in plan.writes if _kind(plan, x.name) == "str"]:
-        with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
+        with open_shard(plan.rank_files[w.rank], verify_crc=False) as r:
             strings[w.name] = r.string(w.name)
     map_shapes: dict[str, int] = {}
     for mw in plan.writes:
         if _kind(plan, mw.name) == "map":
-            with CkptReader(plan.rank_files[w.rank], verify_crc=False) as r:
+            with open_shard(plan.rank_files[mw.rank], verify_crc=False) as r:
                 map_shapes[mw.name] = len(r.map_bytes(mw.name))
     tensors = [
         t if t.kind != "map" else replace(t, shape=(map_shapes[t.name],))
@@ -178,21 +196,66 @@ def _run(
             writers[t.name] = [(writers[t.name][0][0], Box.full(t.shape))]
     source = _source_record(plan, smap)
     store.define(tensors, writers, chunks, strings, source)
-    written = 0
-    compared = 0
     ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
+    sizes = {t.name: t.nbytes for t in tensors}
+    jobs = []
     for rank in ranks:
-        rank_writes = [x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str"]
+        ws = tuple(x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str")
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
-        with CkptReader(plan.rank_files[rank], verify_crc=False) as reader:
-            batch = _WriteBatch(store, options.block_bytes, reader)
-            for rw in rank_writes:
-                written += _write(batch, reader, rw, chunks[rw.name], options.block_bytes)
-            batch.flush()
-            for c in cs:
-                compared += _compare(store, reader, c, options.block_bytes, plan.rank_files)
-        store.mark_ingested(rank)
-    return written, compared, ranks
+        names = {x.name for x in ws} | {c.name for c in cs}
+        nbytes = sum(x.box.size * (sizes[x.name] // max(1, _count(_shape_of(tensors, x.name)))) for x in ws)
+        jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
+    engine = Engine(options.workers, options.scheduler, options.progress)
+    with dask_client(engine) as client:
+        written = run_all(ingest_rank, jobs, str(store.path), options, client=client, label="ingest",
+                          size=lambda j: j.nbytes, progress=options.progress)
+        compared = run_all(check_rank, [j for j in jobs if j.checks], str(store.path), options,
+                           dict(plan.rank_files), client=client, label="verify", progress=options.progress)
+    store._ingested = None
+    return sum(written), sum(compared), ranks
+
+
+def _shape_of(tensors: list[TensorSpec], name: str) -> tuple[int, ...]:
+    for t in tensors:
+        if t.name == name:
+            return t.shape
+    raise KeyError(name)
+
+
+def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
+    """Per dimension, the gcd of every writer box's borders: chunks that divide it never
+    straddle two writers, even when a dimension is split unevenly."""
+    out = []
+    for d in range(boxes[0].ndim):
+        g = 0
+        for b in boxes:
+            g = math.gcd(g, math.gcd(b.start[d], b.stop[d]))
+        out.append(max(1, g))
+    return tuple(out)
+
+
+def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
+    """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
+    store = Store.open(store_path, mode="r+")
+    written = 0
+    with open_shard(job.path, verify_crc=False) as reader:
+        batch = _WriteBatch(store, options.block_bytes, reader)
+        for w in job.writes:
+            written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes)
+        batch.flush()
+    store.mark_ingested(job.rank, bytes=written)
+    return written
+
+
+def check_rank(job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str]) -> int:
+    """Compare one source rank's replicas with what the store holds (after every write)."""
+    store = Store.open(store_path, mode="r")
+    compared = 0
+    with open_shard(job.path, verify_crc=False) as reader:
+        for c in job.checks:
+            compared += _compare(store, reader, c, options.block_bytes, files)
+        reader.release_pages()
+    return compared
 
 
 def _count(shape: tuple[int, ...]) -> int:

@@ -189,6 +189,7 @@ class Store:
         self._entries: dict[str, EntryRecord] | None = None
         self._writers: dict[str, list[tuple[int, Box]]] = {}
         self._arrays: dict[str, zarr.Array[Any]] = {}
+        self._ingested: set[int] | None = None
 
     # --- creation -----------------------------------------------------------------
     @classmethod
@@ -257,7 +258,16 @@ class Store:
         return bool(self.manifest.get("complete"))
 
     def ingested_ranks(self) -> set[int]:
-        return {int(r) for r in self.manifest.get("ingested_ranks", [])}
+        """Source ranks whose writes are complete: one ``progress/rank_<r>`` group each, so
+        that parallel ingest workers never write the same key."""
+        if self._ingested is None:
+            try:
+                node = self.group["progress"]
+            except KeyError:
+                return set()
+            assert isinstance(node, zarr.Group)
+            self._ingested = {int(k.split("_", 1)[1]) for k in node.group_keys() if k.startswith("rank_")}
+        return set(self._ingested)
 
     def define(
         self,
@@ -315,7 +325,8 @@ class Store:
             self._writers[t.name] = list(writers.get(t.name, ()))
         created = _gather([c for _, c in pending])
         self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
-        self._update(entries=[r.to_json() for r in records], source=dict(source), ingested_ranks=[])
+        self.group.require_group("progress")
+        self._update(entries=[r.to_json() for r in records], source=dict(source))
 
     def write_many(self, items: Sequence[tuple[str, tuple[slice, ...], np.ndarray]]) -> None:
         """Write several regions concurrently (one event-loop round trip, I/O overlapped)."""
@@ -326,9 +337,9 @@ class Store:
         out = _gather([self.array(name)._async_array.getitem(sel) for name, sel in items])
         return [np.asarray(x) for x in out]
 
-    def mark_ingested(self, rank: int) -> None:
-        done = sorted(self.ingested_ranks() | {rank})
-        self._update(ingested_ranks=done)
+    def mark_ingested(self, rank: int, **info: Any) -> None:
+        self.group.require_group(f"progress/rank_{rank}").attrs.update(info)
+        self._ingested = None
 
     def mark_complete(self) -> None:
         problems = self.coverage_problems()
@@ -347,6 +358,9 @@ class Store:
         try:
             node = zarr.open_array(store=self.group.store, path=e.key, mode=self._mode,
                                    config={"write_empty_chunks": True})
+            # zarr 3.1 drops ``config`` when opening an existing array: without this an all-zero
+            # chunk written through zarr leaves no file, which raw chunk readers then miss.
+            node = node.with_config({"write_empty_chunks": True})
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.path, param=name) from None
         self._arrays[name] = node

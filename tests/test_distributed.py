@@ -1,0 +1,103 @@
+"""Dask distributed: a LocalCluster and a real scheduler + workers on loopback give the same bytes."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ckpt_compare import diff_dirs
+
+import zckpt
+from zckpt.cli import main as cli_main
+from zckpt.formats.ckpt import CkptReader
+
+pytest.importorskip("distributed", reason="dask distributed is not installed")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
+SRC = str(EXAMPLE / "src" / "checkpoints")
+SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")
+DST_S = str(EXAMPLE / "dst" / "strategy.ckpt")
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.ckpt"))}
+
+
+def test_local_cluster_matches_in_process(tmp_path: Path) -> None:
+    zckpt.ingest(SRC, tmp_path / "a.zarr", SRC_S)
+    zckpt.export(tmp_path / "a.zarr", tmp_path / "a", DST_S)
+    zckpt.ingest(SRC, tmp_path / "b.zarr", SRC_S, zckpt.IngestOptions(workers=2, verify_replicas=True))
+    zckpt.export(tmp_path / "b.zarr", tmp_path / "b", DST_S, options=zckpt.ExportOptions(workers=2))
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "b") == []
+    assert zckpt.open_store(tmp_path / "b.zarr").complete
+
+
+def test_errors_cross_the_cluster_with_their_class(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src)
+    f = src / "rank_6" / "checkpoint_6.ckpt"
+    with CkptReader(f) as r:
+        seg = r.entries["layer1.weight"].segments[0]
+    data = bytearray(f.read_bytes())
+    data[seg.offset] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(zckpt.SourceError, match="layer1.weight"):
+        zckpt.ingest(str(src), tmp_path / "s.zarr", SRC_S, zckpt.IngestOptions(workers=2, verify_replicas=True))
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[str]:
+    """A Dask scheduler and two worker processes on loopback, stopped after the test."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--no-dashboard"], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2",
+                                       "--nthreads", "1", "--no-dashboard", "--memory-limit", "0"], cwd=tmp_path,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        from distributed import Client
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with Client(address, timeout=5) as c:
+                    c.wait_for_workers(2, timeout=30)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(["ingest", SRC, "--strategy", SRC_S, "--store", str(store), "--scheduler", scheduler,
+                     "--verify-replicas"]) == 0
+    assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "o"),
+                     "--scheduler", scheduler]) == 0
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []

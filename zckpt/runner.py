@@ -1,0 +1,151 @@
+"""Where work runs: in this process, on a Dask LocalCluster, or on an existing Dask cluster.
+
+zckpt's work units are whole files (one source rank for ingest, one destination file for
+export): each is independent, writes disjoint chunks or its own file, and is bounded in
+memory by ``block_bytes``. This module only maps a top-level function over such units
+with Dask distributed (never a home-made cluster) and reports progress.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from zckpt.errors import UsageError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How to run tasks: ``workers`` > 1 starts a LocalCluster of that many processes;
+    ``scheduler`` connects to a running Dask scheduler (``tcp://host:8786``) instead."""
+
+    workers: int = 1
+    scheduler: str | None = None
+    progress: bool = False
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise UsageError(f"workers must be at least 1, got {self.workers}")
+        if self.scheduler is not None and self.workers > 1:
+            raise UsageError("give either a scheduler address or a number of local workers, not both")
+
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How a memory bound turns into step sizes.
+
+    Ingest holds at most one write batch being encoded (``block_bytes``, plus zarr's copy of
+    it); export holds one batch of slices, the band being written and the chunks zarr is
+    decoding (at most ``chunk_bytes`` each, a few at a time). A quarter of the bound per
+    batch and a sixteenth per chunk keep the sum under the bound.
+    """
+
+    max_bytes: int
+    block_bytes: int
+    chunk_bytes: int
+
+
+def memory_budget(max_bytes: int, block_mb: int | None = None, chunk_mb: int | None = None) -> Budget:
+    if max_bytes < 16 * MiB:
+        raise UsageError(f"--max-mem must be at least 16 MiB, got {max_bytes} bytes")
+    block = block_mb * MiB if block_mb else max_bytes // 4
+    chunk = chunk_mb * MiB if chunk_mb else min(64 * MiB, max_bytes // 16)
+    return Budget(max_bytes, block, chunk)
+
+
+@contextmanager
+def dask_client(engine: Engine) -> Iterator[Any]:
+    """A ``distributed.Client`` for the engine, or ``None`` to run in this process."""
+    engine.check()
+    if engine.scheduler is None and engine.workers == 1:
+        yield None
+        return
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise UsageError("Dask distributed is not installed (pip install 'zckpt[distributed]')") from None
+    if engine.scheduler is not None:
+        client = Client(engine.scheduler)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    cluster = LocalCluster(
+        n_workers=engine.workers, threads_per_worker=1, processes=True, dashboard_address=None, memory_limit=0
+    )
+    client = Client(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+def run_all(
+    fn: Callable[..., R],
+    units: Sequence[T],
+    *args: Any,
+    client: Any,
+    label: str,
+    size: Callable[[T], int] = lambda _: 1,
+    progress: bool = False,
+) -> list[R]:
+    """``[fn(unit, *args) for unit in units]``, on the cluster when there is one.
+
+    Results come back in ``units`` order; the first failure is raised as it was raised in
+    the task (zckpt errors keep their class and message).
+    """
+    bar = _bar(label, sum(size(u) for u in units), progress)
+    try:
+        if client is None:
+            out = []
+            for u in units:
+                out.append(fn(u, *args))
+                bar.update(size(u))
+            return out
+        from distributed import as_completed
+
+        futures = [client.submit(fn, u, *args, pure=False) for u in units]
+        index = {f.key: i for i, f in enumerate(futures)}
+        results: list[Any] = [None] * len(units)
+        try:
+            for fut in as_completed(futures):
+                i = index[fut.key]
+                results[i] = fut.result()
+                bar.update(size(units[i]))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        return results
+    finally:
+        bar.close()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(label: str, total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                leave=False, dynamic_ncols=True)
