@@ -28,7 +28,7 @@ from zckpt.errors import OutputError, StoreError
 from zckpt.formats.ckpt import CkptWriter
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
-from zckpt.layout import Box
+from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
@@ -203,16 +203,11 @@ class StoreReader:
         return self._lazy[name]
 
     def bands(self, name: str, box: Box) -> list[Box]:
-        """The slice cut into row bands of at most ``block_bytes`` (at least one row each)."""
+        """The slice cut into C-order pieces of at most ``block_bytes`` (rows, or parts of a row)."""
         if box.ndim == 0 or box.size == 0:
             return [box]
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
-        row_bytes = max(1, itemsize * box.size // box.shape[0])
-        per = max(1, self.options.block_bytes // row_bytes)
-        return [
-            Box((r,) + box.start[1:], (min(box.stop[0], r + per),) + box.stop[1:])
-            for r in range(box.start[0], box.stop[0], per)
-        ]
+        return c_order_pieces(box, max(1, self.options.block_bytes // itemsize))
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: concurrent Zarr reads, or one Dask computation of lazy views."""

@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError, StrategyError
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import open_shard  # .ckpt or .safetensors shards
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
-from zckpt.layout import Box
+from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.sources import check_rank_map, discover_rank_files
@@ -388,9 +389,15 @@ def _write(batch: _WriteBatch, reader: CkptReader, w: Write, chunks: tuple[int, 
     if _copy_chunks(batch.store, reader, w, chunks):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
-    rest = w.box.slices()[1:]
-    for r0, r1 in _bands(w.box, chunks[0], row_bytes, block_bytes):
-        batch.add(w.name, (slice(w.box.start[0] + r0, w.box.start[0] + r1), *rest), reader.rows(w.name, r0, r1))
+    if chunks[0] * row_bytes <= block_bytes:
+        rest = w.box.slices()[1:]
+        for r0, r1 in _bands(w.box, chunks[0], row_bytes, block_bytes):
+            batch.add(w.name, (slice(w.box.start[0] + r0, w.box.start[0] + r1), *rest), reader.rows(w.name, r0, r1))
+        return entry.nbytes
+    for tile in tiles(w.box, chunks):  # rows wider than the budget: one chunk at a time
+        local = tile.relative_to(w.box)
+        view = reader.rows(w.name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
+        batch.add(w.name, tile.slices(), view)
     return entry.nbytes
 
 
@@ -409,16 +416,14 @@ def _compare(
         raise SourceError(f"shape {list(entry.shape)} differs from the copy of {who}", path=reader.path, param=c.name)
     if box.size == 0:
         return 0
-    if box.ndim == 0:
-        same = _same_bytes(np.asarray(arr[...]), reader.array(c.name))
-        bands = []
-    else:
-        same = True
-        bands = _bands(box, arr.chunks[0], entry.nbytes // entry.shape[0], block_bytes)
-    rest = box.slices()[1:]
-    for r0, r1 in bands:
-        stored = np.asarray(arr[(slice(box.start[0] + r0, box.start[0] + r1),) + rest])
-        if not _same_bytes(stored, reader.rows(c.name, r0, r1)):
+    same = True
+    for piece in c_order_pieces(box, max(1, block_bytes // entry_itemsize(entry))):
+        local = piece.relative_to(box)
+        if box.ndim == 0:
+            mine = reader.array(c.name)
+        else:
+            mine = reader.rows(c.name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
+        if not _same_bytes(np.asarray(arr[piece.slices()]), mine):
             same = False
             break
     if not same:
@@ -438,6 +443,10 @@ def _compare(
             param=c.name,
         )
     return entry.nbytes
+
+
+def entry_itemsize(entry: EntryInfo) -> int:
+    return int(ms_dtype(entry.ms_type).storage.itemsize)
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -356,3 +356,22 @@ def _product_boxes(ranges: list[list[tuple[int, int]]]) -> Iterator[Box]:
     for head in ranges[0]:
         for rest in _product_boxes(ranges[1:]):
             yield Box((head[0],) + rest.start, (head[1],) + rest.stop)
+
+
+def c_order_pieces(box: Box, max_elems: int) -> list[Box]:
+    """Cut ``box`` into pieces of at most ``max_elems`` elements whose concatenation, in
+    order, is the box in C order: whole rows when a row fits, else pieces of single rows
+    (recursively). This is how any tensor, however wide its rows, streams in bounded memory.
+    """
+    limit = max(1, max_elems)
+    if box.ndim == 0 or box.size <= limit:
+        return [box]
+    inner = math.prod(box.shape[1:])
+    if inner <= limit:
+        rows = limit // max(1, inner)
+        return [
+            Box((r,) + box.start[1:], (min(box.stop[0], r + rows),) + box.stop[1:])
+            for r in range(box.start[0], box.stop[0], rows)
+        ]
+    rest = c_order_pieces(Box(box.start[1:], box.stop[1:]), limit)
+    return [Box((r,) + p.start, (r + 1,) + p.stop) for r in range(box.start[0], box.stop[0]) for p in rest]

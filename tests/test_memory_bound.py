@@ -1,0 +1,68 @@
+"""Bounded memory whatever the tensor shape: C-order pieces, rows wider than the budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zckpt
+from zckpt.cli import parse_size
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.generate import TensorDef, global_value, write_model
+from zckpt.layout import Box, c_order_pieces
+from zckpt.runner import memory_budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    data=st.data(),
+    limit=st.integers(1, 80),
+)
+def test_c_order_pieces_concatenate_to_the_box(shape: list[int], data: st.DataObject, limit: int) -> None:
+    start = [data.draw(st.integers(0, s - 1)) for s in shape]
+    stop = [data.draw(st.integers(a + 1, s)) for a, s in zip(start, shape, strict=True)]
+    box = Box(tuple(start), tuple(stop))
+    full = np.arange(int(np.prod(shape))).reshape(shape)
+    pieces = c_order_pieces(box, limit)
+    assert all(p.size <= limit or p.size == 1 for p in pieces)
+    joined = np.concatenate([full[p.slices()].reshape(-1) for p in pieces])
+    assert np.array_equal(joined, full[box.slices()].reshape(-1))
+
+
+def test_rows_wider_than_the_budget(tmp_path: Path) -> None:
+    """A (3, 4096) float32 tensor whose single row (16 KiB) exceeds every step size used here."""
+    lay = make_layout((2,), [[], [0]])
+    wide = TensorDef("wide", (3, 4096), "Float32", lay)
+    col = TensorDef("col", (4096,), "BFloat16", make_layout((2,), [[0]]))
+    model = write_model(tmp_path / "src", [wide, col], device_num=2)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(model.strategy_path),
+                 zckpt.IngestOptions(block_bytes=1000, chunk_bytes=512, verify_replicas=True))
+    arr = zckpt.open_store(store).array("wide")
+    assert arr.chunks[0] == 1 and arr.chunks[1] < 2048
+    dst = StrategyMap(layouts={"wide": {0: make_layout((3,), [[0], []])}, "col": {0: make_layout((3,), [[]])}})
+    (tmp_path / "d.ckpt").write_bytes(encode_strategy(dst))
+    zckpt.export(store, tmp_path / "o", str(tmp_path / "d.ckpt"), options=zckpt.ExportOptions(block_bytes=700))
+    for r in range(3):
+        with CkptReader(tmp_path / "o" / f"rank_{r}" / f"checkpoint_{r}.ckpt") as f:
+            assert f.array("wide").tobytes() == global_value("wide", (3, 4096), "Float32")[r : r + 1].tobytes()
+            assert f.array("col").tobytes() == global_value("col", (4096,), "BFloat16").tobytes()
+
+
+def test_memory_budget_from_max_mem() -> None:
+    b = memory_budget(parse_size("1GiB"))
+    assert (b.block_bytes, b.chunk_bytes) == (256 * 2**20, 64 * 2**20)
+    small = memory_budget(parse_size("64MiB"))
+    assert small.block_bytes == 16 * 2**20 and small.chunk_bytes == 4 * 2**20
+    assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("1000") == 1000
+    for bad in ("lots", "-1GiB", "0"):
+        try:
+            parse_size(bad)
+        except zckpt.UsageError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
