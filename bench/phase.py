@@ -3,8 +3,8 @@
 Each phase runs in its own process so that peak RSS (ru_maxrss) and I/O counters
 (/proc/self/io rchar/wchar) belong to that phase alone.
 
-usage: python bench/phase.py ingest SRC STRATEGY STORE
-       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]]
+usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE]
+       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE]
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
 """
@@ -30,20 +30,37 @@ def _io() -> dict[str, int]:
     return out
 
 
+def _max_mem(args: list[str]) -> tuple[list[str], int]:
+    """Strip a trailing ``--max-mem SIZE`` (default 1 GiB)."""
+    if "--max-mem" in args:
+        i = args.index("--max-mem")
+        from zckpt.cli import parse_size
+
+        return args[:i] + args[i + 2 :], parse_size(args[i + 1])
+    return args, 1024**3
+
+
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
+    args, max_mem = _max_mem(args)
     io0 = _io()
     t0 = time.perf_counter()
     if phase == "ingest":
-        from zckpt.ingest import ingest
+        from zckpt.ingest import IngestOptions, ingest
+        from zckpt.runner import memory_budget
 
-        ingest(args[0], args[2], args[1] or None)
+        b = memory_budget(max_mem)
+        workers = int(args[3]) if len(args) > 3 else 1
+        ingest(args[0], args[2], args[1] or None,
+               IngestOptions(block_bytes=b.block_bytes, chunk_bytes=b.chunk_bytes, workers=workers))
     elif phase == "export":
         from zckpt.export import ExportOptions, export
+        from zckpt.runner import memory_budget
 
         workers = int(args[3]) if len(args) > 3 else 1
         reader = args[4] if len(args) > 4 else "zarr"
-        export(args[0], args[2], args[1] or None, options=ExportOptions(workers=workers, reader=reader))
+        opts = ExportOptions(workers=workers, reader=reader, block_bytes=memory_budget(max_mem).block_bytes)
+        export(args[0], args[2], args[1] or None, options=opts)
     elif phase == "mindspore":
         import mindspore as ms
 
@@ -54,10 +71,12 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"unknown phase {phase}")
     seconds = time.perf_counter() - t0
     io1 = _io()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     print(json.dumps({
         "phase": phase,
         "seconds": seconds,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "max_child_rss_bytes": children,
         "read_chars": io1.get("rchar", 0) - io0.get("rchar", 0),
         "write_chars": io1.get("wchar", 0) - io0.get("wchar", 0),
     }))

@@ -224,8 +224,8 @@ class StoreReader:
         """Read a slice straight from raw chunk files when chunks span the array's full width:
         each chunk then holds whole rows, so the slice's rows are one byte range per chunk.
         ``None`` when that does not hold (zarr reads it instead)."""
-        arr = self.store.array(name)
-        if box.ndim == 0 or box.size == 0 or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
+        arr = self.store.chunk_info(name)
+        if box.ndim == 0 or box.size == 0 or not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
             return None
         rows = arr.chunks[0]
         dtype = ms_dtype(self._entries[name].ms_type).storage

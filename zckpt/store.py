@@ -28,9 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 import zarr
-from zarr.codecs import BytesCodec
 from zarr.core.buffer import default_buffer_prototype
-from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import LocalStore
 
@@ -119,11 +117,16 @@ _TEMPLATES: dict[str, dict[str, Any]] = {}
 
 
 def _template(dtype: np.dtype) -> dict[str, Any]:
-    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once)."""
+    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once).
+
+    Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk in the array's folder,
+    with no directory per chunk coordinate to create.
+    """
     key = dtype.str
     if key not in _TEMPLATES:
         arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(1,), chunks=(1,), dtype=dtype,
-                                compressors=None, fill_value=np.zeros((), dtype=dtype))
+                                compressors=None, fill_value=np.zeros((), dtype=dtype),
+                                chunk_key_encoding={"name": "default", "separator": "."})
         buf = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
         _TEMPLATES[key] = json.loads(buf.to_bytes())
     return _TEMPLATES[key]
@@ -140,12 +143,41 @@ def _write_array_json(
     (folder / "zarr.json").write_text(json.dumps(doc), encoding="utf-8")
 
 
-def _is_raw(arr: zarr.Array[Any]) -> bool:
-    codecs = arr.metadata.codecs if isinstance(arr.metadata, ArrayV3Metadata) else ()
-    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
-        return False
-    endian = codecs[0].endian
-    return endian is None or endian.value == sys.byteorder
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What a chunk-level reader or writer needs to know about an array.
+
+    ``raw``: chunks are stored as their raw C-order values in this machine's byte order
+    (the single ``bytes`` codec), so a chunk file is exactly its values' bytes.
+    """
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    raw: bool
+    separator: str
+    folder: Path | None
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any], folder: Path | None) -> ChunkInfo:
+        codecs = list(doc.get("codecs") or [])
+        raw = False
+        if len(codecs) == 1 and isinstance(codecs[0], dict) and codecs[0].get("name") == "bytes":
+            endian = (codecs[0].get("configuration") or {}).get("endian")
+            raw = endian in (None, sys.byteorder)
+        enc = doc.get("chunk_key_encoding") or {}
+        sep = str((enc.get("configuration") or {}).get("separator", "/"))
+        raw = raw and enc.get("name", "default") == "default"
+        return ChunkInfo(
+            shape=tuple(int(x) for x in doc["shape"]),
+            chunks=tuple(int(x) for x in doc["chunk_grid"]["configuration"]["chunk_shape"]),
+            raw=raw,
+            separator=sep,
+            folder=folder,
+        )
+
+    def chunk_key(self, coords: Sequence[int]) -> str:
+        """Zarr v3's default chunk key: ``c`` followed by the chunk coordinates."""
+        return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
 
 
 def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -190,6 +222,7 @@ class Store:
         self._writers: dict[str, list[tuple[int, Box]]] = {}
         self._arrays: dict[str, zarr.Array[Any]] = {}
         self._ingested: set[int] | None = None
+        self._chunk_info: dict[str, ChunkInfo] = {}
 
     # --- creation -----------------------------------------------------------------
     @classmethod
@@ -366,16 +399,37 @@ class Store:
         self._arrays[name] = node
         return node
 
+    def chunk_info(self, name: str) -> ChunkInfo:
+        """Shape, chunk shape and chunk encoding of an array, read from its ``zarr.json``
+        alone (opening a zarr array costs a millisecond or more; a store has thousands)."""
+        info = self._chunk_info.get(name)
+        if info is None:
+            e = self.entry(name)
+            root = Path(self.group.store.root) if isinstance(self.group.store, LocalStore) else None
+            doc: Any = None
+            if root is not None:
+                try:
+                    doc = json.loads((root / e.key / "zarr.json").read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    doc = None
+            if doc is None:
+                arr = self.array(name)
+                doc = {"shape": arr.shape, "chunk_grid": {"configuration": {"chunk_shape": arr.chunks}},
+                       "codecs": [], "chunk_key_encoding": {}}
+            info = ChunkInfo.from_json(doc, None if root is None else root / e.key)
+            self._chunk_info[name] = info
+        return info
+
     def raw_chunk_file(self, name: str, coords: Sequence[int]) -> Path | None:
         """Path of a chunk whose stored bytes are the raw C-order little-endian values
         (uncompressed, bytes codec only), or ``None`` when chunks are encoded otherwise.
 
         Such chunks can be filled from and copied to checkpoint files without decoding.
         """
-        arr = self.array(name)
-        if not _is_raw(arr) or not isinstance(self.group.store, LocalStore):
+        info = self.chunk_info(name)
+        if not info.raw or info.folder is None:
             return None
-        return Path(self.group.store.root) / arr.path / arr.metadata.encode_chunk_key(tuple(coords))
+        return info.folder / info.chunk_key(coords)
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
         if name not in self._writers:

@@ -1,0 +1,80 @@
+"""Peak RSS of zckpt ingest and export as the model grows (default 1, 4 and 16 GiB).
+
+For each size: generate a transformer-like model on ``--src-ranks`` ranks without data
+parallel replication (so the source is as large as the model), ingest it and export it to
+``--dst-ranks`` ranks with optimizer parallel, each phase in its own process with
+``--max-mem`` (default 1 GiB), then delete everything before the next size (disk stays
+at about 3x the largest model).
+
+    python bench/bench_memory.py --sizes 1,4,16 --work /tmp/zckpt-mem
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from zckpt.formats.strategy import StrategyMap, encode_strategy
+from zckpt.generate import transformer_like, write_model
+
+HERE = Path(__file__).resolve().parent
+GiB = 1024**3
+MiB = 1024**2
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _phase(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    proc = subprocess.run([sys.executable, str(HERE / "phase.py"), *args], capture_output=True, text=True, env=env,
+                          check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"phase {args[0]} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4,16", help="model sizes in GiB, comma separated")
+    ap.add_argument("--src-ranks", type=int, default=8)
+    ap.add_argument("--dst-ranks", type=int, default=4)
+    ap.add_argument("--max-mem", default="1GiB")
+    ap.add_argument("--dtype", default="Float32")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-mem"))
+    a = ap.parse_args()
+    rows = []
+    for size_gib in (float(s) for s in a.sizes.split(",")):
+        root = a.work / f"m{size_gib:g}"
+        shutil.rmtree(root, ignore_errors=True)
+        size = int(size_gib * GiB)
+        src = transformer_like(size, device_num=a.src_ranks, model_parallel=a.src_ranks, weight_type=a.dtype)
+        write_model(root / "src", src, device_num=a.src_ranks)
+        dst = transformer_like(size, device_num=a.dst_ranks, opt_parallel=True, weight_type=a.dtype)
+        if [t.shape for t in src] != [t.shape for t in dst]:
+            raise SystemExit("source and destination shapes differ: choose rank counts with a common hidden size")
+        (root / "dst.ckpt").write_bytes(encode_strategy(StrategyMap(layouts={t.name: {0: t.layout} for t in dst
+                                                                             if t.layout is not None})))
+        logical = sum(t.nbytes for t in src)
+        ing = _phase("ingest", str(root / "src"), str(root / "src" / "strategy.ckpt"), str(root / "s.zarr"),
+                     "--max-mem", a.max_mem)
+        exp = _phase("export", str(root / "s.zarr"), str(root / "dst.ckpt"), str(root / "out"), "1", "zarr",
+                     "--max-mem", a.max_mem)
+        rows.append({"size_bytes": logical, "ingest": ing, "export": exp, "out_bytes": _tree_bytes(root / "out")})
+        shutil.rmtree(root, ignore_errors=True)
+        r = rows[-1]
+        print(f"{logical / GiB:6.2f} GiB  ingest {ing['seconds']:7.1f} s  peak RSS {ing['max_rss_bytes'] / MiB:6.0f} MiB"
+              f"   export {exp['seconds']:7.1f} s  peak RSS {exp['max_rss_bytes'] / MiB:6.0f} MiB", flush=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
