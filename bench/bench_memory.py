@@ -70,9 +70,9 @@ def main() -> None:
                      "--max-mem", a.max_mem)
         rows.append({"size_bytes": logical, "ingest": ing, "export": exp, "out_bytes": _tree_bytes(root / "out")})
         shutil.rmtree(root, ignore_errors=True)
-        r = rows[-1]
-        print(f"{logical / GiB:6.2f} GiB  ingest {ing['seconds']:7.1f} s  peak RSS {ing['max_rss_bytes'] / MiB:6.0f} MiB"
-              f"   export {exp['seconds']:7.1f} s  peak RSS {exp['max_rss_bytes'] / MiB:6.0f} MiB", flush=True)
+        print(f"{logical / GiB:6.2f} GiB  ingest {ing['seconds']:7.1f} s  "
+              f"peak RSS {ing['max_rss_bytes'] / MiB:6.0f} MiB   export {exp['seconds']:7.1f} s  "
+              f"peak RSS {exp['max_rss_bytes'] / MiB:6.0f} MiB", flush=True)
     print(json.dumps(rows))
 
 
