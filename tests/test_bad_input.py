@@ -138,12 +138,20 @@ def test_existing_output_refused_without_overwrite(example: Path, tmp_path: Path
     exp = ["export", str(store), "--strategy", str(example / "dst" / "strategy.ckpt"), "--out", str(out)]
     assert cli_main(exp) == 0
     before = (out / "rank_0" / "checkpoint_0.ckpt").read_bytes()
-    code, err = _run(exp, capsys)
-    assert code == 1 and "already exist" in err
+    capsys.readouterr()
+    assert cli_main(exp) == 0  # the same export again: every file is already complete
+    assert "wrote 0 rank file(s)" in capsys.readouterr().out
+    code, err = _run([*exp[:-2], "--out", str(out), "--prefix", "net_"], capsys)  # another export, same directory
+    assert code == 1 and "already holds" in err
+    (out / "notes.txt").write_text("someone else's file")
+    code, err = _run(["export", str(store), "--out", str(out)], capsys)
+    assert code == 1 and "already holds" in err
     assert cli_main([*exp, "--overwrite"]) == 0
     assert (out / "rank_0" / "checkpoint_0.ckpt").read_bytes() == before
-    code, err = _run(_ingest_args(example, store), capsys)
-    assert code == 1 and "already exists" in err
+    assert cli_main(_ingest_args(example, store)) == 0  # the same ingest again: already complete, nothing to do
+    other = ["ingest", str(example / "src" / "checkpoints"), "--store", str(store)]  # no strategy: another ingest
+    code, err = _run(other, capsys)
+    assert code == 1 and "holds a different ingest" in err
 
 
 def test_incomplete_store_refused_by_export(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,8 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import math
 import time
 from collections.abc import Iterable
@@ -24,8 +26,8 @@ import dask.array as da
 import numpy as np
 
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import OutputError, StoreError
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.errors import OutputError, StoreError, ZckptError
+from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces
@@ -132,12 +134,9 @@ def export(
     check_coverage(store, plan)
     out = Path(out_dir)
     jobs = output_jobs(store, plan, out, options)
-    if not options.overwrite:
-        clash = [str(p) for _, p in jobs if p.exists()]
-        if clash:
-            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
+    jobs = resume_or_refuse(out, jobs, export_fingerprint(store, jobs, options), options.overwrite)
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
@@ -154,6 +153,67 @@ def write_file(unit: tuple[RankExport, str], store_path: str, options: ExportOpt
     """Write one destination file from the store (a Dask task: it opens the store itself)."""
     rank, target = unit
     return StoreReader(Store.open(store_path), options).write_rank(rank, Path(target))
+
+
+MARKER = ".zckpt-export.json"
+
+
+def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], options: ExportOptions) -> str:
+    """Identity of an export: same store content, same files with the same slices."""
+    doc = {
+        "store": store.manifest.get("fingerprint") or hashlib.sha256(
+            json.dumps(store.manifest.get("entries", []), sort_keys=True).encode()).hexdigest(),
+        "files": [[str(p.name), [[s.name, s.box.to_json()] for s in r.slices]] for r, p in jobs],
+        "crc": options.crc,
+        "format": "ckpt",
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def resume_or_refuse(
+    out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: str, overwrite: bool
+) -> list[tuple[RankExport, Path]]:
+    """The files still to write.
+
+    A destination directory that already holds files is refused unless ``overwrite``, or
+    unless it is this same export interrupted earlier (its marker has this fingerprint):
+    then files already complete under their final name (the writer renames only complete
+    files) and matching the plan are kept, and only the rest are written.
+    """
+    marker = out / MARKER
+    present = [p for p in out.iterdir() if p.name != MARKER] if out.is_dir() else []
+    todo = jobs
+    if present and not overwrite:
+        try:
+            same = json.loads(marker.read_text(encoding="utf-8")).get("fingerprint") == fingerprint
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if not same:
+            raise OutputError(
+                f"destination directory already holds {len(present)} entries (use overwrite to replace them)",
+                path=out,
+            )
+        for stray in out.rglob("*.tmp-zckpt"):
+            stray.unlink(missing_ok=True)
+        todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
+    out.mkdir(parents=True, exist_ok=True)
+    if not overwrite:  # overwriting runs rewrite everything: nothing to resume
+        marker.write_text(json.dumps({"fingerprint": fingerprint}), encoding="utf-8")
+    return todo
+
+
+def _complete_file(path: Path, rank: RankExport) -> bool:
+    """A file written earlier by this export: it parses and holds the planned entries."""
+    if not path.is_file():
+        return False
+    try:
+        with CkptReader(path, verify_crc=True) as r:
+            if list(r.entries) != list(rank.names):
+                return False
+            return all(r.entries[s.name].kind != "tensor" or r.entries[s.name].shape == s.box.shape
+                       for s in rank.slices)
+    except ZckptError:
+        return False
 
 
 def output_jobs(store: Store, plan: ExportPlan, out: Path, options: ExportOptions) -> list[tuple[RankExport, Path]]:

@@ -9,10 +9,16 @@ strategy hides a sharded tensor.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import math
 import os
+import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import SourceError, StrategyError
+from zckpt.errors import SourceError, StoreError, StrategyError, ZckptError
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import open_shard  # .ckpt or .safetensors shards
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
@@ -59,6 +65,7 @@ class IngestReport:
     complete: bool
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]]
     ignored_ranks: tuple[int, ...] = ()
+    resumed: bool = False
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -125,22 +132,32 @@ def ingest(
     strategy: StrategyArg = None,
     options: IngestOptions = IngestOptions(),
 ) -> IngestReport:
-    """Build a complete store from source shards; on failure the new store is removed."""
+    """Build a complete store from source shards.
+
+    Rerunning the same ingest after a crash resumes it: source ranks already written
+    (``progress/rank_<r>``) are skipped, the others are rewritten, and the result is the
+    store an uninterrupted run makes, byte for byte. A store holding a different ingest is
+    refused unless ``overwrite``. When the input turns out to be bad (a zckpt error), the
+    incomplete store is removed; after an interruption it is kept, marked incomplete.
+    """
     t0 = time.perf_counter()
     plan, smap = plan_ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc
     )
-    store = Store.create(store_path, overwrite=options.overwrite)
-    try:
-        written, compared, ranks = _run(plan, smap, store, options)
-        complete = not plan.uncovered
-        if complete:
-            store.mark_complete()
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(store.path, ignore_errors=True)
-        raise
+    layout = store_layout(plan, smap, options)
+    with store_lock(Path(store_path)):
+        store, state = open_for_ingest(Path(store_path), layout.fingerprint(), options.overwrite)
+        try:
+            if state == "new":
+                store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
+                             fingerprint=layout.fingerprint())
+            written, compared, ranks = (0, 0, ()) if state == "complete" else _run(plan, layout, store, options)
+            complete = not plan.uncovered
+            if complete and state != "complete":
+                store.mark_complete()
+        except ZckptError:
+            shutil.rmtree(store.path, ignore_errors=True)
+            raise
     return IngestReport(
         store=str(store.path),
         ranks_read=ranks,
@@ -151,24 +168,84 @@ def ingest(
         complete=complete,
         uncovered=plan.uncovered,
         ignored_ranks=plan.ignored_ranks,
+        resumed=state == "resume",
     )
 
 
+@contextmanager
+def store_lock(path: Path) -> Iterator[None]:
+    """Hold ``<store>.lock`` exclusively: a second ingest into the same store is refused
+    rather than let two writers interleave (readers need no lock)."""
+    lock = path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreError("another zckpt ingest is writing this store (lock held)", path=lock) from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def open_for_ingest(path: Path, fingerprint: str, overwrite: bool) -> tuple[Store, str]:
+    """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
+    if path.exists() and not overwrite:
+        try:
+            existing = Store.open(path, mode="r+")
+        except StoreError:
+            if path.is_dir() and not any(path.iterdir()):
+                return Store.create(path, overwrite=True), "new"
+            raise StoreError("exists and is not a zckpt store (use overwrite to replace it)", path=path) from None
+        found = existing.manifest.get("fingerprint")
+        if found == fingerprint:
+            if existing.complete:
+                return existing, "complete"
+            remove_partial_files(path)
+            return existing, "resume"
+        if found is None and not existing.complete:
+            return Store.create(path, overwrite=True), "new"  # interrupted before it held anything
+        raise StoreError("store already exists and holds a different ingest (use overwrite to replace it)",
+                         path=path)
+    return Store.create(path, overwrite=overwrite), "new"
+
+
+def remove_partial_files(root: Path) -> None:
+    """Temporary files an interrupted writer left (zarr's ``*.partial``)."""
+    for p in root.rglob("*.partial"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
 @dataclass(frozen=True)
-class RankJob:
-    """One source rank's share of an ingest: a unit of work for any Dask worker."""
+class StoreLayout:
+    """Everything the store's structure depends on: arrays, writers, chunks, provenance."""
 
-    rank: int
-    path: str
-    writes: tuple[Write, ...]
-    checks: tuple[ReplicaCheck, ...]
+    tensors: tuple[TensorSpec, ...]
+    writers: Mapping[str, tuple[tuple[int, Box], ...]]
     chunks: Mapping[str, tuple[int, ...]]
-    nbytes: int
+    strings: Mapping[str, str]
+    source: Mapping[str, Any]
+
+    def fingerprint(self) -> str:
+        """Identity of an ingest: two runs with the same fingerprint write the same store."""
+        doc = {
+            "tensors": [[t.name, t.kind, t.ms_type, list(t.shape), list(t.stages)] for t in self.tensors],
+            "writers": {n: [[r, b.to_json()] for r, b in ws] for n, ws in sorted(self.writers.items())},
+            "chunks": {n: list(c) for n, c in sorted(self.chunks.items())},
+            "strings": dict(sorted(self.strings.items())),
+            "source": self.source,
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _run(
-    plan: IngestPlan, smap: StrategyMap | None, store: Store, options: IngestOptions
-) -> tuple[int, int, tuple[int, ...]]:
+def store_layout(plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions) -> StoreLayout:
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:
         writers.setdefault(w.name, []).append((w.rank, w.box))
@@ -195,21 +272,48 @@ def _run(
         if t.kind == "map":
             chunks[t.name] = (max(1, t.shape[0]),)
             writers[t.name] = [(writers[t.name][0][0], Box.full(t.shape))]
-    source = _source_record(plan, smap)
-    store.define(tensors, writers, chunks, strings, source)
+    return StoreLayout(
+        tensors=tuple(tensors),
+        writers={n: tuple(ws) for n, ws in writers.items()},
+        chunks=chunks,
+        strings=strings,
+        source=_source_record(plan, smap),
+    )
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One source rank's share of an ingest: a unit of work for any Dask worker."""
+
+    rank: int
+    path: str
+    writes: tuple[Write, ...]
+    checks: tuple[ReplicaCheck, ...]
+    chunks: Mapping[str, tuple[int, ...]]
+    nbytes: int
+
+
+def _run(
+    plan: IngestPlan, layout: StoreLayout, store: Store, options: IngestOptions
+) -> tuple[int, int, tuple[int, ...]]:
+    tensors = list(layout.tensors)
+    chunks = layout.chunks
+    done = store.ingested_ranks()
     ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
     sizes = {t.name: t.nbytes for t in tensors}
     jobs = []
     for rank in ranks:
         ws = tuple(x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str")
+        if rank in done:
+            ws = ()
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * (sizes[x.name] // max(1, _count(_shape_of(tensors, x.name)))) for x in ws)
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
     engine = Engine(options.workers, options.scheduler, options.progress)
     with dask_client(engine) as client:
-        written = run_all(ingest_rank, jobs, str(store.path), options, client=client, label="ingest",
-                          size=lambda j: j.nbytes, progress=options.progress)
+        written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], str(store.path), options,
+                          client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)
         compared = run_all(check_rank, [j for j in jobs if j.checks], str(store.path), options,
                            dict(plan.rank_files), client=client, label="verify", progress=options.progress)
     store._ingested = None

@@ -310,6 +310,7 @@ class Store:
         strings: Mapping[str, str],
         source: Mapping[str, Any],
         compressors: Any = None,
+        fingerprint: str | None = None,
     ) -> None:
         """Create every array (no data yet) and write the manifest.
 
@@ -359,7 +360,7 @@ class Store:
         created = _gather([c for _, c in pending])
         self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
         self.group.require_group("progress")
-        self._update(entries=[r.to_json() for r in records], source=dict(source))
+        self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
 
     def write_many(self, items: Sequence[tuple[str, tuple[slice, ...], np.ndarray]]) -> None:
         """Write several regions concurrently (one event-loop round trip, I/O overlapped)."""

@@ -1,0 +1,147 @@
+"""Crash safety: SIGKILL ingest and export at random moments, rerun, get the uninterrupted bytes.
+
+Real processes (the CLI) are killed; after each kill nothing may look complete that is not
+(no store marked complete early, no final-name rank file that does not parse), and
+rerunning the same command must finish the job with a result byte-identical to an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.strategy import StrategyMap, encode_strategy
+from zckpt.generate import TensorDef, random_layout, write_model
+
+ROOT = Path(__file__).resolve().parents[1]
+INGEST_TRIALS = 12
+EXPORT_TRIALS = 10
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zckpt.cli", *args, "--quiet"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _run(cmd: list[str]) -> float:
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
+    assert proc.returncode == 0, proc.stderr
+    return time.monotonic() - t0
+
+
+def _kill_after(cmd: list[str], delay: float) -> bool:
+    """Start ``cmd``, SIGKILL it after ``delay`` s; True if it was killed before finishing."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=delay)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("crash")
+    rng = random.Random(7)
+    import numpy as np
+
+    nrng = np.random.default_rng(7)
+    tensors = [TensorDef(f"layer{i}.w", (96, 64), "Float32" if i % 3 else "BFloat16",
+                         random_layout(nrng, (96, 64), 8)) for i in range(60)]
+    model = write_model(tmp / "src", tensors, device_num=8, strings={"run": "crash"})
+    dst = StrategyMap(layouts={t.name: {0: random_layout(nrng, t.shape, 4)} for t in tensors})
+    (tmp / "dst.ckpt").write_bytes(encode_strategy(dst))
+    assert model.strategy_path is not None and rng
+    return {"tmp": tmp, "src": tmp / "src", "strategy": model.strategy_path, "dst": tmp / "dst.ckpt"}
+
+
+def test_ingest_killed_at_random_points_resumes_to_identical_store(job: dict[str, Path]) -> None:
+    tmp = job["tmp"]
+    ref_store = tmp / "ref.zarr"
+    cmd = lambda store: _cli("ingest", str(job["src"]), "--strategy", str(job["strategy"]),  # noqa: E731
+                             "--store", str(store), "--chunk-mb", "1")
+    duration = _run(cmd(ref_store))
+    reference = _snapshot(ref_store)
+    rng = random.Random(20261123)
+    killed = 0
+    for trial in range(INGEST_TRIALS):
+        store = tmp / f"s{trial}.zarr"
+        if _kill_after(cmd(store), rng.uniform(0.2, duration)):
+            killed += 1
+            if (store / "zarr.json").is_file():
+                meta = json.loads((store / "zarr.json").read_text())["attributes"]["zckpt"]
+                assert not meta.get("complete") or _snapshot(store) == reference, f"trial {trial}: complete too early"
+        _run(cmd(store))
+        assert _snapshot(store) == reference, f"trial {trial}: store differs after resume"
+        shutil.rmtree(store)
+    print(f"ingest: {killed} of {INGEST_TRIALS} runs killed mid-way, all resumed to the reference store")
+    assert killed >= INGEST_TRIALS // 2, f"only {killed} runs were killed before finishing"
+
+
+def test_export_killed_at_random_points_resumes_to_identical_files(job: dict[str, Path]) -> None:
+    tmp = job["tmp"]
+    store = tmp / "exp.zarr"
+    _run(_cli("ingest", str(job["src"]), "--strategy", str(job["strategy"]), "--store", str(store)))
+    cmd = lambda out: _cli("export", str(store), "--strategy", str(job["dst"]), "--out", str(out))  # noqa: E731
+    duration = _run(cmd(tmp / "ref"))
+    reference = _snapshot(tmp / "ref")
+    rng = random.Random(11232026)
+    killed = 0
+    for trial in range(EXPORT_TRIALS):
+        out = tmp / f"o{trial}"
+        if _kill_after(cmd(out), rng.uniform(0.2, duration)):
+            killed += 1
+            for f in out.rglob("*.ckpt"):
+                with CkptReader(f) as r:  # anything under a final name is whole
+                    assert r.names()
+                assert f.read_bytes() == reference[str(f.relative_to(out))]
+        _run(cmd(out))
+        assert _snapshot(out) == reference, f"trial {trial}: export differs after resume"
+        shutil.rmtree(out)
+    print(f"export: {killed} of {EXPORT_TRIALS} runs killed mid-way, all resumed to the reference files")
+    assert killed >= EXPORT_TRIALS // 2, f"only {killed} runs were killed before finishing"
+
+
+def test_second_ingest_into_the_same_store_is_refused(job: dict[str, Path]) -> None:
+    from zckpt.ingest import store_lock
+
+    store = job["tmp"] / "locked.zarr"
+    with store_lock(store):
+        proc = subprocess.run(_cli("ingest", str(job["src"]), "--strategy", str(job["strategy"]), "--store",
+                                   str(store)), capture_output=True, text=True, env=_env(), check=False)
+    assert proc.returncode == 1 and "another zckpt ingest" in proc.stderr
+    assert not store.exists()
+
+
+def test_many_readers_export_from_one_store_at_once(job: dict[str, Path]) -> None:
+    tmp = job["tmp"]
+    store = tmp / "shared.zarr"
+    _run(_cli("ingest", str(job["src"]), "--strategy", str(job["strategy"]), "--store", str(store)))
+    outs = [tmp / f"reader{i}" for i in range(4)]
+    procs = [subprocess.Popen(_cli("export", str(store), "--strategy", str(job["dst"]), "--out", str(o)),
+                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for o in outs]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    first = _snapshot(outs[0])
+    assert first and all(_snapshot(o) == first for o in outs[1:])
