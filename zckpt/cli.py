@@ -1,4 +1,4 @@
-"""Command line: ``zckpt ingest | export | plan | info | merge-strategies | load``.
+"""Command line: ``zckpt ingest | export | plan | info | merge-strategies | load | consolidate``.
 
 Every zckpt error is printed as one line naming the file and parameter, with exit code 1;
 usage errors exit with 2 (argparse's convention).
@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
-    ing.add_argument("src_dir", help="directory with rank_<r>/*.ckpt")
+    ing.add_argument("src_dir", help="directory with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
     ing.add_argument(
         "--strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
     )
@@ -48,8 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
+    exp.add_argument("--no-verify-checksums", action="store_true",
+                     help="do not check chunks against the CRC-32 recorded at ingest")
     exp.add_argument("--per-stage", action="store_true",
                      help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
+    exp.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
+                     help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
+    exp.add_argument("--max-file-mb", type=int, default=0,
+                     help="safetensors: split a rank larger than this into HF-style parts plus "
+                          "<prefix><r>.safetensors.index.json (default: never split)")
     exp.add_argument("--json", action="store_true", help="print the report as JSON")
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
@@ -58,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
     pl.add_argument("--json", action="store_true")
 
-    inf = sub.add_parser("info", help="describe a .ckpt file, a strategy file or a store")
+    inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
     inf.add_argument("path")
     inf.add_argument("--json", action="store_true")
 
@@ -74,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--param", required=True, help="parameter (entry) name")
     ld.add_argument("--out", help="save the slice to this .npy file (bf16 as uint16 bits)")
     ld.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    con = sub.add_parser("consolidate", help="add zarr's consolidated metadata to a complete store (for other "
+                                             "Zarr readers; zckpt does not need it)")
+    con.add_argument("store")
+    con.add_argument("--json", action="store_true", help="print the report as JSON")
+    _verify_args(sub)
     return p
 
 
@@ -157,7 +171,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                          reader=a.reader, workers=a.workers, scheduler=a.scheduler, per_stage=a.per_stage,
-                         progress=_progress(a))
+                         progress=_progress(a), verify_checksums=not a.no_verify_checksums)
+    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
@@ -216,8 +231,44 @@ def _cmd_load(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consolidate(a: argparse.Namespace) -> int:
+    from zckpt.store_tools import consolidate
+
+    r = consolidate(a.store)
+    _emit({"store": r.store, "nodes": r.nodes, "root_bytes": r.root_bytes, "seconds": r.seconds}, a.json,
+          [f"consolidated the metadata of {r.nodes} nodes into {r.store}/zarr.json "
+           f"({human_bytes(r.root_bytes)}) in {r.seconds:.2f} s"])
+    return 0
+
+
+def _verify_args(sub: Any) -> None:
+    ver = sub.add_parser("verify", help="re-read a store (and its sources / an export) and report every mismatch")
+    ver.add_argument("store")
+    ver.add_argument("src_dir", nargs="?", help="also compare these source shards (rank_<r>/*.ckpt) with the store")
+    ver.add_argument("--strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
+    ver.add_argument("--against", metavar="DST_DIR", help="also compare an export's rank files with the store")
+    ver.add_argument("--dst-strategy", help="destination strategy of DST_DIR (omit: one rank, whole tensors)")
+    ver.add_argument("--prefix", default="checkpoint_", help="file name prefix of DST_DIR (default: checkpoint_)")
+    ver.add_argument("--block-mb", type=int, default=64, help="tensor data compared per step (MiB)")
+    ver.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from zckpt.verify import summary_lines, verify
+
+    if a.strategy and not a.src_dir:
+        raise UsageError("--strategy is the strategy of SRC_DIR, which is not given")
+    if a.dst_strategy and not a.against:
+        raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
+    r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
+               block_bytes=max(1, a.block_mb) * MiB)
+    _emit(r.to_json(), a.json, summary_lines(r))
+    return 0 if r.ok else 1
+
+
 _COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "info": _cmd_info,
-             "merge-strategies": _cmd_merge_strategies, "load": _cmd_load}
+             "merge-strategies": _cmd_merge_strategies, "load": _cmd_load, "consolidate": _cmd_consolidate}
+_COMMANDS["verify"] = _cmd_verify
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,9 +20,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import dask
-import dask.array as da
 import numpy as np
 
 from zckpt.dtypes import ms_dtype
@@ -48,6 +47,8 @@ class ExportOptions:
     """Dask scheduler computing lazy views inside one task (reader "dask")."""
     fsync: bool = True
     reader: str = "zarr"
+    verify_checksums: bool = True
+    """Check each chunk's recorded CRC-32 before its bytes are used (once per chunk and process)."""
     workers: int = 1
     scheduler: str | None = None
     progress: bool = False
@@ -255,9 +256,13 @@ class StoreReader:
         self.store = store
         self.options = options
         self._entries = {e.name: e for e in store.entries()}
-        self._lazy: dict[str, da.Array] = {}
+        self._lazy: dict[str, Any] = {}
+        self._verified: set[tuple[str, str]] = set()
 
-    def lazy(self, name: str) -> da.Array:
+    def lazy(self, name: str) -> Any:
+        """``name`` as a lazy ``dask.array`` over its Zarr array (Dask is imported only here)."""
+        import dask.array as da
+
         if name not in self._lazy:
             self._lazy[name] = da.from_zarr(self.store.array(name))  # type: ignore[no-untyped-call]
         return self._lazy[name]
@@ -271,12 +276,17 @@ class StoreReader:
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: concurrent Zarr reads, or one Dask computation of lazy views."""
+        if self.options.verify_checksums:
+            for name, box in items:
+                self.store.verify_chunks(name, box, self._verified)
         if self.options.reader == "zarr":
             direct = [self._read_raw(name, box) for name, box in items]
             rest = [(name, box.slices()) for (name, box), got in zip(items, direct, strict=True) if got is None]
             fetched = iter(self.store.read_many(rest))
             return [got if got is not None else next(fetched) for got in direct]
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
+        import dask
+
         computed = dask.compute(*lazy, scheduler=self.options.dask_scheduler)  # type: ignore[attr-defined,no-untyped-call]
         return [np.asarray(x) for x in computed]
 

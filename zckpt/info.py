@@ -1,4 +1,4 @@
-"""``zckpt info``: describe a checkpoint file, a strategy file or a store."""
+"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file or a store."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.errors import UsageError
-from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.shards import open_shard, shard_format
 from zckpt.formats.strategy import read_strategy
 
 
@@ -23,6 +23,8 @@ def describe(path: Path) -> tuple[dict[str, Any], list[str]]:
         return _describe_store(path)
     if not path.is_file():
         raise UsageError("no such file or store", path=path)
+    if shard_format(path) != "ckpt":  # a .safetensors file or a split checkpoint's index
+        return _describe_ckpt(path)
     if path.suffix == ".json" or _looks_like_strategy(path):
         return _describe_strategy(path)
     return _describe_ckpt(path)
@@ -37,7 +39,8 @@ def _looks_like_strategy(path: Path) -> bool:
 
 
 def _describe_ckpt(path: Path) -> tuple[dict[str, Any], list[str]]:
-    with CkptReader(path) as r:
+    kind = "ckpt" if shard_format(path) == "ckpt" else "safetensors"
+    with open_shard(path) as r:
         infos = list(r.entries.values())
         crc = r.has_crc
     entries: list[dict[str, Any]] = [
@@ -48,7 +51,7 @@ def _describe_ckpt(path: Path) -> tuple[dict[str, Any], list[str]]:
     rows = [["name", "dtype", "shape", "bytes"]] + [[e.name, e.ms_type, str(e.shape), str(e.nbytes)] for e in infos]
     total = sum(e.nbytes for e in infos)
     lines = [f"checkpoint {path}: {len(entries)} entries, {total} bytes, crc trailer: {crc}", *_table(rows)]
-    return {"type": "ckpt", "path": str(path), "crc": crc, "entries": entries}, lines
+    return {"type": kind, "path": str(path), "crc": crc, "entries": entries}, lines
 
 
 def _describe_strategy(path: Path) -> tuple[dict[str, Any], list[str]]:

@@ -34,7 +34,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.sources import check_rank_map, discover_rank_files
-from zckpt.store import Store, chunk_shape
+from zckpt.store import Store, chunk_shape, file_crc32
 
 MiB = 1024 * 1024
 
@@ -348,8 +348,20 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
         for w in job.writes:
             written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes)
         batch.flush()
-    store.mark_ingested(job.rank, bytes=written)
+    store.mark_ingested(job.rank, bytes=written, crc32=_written_checksums(store, job.writes))
     return written
+
+
+def _written_checksums(store: Store, writes: tuple[Write, ...]) -> dict[str, dict[str, int]]:
+    """CRC-32 of every chunk this rank wrote (read back from the page cache), recorded with
+    the rank's progress so that export and ``zckpt verify`` can prove the bytes unchanged."""
+    out: dict[str, dict[str, int]] = {}
+    for w in writes:
+        if store.entry(w.name).kind != "tensor":
+            continue  # MapParameter bytes are passed through as one opaque array
+        for key, path in store.chunk_files(w.name, w.box):
+            out.setdefault(w.name, {})[key] = file_crc32(path)[0]
+    return out
 
 
 def check_rank(job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str]) -> int:

@@ -2,7 +2,8 @@
 
 MindSpore's layout is ``SRC_DIR/rank_<r>/<anything>.ckpt``; when a rank directory holds
 several ``.ckpt`` files the last one in lexicographic order is the checkpoint, as in
-``mindspore.transform_checkpoints``.
+``mindspore.transform_checkpoints``. Sharded safetensors jobs (``rank_<r>/*.safetensors``)
+are found the same way (see :func:`zckpt.formats.shards.pick_rank_file`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from zckpt.errors import SourceError
+from zckpt.formats.shards import check_single_format, pick_rank_file
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 
@@ -26,11 +28,12 @@ def discover_rank_files(src_dir: str | Path) -> dict[int, Path]:
         m = _RANK_DIR.match(child.name)
         if not m or not child.is_dir():
             continue
-        files = sorted(p for p in child.glob("*.ckpt") if p.is_file())
-        if files:
-            out[int(m.group(1))] = files[-1]
+        found = pick_rank_file(child)  # .ckpt or .safetensors, chosen as MindSpore does
+        if found is not None:
+            out[int(m.group(1))] = found
     if not out:
-        raise SourceError("no rank_<r>/*.ckpt files found", path=root)
+        raise SourceError("no rank_<r>/*.ckpt or rank_<r>/*.safetensors files found", path=root)
+    check_single_format(out, root)
     return dict(sorted(out.items()))
 
 

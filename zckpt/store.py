@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import sys
+import zlib
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from zarr.storage import LocalStore
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
-from zckpt.layout import Box
+from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
@@ -180,6 +181,25 @@ class ChunkInfo:
         return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
 
 
+def file_crc32(path: Path) -> tuple[int, int]:
+    """CRC-32 (zlib) and size of a file, read in 16 MiB blocks (bounded memory)."""
+    crc = 0
+    size = 0
+    buf = bytearray(16 * 1024 * 1024)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                crc = zlib.crc32(view[:n], crc)
+                size += n
+    except FileNotFoundError:
+        raise StoreError("chunk file is missing: the store is damaged", path=path) from None
+    return crc, size
+
+
 def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
     """Run coroutines concurrently on zarr's own event loop and return their results."""
     if not coros:
@@ -223,6 +243,7 @@ class Store:
         self._arrays: dict[str, zarr.Array[Any]] = {}
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
+        self._crcs: dict[str, dict[str, int]] | None = None
 
     # --- creation -----------------------------------------------------------------
     @classmethod
@@ -431,6 +452,62 @@ class Store:
         if not info.raw or info.folder is None:
             return None
         return info.folder / info.chunk_key(coords)
+
+    def chunk_files(self, name: str, box: Box) -> list[tuple[str, Path]]:
+        """``(chunk key, file)`` of every chunk ``box`` touches (raw local stores; else empty)."""
+        info = self.chunk_info(name)
+        if not info.raw or info.folder is None:
+            return []
+        if box.ndim == 0:
+            return [(info.chunk_key(()), info.folder / info.chunk_key(()))]
+        out = []
+        for t in tiles(box, info.chunks):
+            coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
+            key = info.chunk_key(coords)
+            out.append((key, info.folder / key))
+        return out
+
+    def checksums(self) -> dict[str, dict[str, int]]:
+        """CRC-32 of every chunk, as recorded by the source rank that wrote it."""
+        if self._crcs is None:
+            crcs: dict[str, dict[str, int]] = {}
+            try:
+                node = self.group["progress"]
+            except KeyError:
+                node = None
+            if isinstance(node, zarr.Group):
+                for _, child in node.groups():
+                    recorded: Any = child.attrs.get("crc32", {})
+                    for name, per in recorded.items():
+                        crcs.setdefault(name, {}).update({k: int(v) for k, v in per.items()})
+            self._crcs = crcs
+        return self._crcs
+
+    def verify_chunks(self, name: str, box: Box, done: set[tuple[str, str]] | None = None) -> int:
+        """Check the CRC-32 of every chunk ``box`` touches; raise naming parameter and chunk.
+
+        Returns the bytes checked. ``done`` (chunks already verified) avoids re-reading.
+        """
+        expected = self.checksums().get(name, {})
+        checked = 0
+        for key, path in self.chunk_files(name, box):
+            if done is not None and (name, key) in done:
+                continue
+            want = expected.get(key)
+            if want is None:
+                continue
+            got, size = file_crc32(path)
+            if got != want:
+                raise StoreError(
+                    f"chunk {key} fails its checksum (recorded CRC-32 {want:#010x}, file gives {got:#010x}): "
+                    "the store is damaged",
+                    path=path,
+                    param=name,
+                )
+            checked += size
+            if done is not None:
+                done.add((name, key))
+        return checked
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
         if name not in self._writers:

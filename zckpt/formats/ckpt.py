@@ -14,10 +14,13 @@ finished.
 from __future__ import annotations
 
 import binascii
+import bisect
 import contextlib
+import itertools
 import math
 import mmap
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,6 +38,12 @@ CRC_MAGIC = b"crc_num"
 CRC_TRAILER_LEN = len(CRC_MAGIC) + 10
 MS_SLICE_BYTES = 512 * 1024 * 1024
 """MindSpore writes a tensor larger than this as several Values (np.array_split on axis 0)."""
+MAX_NDIM = 32
+"""Most dims an entry may have: numpy's limit (32 before numpy 2), far above MindSpore's 8.
+Checked while parsing, so a packed dims field of a million varints fails on the 33rd."""
+MAX_NBYTES = 2**63 - 1
+"""numpy refuses any shape whose non-zero dims times the item size exceed this (even when
+another dim is 0, the array is empty), so the reader refuses such dims at index time."""
 
 
 @dataclass(frozen=True)
@@ -81,15 +90,16 @@ class CkptReader:
 
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
         self.path = Path(path)
-        try:
-            self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115
-        except OSError as err:
-            raise CheckpointFormatError(f"cannot open: {err.strerror}", path=self.path) from None
+        self._file: BinaryIO = _open_regular(self.path)
         size = os.fstat(self._file.fileno()).st_size
         self._map: mmap.mmap | None = None
         self._buf = memoryview(b"")
         if size:
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as err:
+                self._file.close()
+                raise CheckpointFormatError(f"cannot map: {err}", path=self.path) from None
             self._buf = memoryview(self._map)
         self.has_crc = False
         self.crc_expected: int | None = None
@@ -145,27 +155,71 @@ class CkptReader:
             )
 
     def _index(self, end: int) -> dict[str, EntryInfo]:
-        entries: dict[str, EntryInfo] = {}
+        # Segments of an entry are collected in a list and the EntryInfo built once at the
+        # end: rebuilding it per continuation Value was quadratic (a 1 MB file of one-byte
+        # Values took seconds, a hostile 100 MB one hours).
+        first: dict[str, EntryInfo] = {}
+        segments: dict[str, list[Segment]] = {}
         last: str | None = None
+        top: wire.Field | None = None
         try:
             for f in wire.iter_fields(self._buf, 0, end):
+                top = f
                 if f.number != 1 or f.wire_type != wire.WIRE_LEN:
                     raise self._fail(f"unexpected top-level field {f.number} (wire type {f.wire_type})")
                 entry = self._parse_value(f.value, f.value + f.length)
-                prev = entries.get(entry.name)
-                if prev is not None:
+                prev = first.get(entry.name)
+                if prev is None:
+                    first[entry.name] = entry
+                    segments[entry.name] = list(entry.segments)
+                else:
                     if last != entry.name:
                         raise self._fail("tag appears twice, not consecutively", entry.name)
                     if (prev.kind, prev.ms_type, prev.dims) != (entry.kind, entry.ms_type, entry.dims):
                         raise self._fail("continuation Value disagrees on type or dims", entry.name)
-                    entry = EntryInfo(prev.name, prev.kind, prev.ms_type, prev.dims, prev.segments + entry.segments)
-                entries[entry.name] = entry
+                    segments[entry.name].extend(entry.segments)
                 last = entry.name
+                top = None
         except wire.WireError as err:
-            raise self._fail(f"corrupt or truncated protobuf: {err}", last) from None
+            # name the entry that is broken, not the last good one: its tag usually survives
+            # (a cut mid-tensor leaves the Value's header intact)
+            broken = self._tag_of_value(top.value, top.value + top.length) if top is not None else (
+                self._tag_after_key(err.offset, end))
+            after = f" (the entry after {last!r})" if broken is None and last is not None else ""
+            raise self._fail(f"corrupt or truncated protobuf: {err}{after}", broken) from None
+        entries = {
+            name: EntryInfo(e.name, e.kind, e.ms_type, e.dims, tuple(segments[name])) for name, e in first.items()
+        }
         for e in entries.values():
             self._check_size(e)
         return entries
+
+    def _tag_after_key(self, key_at: int, end: int) -> str | None:
+        """Best-effort tag of a top-level Value whose own length runs past the end of the file."""
+        try:
+            key, pos = wire.read_varint(self._buf, key_at, end)
+            if key != (1 << 3) | wire.WIRE_LEN:
+                return None
+            _, pos = wire.read_varint(self._buf, pos, end)
+        except wire.WireError:
+            return None
+        return self._tag_of_value(pos, end)
+
+    def _tag_of_value(self, start: int, end: int) -> str | None:
+        """Best-effort tag of a damaged Value: its first field, when that is a readable tag."""
+        try:
+            key, pos = wire.read_varint(self._buf, start, end)
+            if key != (1 << 3) | wire.WIRE_LEN:
+                return None
+            n, pos = wire.read_varint(self._buf, pos, end)
+        except wire.WireError:
+            return None
+        if n > min(end - pos, 64 * 1024):
+            return None
+        try:
+            return bytes(self._buf[pos : pos + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
 
     def _parse_value(self, start: int, end: int) -> EntryInfo:
         tag: str | None = None
@@ -192,13 +246,16 @@ class CkptReader:
         ms_type: str | None = None
         content: Segment | None = None
         for f in wire.iter_fields(self._buf, start, end):
-            if f.number == 1 and f.wire_type == wire.WIRE_VARINT:
-                dims.append(wire.as_int64(f.value))
-            elif f.number == 1 and f.wire_type == wire.WIRE_LEN:
-                pos, stop = f.value, f.value + f.length
-                while pos < stop:
-                    v, pos = wire.read_varint(self._buf, pos, stop)
-                    dims.append(wire.as_int64(v))
+            if f.number == 1 and f.wire_type in (wire.WIRE_VARINT, wire.WIRE_LEN):
+                if f.wire_type == wire.WIRE_VARINT:
+                    dims.append(wire.as_int64(f.value))
+                else:  # packed
+                    pos, stop = f.value, f.value + f.length
+                    while pos < stop and len(dims) <= MAX_NDIM:
+                        v, pos = wire.read_varint(self._buf, pos, stop)
+                        dims.append(wire.as_int64(v))
+                if len(dims) > MAX_NDIM:
+                    raise self._fail(f"more than {MAX_NDIM} dims", tag)
             elif f.number == 2 and f.wire_type == wire.WIRE_LEN:
                 try:
                     ms_type = bytes(self._buf[f.value : f.value + f.length]).decode("ascii")
@@ -221,6 +278,8 @@ class CkptReader:
         if e.kind != "tensor":
             return
         item = ms_dtype(e.ms_type).storage.itemsize
+        if math.prod(d for d in e.dims if d) * item > MAX_NBYTES:
+            raise self._fail(f"dims {list(e.dims)} x {e.ms_type} overflow int64 (no such tensor can exist)", e.name)
         count = math.prod(e.dims) if e.dims != (0,) else 1
         if e.dims == (0,) and e.nbytes == 0:
             count = 0
@@ -235,15 +294,25 @@ class CkptReader:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
+    def entry(self, name: str) -> EntryInfo:
+        """The index entry of ``name``; an unknown name is a format error naming file and entry."""
+        e = self.entries.get(name)
+        if e is None:
+            raise self._fail("no such entry in the checkpoint", name)
+        return e
+
     def names(self) -> list[str]:
         return list(self.entries)
 
     def dtype(self, name: str) -> MsDtype:
-        return ms_dtype(self.entries[name].ms_type)
+        e = self.entry(name)
+        if e.kind != "tensor":
+            raise self._fail(f"entry is a {e.kind}, not a tensor", name)
+        return ms_dtype(e.ms_type)
 
     def string(self, name: str) -> str:
         """Value of a string entry (MindSpore stores numpy ``U`` data: UTF-32-LE)."""
-        e = self.entries[name]
+        e = self.entry(name)
         raw = b"".join(bytes(self._buf[s.offset : s.offset + s.length]) for s in e.segments)
         try:
             return raw.decode("utf-32-le").rstrip("\x00")
@@ -251,12 +320,12 @@ class CkptReader:
             raise self._fail("string entry is not UTF-32", name) from None
 
     def map_bytes(self, name: str) -> bytes:
-        e = self.entries[name]
+        e = self.entry(name)
         return b"".join(bytes(self._buf[s.offset : s.offset + s.length]) for s in e.segments)
 
     def array(self, name: str) -> np.ndarray:
         """The whole tensor: a read-only view when it is stored in one segment, else a copy."""
-        e = self.entries[name]
+        e = self.entry(name)
         if e.kind != "tensor":
             raise self._fail(f"entry is a {e.kind}, not a tensor", name)
         dt = ms_dtype(e.ms_type).storage
@@ -272,25 +341,32 @@ class CkptReader:
     def fileno(self) -> int:
         return self._file.fileno()
 
+    def _segment_map(self, e: EntryInfo) -> _SegmentMap:
+        # created on first use: subclasses with their own __init__ (safetensors) need no setup
+        maps: dict[str, _SegmentMap] = self.__dict__.setdefault("_segmaps", {})
+        m = maps.get(e.name)
+        if m is None:
+            m = maps[e.name] = _SegmentMap(e.segments)
+        return m
+
     def row_bytes_range(self, name: str, r0: int, r1: int) -> tuple[int, int] | None:
         """File offset and length of rows ``[r0, r1)`` when they lie in one payload segment
         (so they can be copied file to file without passing through memory)."""
-        e = self.entries[name]
+        e = self.entry(name)
         shape = e.shape
         if not shape or not 0 <= r0 < r1 <= shape[0]:
             return None
         row_bytes = math.prod(shape[1:]) * ms_dtype(e.ms_type).storage.itemsize
         if row_bytes == 0:
             return None
-        seg = _segment_holding(_segment_row_bounds(e, row_bytes), r0, r1)
-        if seg is None:
+        off = self._segment_map(e).offset_within_one(r0 * row_bytes, r1 * row_bytes)
+        if off is None:
             return None
-        s, seg_row0 = seg
-        return s.offset + (r0 - seg_row0) * row_bytes, (r1 - r0) * row_bytes
+        return off, (r1 - r0) * row_bytes
 
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows ``[r0, r1)`` of a tensor along axis 0: a view when they lie in one segment."""
-        e = self.entries[name]
+        e = self.entry(name)
         shape = e.shape
         if not shape:
             return self.array(name)
@@ -301,19 +377,23 @@ class CkptReader:
             raise self._fail(f"rows [{r0}, {r1}) outside {shape[0]} rows", name)
         if row_bytes == 0 or r0 == r1:
             return np.empty((r1 - r0,) + shape[1:], dtype=dt)
-        seg = _segment_holding(_segment_row_bounds(e, row_bytes), r0, r1)
-        if seg is not None:
-            s, seg_row0 = seg
-            off = s.offset + (r0 - seg_row0) * row_bytes
-            flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
-        else:
-            flat = self._gather(e, r0 * row_bytes, r1 * row_bytes, dt)
-        return flat.reshape((r1 - r0,) + shape[1:])
+        return self._rows(e, r0, r1, dt, row_elems).reshape((r1 - r0,) + shape[1:])
+
+    def _rows(self, e: EntryInfo, r0: int, r1: int, dt: np.dtype, row_elems: int) -> np.ndarray:
+        """Rows as a flat array: a view of the mapping when they lie in one segment, else a copy."""
+        start, stop = r0 * row_elems * dt.itemsize, r1 * row_elems * dt.itemsize
+        segs = self._segment_map(e)
+        off = segs.offset_within_one(start, stop)
+        if off is not None:
+            return np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
+        out = np.empty((stop - start) // dt.itemsize, dtype=dt)
+        segs.gather(self._buf, start, stop, out.view(np.uint8))
+        return out
 
     def row_blocks(self, name: str, max_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(first_row, block)`` covering the tensor along axis 0, each at most
         ``max_bytes`` (but at least one row); blocks inside one segment are views."""
-        e = self.entries[name]
+        e = self.entry(name)
         shape = e.shape
         if not shape:
             yield 0, self.array(name)
@@ -325,53 +405,64 @@ class CkptReader:
             yield 0, self.array(name)
             return
         rows_per = max(1, max_bytes // row_bytes)
-        bounds = _segment_row_bounds(e, row_bytes)
         r = 0
         while r < shape[0]:
             r1 = min(shape[0], r + rows_per)
-            seg = _segment_holding(bounds, r, r1)
-            if seg is not None:
-                s, seg_row0 = seg
-                off = s.offset + (r - seg_row0) * row_bytes
-                flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r) * row_elems, offset=off)
-            else:
-                flat = self._gather(e, r * row_bytes, r1 * row_bytes, dt)
-            yield r, flat.reshape((r1 - r,) + shape[1:])
+            yield r, self._rows(e, r, r1, dt, row_elems).reshape((r1 - r,) + shape[1:])
             r = r1
 
-    def _gather(self, e: EntryInfo, start: int, stop: int, dt: np.dtype) -> np.ndarray:
-        out = np.empty((stop - start) // dt.itemsize, dtype=dt)
-        raw = out.view(np.uint8)
-        pos = 0
+
+class _SegmentMap:
+    """Where each byte of an entry's logical payload lies in the file.
+
+    Lookups bisect the cumulative segment sizes, so a tensor split over many ``Value``s
+    costs O(log n) per request: a linear scan per block made ``row_blocks`` quadratic (a
+    1 MB file of 60 000 one-byte Values took half a minute).
+    """
+
+    def __init__(self, segments: tuple[Segment, ...]) -> None:
+        self.segments = segments
+        self.starts = list(itertools.accumulate((s.length for s in segments), initial=0))
+
+    def _first(self, pos: int) -> int:
+        """Index of the segment holding logical byte ``pos`` (skipping empty segments)."""
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def offset_within_one(self, start: int, stop: int) -> int | None:
+        """File offset of logical byte ``start`` when ``[start, stop)`` lies in one segment."""
+        i = self._first(start)
+        if 0 <= i < len(self.segments) and stop <= self.starts[i + 1]:
+            return self.segments[i].offset + start - self.starts[i]
+        return None
+
+    def gather(self, buf: memoryview, start: int, stop: int, out: np.ndarray) -> None:
+        """Copy logical bytes ``[start, stop)`` into ``out`` (uint8, ``stop - start`` long)."""
         done = 0
-        for s in e.segments:
+        i = max(0, self._first(start))
+        while i < len(self.segments) and self.starts[i] < stop:
+            s, pos = self.segments[i], self.starts[i]
             lo, hi = max(start, pos), min(stop, pos + s.length)
             if lo < hi:
-                raw[done : done + hi - lo] = np.frombuffer(self._buf, np.uint8, hi - lo, s.offset + lo - pos)
+                out[done : done + hi - lo] = np.frombuffer(buf, np.uint8, hi - lo, s.offset + lo - pos)
                 done += hi - lo
-            pos += s.length
-        return out
+            i += 1
 
 
-def _segment_row_bounds(e: EntryInfo, row_bytes: int) -> list[tuple[Segment, int, int] | None]:
-    out: list[tuple[Segment, int, int] | None] = []
-    pos = 0
-    for s in e.segments:
-        if pos % row_bytes or s.length % row_bytes:
-            out.append(None)
-        else:
-            out.append((s, pos // row_bytes, (pos + s.length) // row_bytes))
-        pos += s.length
-    return out
+def _open_regular(path: Path) -> BinaryIO:
+    """Open a regular file for reading; anything else is a format error naming the file.
 
-
-def _segment_holding(
-    bounds: list[tuple[Segment, int, int] | None], r0: int, r1: int
-) -> tuple[Segment, int] | None:
-    for b in bounds:
-        if b is not None and b[1] <= r0 and r1 <= b[2]:
-            return b[0], b[1]
-    return None
+    The type is checked before opening because opening a FIFO blocks until a writer
+    appears (a hang, not an error) and a device has no size to map.
+    """
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+        if regular:
+            return open(path, "rb")  # noqa: SIM115
+    except OSError as err:
+        raise CheckpointFormatError(f"cannot open: {err.strerror}", path=path) from None
+    except ValueError as err:  # e.g. a NUL byte in the path
+        raise CheckpointFormatError(f"cannot open: {err}", path=path) from None
+    raise CheckpointFormatError("not a regular file", path=path)
 
 
 def value_header(name: str, ms_type: str, dims: Iterable[int], content_len: int) -> bytes:

@@ -33,8 +33,9 @@ import json
 import math
 import mmap
 import os
+import stat
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -71,6 +72,12 @@ tensors out by descending rank, then by name."""
 
 MAX_HEADER = 100_000_000
 """Largest header accepted, as the ``safetensors`` package and MindSpore."""
+
+MAX_NDIM = 32
+"""Most dims a tensor may have (numpy's limit before numpy 2; MindSpore uses at most 8)."""
+
+MAX_NBYTES = 2**63 - 1
+"""numpy refuses shapes whose non-zero dims times the item size exceed this, even when empty."""
 
 STRING_PREFIX = "zckpt.str:"
 """``__metadata__`` key prefix of MindSpore string entries (``append_dict`` strings)."""
@@ -151,6 +158,8 @@ def parse_header(buf: memoryview, path: Path) -> _Header:
         raise fail("safetensors header is not UTF-8") from None
     except json.JSONDecodeError as err:
         raise fail(f"safetensors header is not valid JSON: {err}") from None
+    except RecursionError:
+        raise fail("safetensors header nests JSON too deeply") from None
     if not isinstance(doc, dict):
         raise fail("safetensors header is not a JSON object")
     meta = doc.pop("__metadata__", None)
@@ -172,6 +181,10 @@ def parse_header(buf: memoryview, path: Path) -> _Header:
         shape = _int_list(info.get("shape"))
         if shape is None or any(d < 0 for d in shape):
             raise fail(f"shape {info.get('shape')!r} is not a list of non-negative integers", name)
+        if len(shape) > MAX_NDIM:
+            raise fail(f"shape has {len(shape)} dims, more than {MAX_NDIM}", name)
+        if math.prod(d for d in shape if d) * ms_dtype(SF_TO_MS[dtype]).storage.itemsize > MAX_NBYTES:
+            raise fail(f"shape {shape} x {dtype} overflows int64 (no such tensor can exist)", name)
         offsets = _int_list(info.get("data_offsets"))
         if offsets is None or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
             raise fail(f"data_offsets {info.get('data_offsets')!r} is not [begin, end] with 0 <= begin <= end", name)
@@ -209,15 +222,16 @@ class SafetensorsReader(CkptReader):
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
         # Not CkptReader.__init__ (that parses protobuf): set up the same mapping and index.
         self.path = Path(path)
-        try:
-            self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115
-        except OSError as err:
-            raise CheckpointFormatError(f"cannot open: {err.strerror}", path=self.path) from None
+        self._file: BinaryIO = _open_regular(self.path)
         size = os.fstat(self._file.fileno()).st_size
         self._map: mmap.mmap | None = None
         self._buf = memoryview(b"")
         if size:
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as err:
+                self._file.close()
+                raise CheckpointFormatError(f"cannot map: {err}", path=self.path) from None
             self._buf = memoryview(self._map)
         self.content_end = size
         try:
@@ -276,6 +290,70 @@ class SafetensorsReader(CkptReader):
 
     def map_bytes(self, name: str) -> bytes:
         raise self._fail("safetensors files hold no MapParameter entries", name)
+
+    # Every tensor is one contiguous segment, so the views are computed here directly rather
+    # than through CkptReader's multi-segment machinery (whose private state is not set up).
+    def _tensor(self, name: str) -> tuple[EntryInfo, np.dtype]:
+        e = self.entries.get(name)
+        if e is None:
+            raise self._fail("no such entry in the checkpoint", name)
+        if e.kind != "tensor":
+            raise self._fail(f"entry is a {e.kind}, not a tensor", name)
+        return e, ms_dtype(e.ms_type).storage
+
+    def array(self, name: str) -> np.ndarray:
+        """The whole tensor: a read-only view of the mapping."""
+        e, dt = self._tensor(name)
+        s = e.segments[0]
+        return np.frombuffer(self._buf, dtype=dt, count=s.length // dt.itemsize, offset=s.offset).reshape(e.shape)
+
+    def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``[r0, r1)`` along axis 0: a read-only view of the mapping."""
+        e, dt = self._tensor(name)
+        shape = e.shape
+        if not shape:
+            return self.array(name)
+        if not 0 <= r0 <= r1 <= shape[0]:
+            raise self._fail(f"rows [{r0}, {r1}) outside {shape[0]} rows", name)
+        row_elems = math.prod(shape[1:])
+        off = e.segments[0].offset + r0 * row_elems * dt.itemsize
+        flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
+        return flat.reshape((r1 - r0,) + shape[1:])
+
+    def row_bytes_range(self, name: str, r0: int, r1: int) -> tuple[int, int] | None:
+        """File offset and length of rows ``[r0, r1)`` (for file-to-file copies)."""
+        e, dt = self._tensor(name)
+        shape = e.shape
+        if not shape or not 0 <= r0 < r1 <= shape[0]:
+            return None
+        row_bytes = math.prod(shape[1:]) * dt.itemsize
+        if row_bytes == 0:
+            return None
+        return e.segments[0].offset + r0 * row_bytes, (r1 - r0) * row_bytes
+
+    def row_blocks(self, name: str, max_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+        """``(first_row, view)`` blocks of at most ``max_bytes`` (at least one row) along axis 0."""
+        e, dt = self._tensor(name)
+        shape = e.shape
+        row_bytes = math.prod(shape[1:]) * dt.itemsize if shape else 0
+        if not shape or row_bytes == 0 or shape[0] == 0:
+            yield 0, self.array(name)
+            return
+        per = max(1, max_bytes // row_bytes)
+        for r in range(0, shape[0], per):
+            yield r, self.rows(name, r, min(shape[0], r + per))
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """Open a regular file; a FIFO would block and a device has no size to map."""
+    try:
+        if stat.S_ISREG(os.stat(path).st_mode):
+            return open(path, "rb")  # noqa: SIM115
+    except OSError as err:
+        raise CheckpointFormatError(f"cannot open: {err.strerror}", path=path) from None
+    except ValueError as err:  # e.g. a NUL byte in the path
+        raise CheckpointFormatError(f"cannot open: {err}", path=path) from None
+    raise CheckpointFormatError("not a regular file", path=path)
 
 
 def mindspore_crc(buf: memoryview | mmap.mmap, tensors: Iterable[tuple[str, Segment]]) -> int:

@@ -24,7 +24,16 @@ from google.protobuf.message import DecodeError
 from zckpt.errors import StrategyError
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 
-_STAGE_PREFIX = re.compile(r"^(\d+)-(.+)$", re.DOTALL)
+_STAGE_PREFIX = re.compile(r"^([0-9]{1,10})-(.+)$", re.DOTALL)
+"""MindSpore writes ``f"{stage}-{name}"`` with a uint32 stage: ASCII digits only and at most
+10 of them (``int()`` refuses numbers of more than 4300 digits with a ValueError)."""
+
+MAX_DEVICES = 2**20
+"""Largest device matrix accepted (product of its sizes). Far above any real cluster, and
+small enough that every per-rank loop of a plan (``range(device_num)``) stays enumerable:
+a corrupt ``dev_matrix`` of ``[2**32 - 1] * 4`` would otherwise make export loop forever."""
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,13 @@ def read_strategy(path: str | Path) -> StrategyMap:
     return _read_protobuf(p)
 
 
+def _read_bytes(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError as err:
+        raise StrategyError(f"cannot read: {err.strerror}", path=p) from None
+
+
 def read_strategies(paths: Iterable[str | Path]) -> StrategyMap:
     """Combine several strategy files (e.g. one per pipeline rank) into one map.
 
@@ -139,24 +155,50 @@ def read_strategies(paths: Iterable[str | Path]) -> StrategyMap:
     return StrategyMap(layouts=combined, sources=tuple(sources), operator_strategies=ops)
 
 
-def _split_stage(name: str, file_stage: int) -> tuple[int, str]:
-    m = _STAGE_PREFIX.match(name)
-    if m:
-        return int(m.group(1)), m.group(2)
-    return file_stage, name
+def _split_stages(names: list[str], file_stage: int, p: Path) -> list[tuple[int, str]]:
+    """(stage, parameter name) of every layout name of one file.
+
+    ``merge_pipeline_strategys`` prefixes *every* name with ``"<stage>-"``, so names are
+    split only when all of them carry such a prefix: in a per-rank or non-pipeline file a
+    parameter that happens to be called ``"7-x"`` keeps its name instead of being read as
+    ``x`` of stage 7 (which ingest then refused as a sharded tensor with no layout).
+    """
+    if any(not n for n in names):
+        raise StrategyError("a layout has an empty parameter name", path=p)
+    matches = [_STAGE_PREFIX.match(n) for n in names]
+    if names and all(matches):
+        return [(int(m.group(1)), m.group(2)) for m in matches if m]
+    return [(file_stage, n) for n in names]
+
+
+def _add_layout(
+    layouts: dict[str, dict[int, ParamLayout]], name: str, stage: int, lay: ParamLayout, p: Path
+) -> None:
+    """Record a layout; a parameter listed twice for one stage must say the same both times."""
+    old = layouts.setdefault(name, {}).get(stage)
+    if old is not None and old != lay:
+        raise StrategyError(f"listed twice for stage {stage} with different layouts", path=p, param=name)
+    layouts[name][stage] = lay
+
+
+def _pb_text(value: str | bytes, what: str, p: Path) -> str:
+    """A proto2 ``string`` field: upb hands back ``bytes`` when the wire bytes are not UTF-8."""
+    if isinstance(value, bytes):
+        raise StrategyError(f"{what} {value[:40]!r} is not UTF-8", path=p)
+    return value
 
 
 def _read_protobuf(p: Path) -> StrategyMap:
     msg = pb.ParallelStrategyMap()
     try:
-        msg.ParseFromString(p.read_bytes())
+        msg.ParseFromString(_read_bytes(p))
     except DecodeError as err:
         raise StrategyError(f"not a protobuf strategy file ({err})", path=p) from None
     if not msg.IsInitialized():
         missing = ", ".join(msg.FindInitializationErrors()[:5])  # type: ignore[attr-defined]
         raise StrategyError(f"not a protobuf strategy file (required fields missing: {missing})", path=p)
     ops = {
-        item.node_name: (
+        _pb_text(item.node_name, "node_name", p): (
             int(item.parallel_strategys.stage),
             tuple(tuple(int(d) for d in s.dim) for s in item.parallel_strategys.parallel_strategy),
         )
@@ -164,9 +206,10 @@ def _read_protobuf(p: Path) -> StrategyMap:
     }
     file_stage = _file_stage(ops)
     layouts: dict[str, dict[int, ParamLayout]] = {}
-    for item in msg.parallel_layout_item:
-        stage, name = _split_stage(item.param_name, file_stage)
-        layouts.setdefault(name, {})[stage] = _layout_from_pb(item.parallel_layouts, p, name)
+    names = _split_stages([_pb_text(item.param_name, "param_name", p) for item in msg.parallel_layout_item],
+                          file_stage, p)
+    for item, (stage, name) in zip(msg.parallel_layout_item, names, strict=True):
+        _add_layout(layouts, name, stage, _layout_from_pb(item.parallel_layouts, p, name), p)
     return StrategyMap(layouts=layouts, sources=(str(p),), operator_strategies=ops)
 
 
@@ -220,17 +263,25 @@ def make_layout(
     """Build and check a :class:`ParamLayout` from raw file values.
 
     ``tensor_map`` entries are ints (``-1`` = not split) or lists of ints (several axes).
+    Every number must fit the width MindSpore's protobuf gives it, so anything read here
+    can be written back (``encode_strategy``) and the device count stays enumerable.
     """
     dev = tuple(int(d) for d in dev_matrix)
-    if not dev or any(d < 1 for d in dev):
+    if not dev or any(not 1 <= d < 2**32 for d in dev):
         raise StrategyError(f"dev_matrix {list(dev)} must hold positive sizes", path=path, param=param)
+    if math.prod(dev) > MAX_DEVICES:
+        raise StrategyError(
+            f"dev_matrix {list(dev)} describes {math.prod(dev)} devices, more than zckpt's limit of {MAX_DEVICES}",
+            path=path,
+            param=param,
+        )
     tmap: list[tuple[int, ...]] = []
     used: set[int] = set()
     for entry in tensor_map:
         axes_raw = list(entry) if isinstance(entry, (list, tuple)) else [entry]
         try:
             ints = [int(a) for a in axes_raw]  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise StrategyError(
                 f"tensor_map entry {entry!r} is not an int or a list of ints", path=path, param=param
             ) from None
@@ -252,59 +303,125 @@ def make_layout(
         raise StrategyError(
             f"opt_weight_shard_size {opt_shard_size} is negative", path=path, param=param
         )
+    for what, value in (("opt_weight_shard_step", opt_shard_step), ("opt_weight_shard_size", opt_shard_size),
+                        ("field", field_size)):
+        _check_range(what, [int(value)], _INT32, path, param)
+    split = _check_range("param_split_shape", [int(x) for x in param_split_shape], _INT64, path, param)
+    offsets = _check_range("indices_offset", [int(x) for x in indices_offset], _INT64, path, param)
+    shape = None if tensor_shape is None else _check_range(
+        "tensor_shape", [int(x) for x in tensor_shape], _INT64, path, param
+    )
     return ParamLayout(
         dev_matrix=dev,
         tensor_map=tuple(tmap),
         opt_shard_step=int(opt_shard_step),
         opt_shard_size=int(opt_shard_size),
         field_size=int(field_size),
-        param_split_shape=tuple(int(x) for x in param_split_shape),
-        indices_offset=tuple(int(x) for x in indices_offset),
-        tensor_shape=None if tensor_shape is None else tuple(int(x) for x in tensor_shape),
+        param_split_shape=split,
+        indices_offset=offsets,
+        tensor_shape=shape,
     )
+
+
+def _check_range(
+    what: str, values: list[int], bounds: tuple[int, int], path: str | Path | None, param: str | None
+) -> tuple[int, ...]:
+    lo, hi = bounds
+    for v in values:
+        if not lo <= v <= hi:
+            raise StrategyError(f"{what} value {v} does not fit its field ({lo}..{hi})", path=path, param=param)
+    return tuple(values)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` keeps the last of duplicate keys silently; a strategy that lists a
+    parameter twice is ambiguous, so it is refused (ValueError: reported as not JSON)."""
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out and out[k] != v:
+            raise ValueError(f"key {k!r} appears twice with different values")
+        out[k] = v
+    return out
+
+
+def _json_int(value: object, what: str) -> int:
+    """A JSON number that is an integer (``2`` or ``2.0``); bools, strings, fractions, NaN and
+    infinities are refused (``int(float("inf"))`` would raise OverflowError, ``int(True)`` is 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} {value!r} is not an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise TypeError(f"{what} {value!r} is not an integer")
+        return int(value)
+    return value
+
+
+def _json_ints(value: object, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} {value!r} is not a list of integers")
+    return [_json_int(v, what) for v in value]
+
+
+def _json_tensor_map(value: object) -> list[object]:
+    if not isinstance(value, list):
+        raise TypeError(f"tensor_map {value!r} is not a list")
+    return [_json_ints(e, "tensor_map entry") if isinstance(e, list) else _json_int(e, "tensor_map entry")
+            for e in value]
 
 
 def _read_json(p: Path) -> StrategyMap:
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise StrategyError(f"not a JSON strategy file ({err})", path=p) from None
+        doc = json.loads(_read_bytes(p).decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        # ValueError also covers integers of more than 4300 digits; RecursionError deep nesting
+        raise StrategyError(f"not a JSON strategy file ({type(err).__name__}: {err})", path=p) from None
     if not isinstance(doc, dict):
         raise StrategyError("JSON strategy must be an object", path=p)
     ops: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
-    for node, item in (doc.get("parallel_strategy_item") or {}).items():
+    op_items = doc.get("parallel_strategy_item") or {}
+    if not isinstance(op_items, dict):
+        raise StrategyError("parallel_strategy_item must be an object", path=p)
+    for node, item in op_items.items():
         try:
-            ops[node] = (
-                int(item.get("stage", 0)),
-                tuple(tuple(int(d) for d in s) for s in item.get("parallel_strategy", [])),
-            )
-        except (TypeError, ValueError, AttributeError) as err:
+            if not isinstance(item, dict):
+                raise TypeError("not an object")
+            strategies = item.get("parallel_strategy", [])
+            if not isinstance(strategies, list):
+                raise TypeError("parallel_strategy is not a list")
+            stage = _json_int(item.get("stage", 0), "stage")
+            _check_range("stage", [stage], (0, 2**32 - 1), p, None)
+            dims = [_json_ints(s, "parallel_strategy") for s in strategies]
+            _check_range("parallel_strategy", [d for x in dims for d in x], (0, 2**32 - 1), p, None)
+            ops[node] = (stage, tuple(tuple(x) for x in dims))
+        except TypeError as err:
             raise StrategyError(f"bad parallel_strategy_item {node!r}: {err}", path=p) from None
     file_stage = _file_stage(ops)
     layouts: dict[str, dict[int, ParamLayout]] = {}
     items = doc.get("parallel_layout_item") or {}
     if not isinstance(items, dict):
         raise StrategyError("parallel_layout_item must be an object", path=p)
-    for full_name, it in items.items():
-        stage, name = _split_stage(full_name, file_stage)
+    for (stage, name), it in zip(_split_stages(list(items), file_stage, p), items.values(), strict=True):
         try:
+            if not isinstance(it, dict):
+                raise TypeError(f"layout entry {it!r} is not an object")
+            shape = it.get("tensor_shape")
             lay = make_layout(
-                it["dev_matrix"],
-                it["tensor_map"],
-                opt_shard_step=int(it.get("opt_weight_shard_step", 0)),
-                opt_shard_size=int(it.get("opt_weight_shard_size", 0)),
-                field_size=int(it.get("field", 0)),
-                param_split_shape=it.get("param_split_shape", ()),
-                indices_offset=it.get("indices_offset", ()),
-                tensor_shape=it.get("tensor_shape"),
+                _json_ints(it["dev_matrix"], "dev_matrix"),
+                _json_tensor_map(it["tensor_map"]),
+                opt_shard_step=_json_int(it.get("opt_weight_shard_step", 0), "opt_weight_shard_step"),
+                opt_shard_size=_json_int(it.get("opt_weight_shard_size", 0), "opt_weight_shard_size"),
+                field_size=_json_int(it.get("field", 0), "field"),
+                param_split_shape=_json_ints(it.get("param_split_shape", []), "param_split_shape"),
+                indices_offset=_json_ints(it.get("indices_offset", []), "indices_offset"),
+                tensor_shape=None if shape is None else _json_ints(shape, "tensor_shape"),
                 path=p,
                 param=name,
             )
-        except (KeyError, TypeError, ValueError) as err:
-            if isinstance(err, StrategyError):
-                raise
-            raise StrategyError(f"bad layout entry: {err!r}", path=p, param=name) from None
-        layouts.setdefault(name, {})[stage] = lay
+        except KeyError as err:
+            raise StrategyError(f"bad layout entry: missing {err}", path=p, param=name) from None
+        except TypeError as err:
+            raise StrategyError(f"bad layout entry: {err}", path=p, param=name) from None
+        _add_layout(layouts, name, stage, lay, p)
     return StrategyMap(layouts=layouts, sources=(str(p),), operator_strategies=ops)
 
 
@@ -368,7 +485,7 @@ def encode_strategy_json(smap: StrategyMap, *, merged: bool | None = None, curre
             }
             if lay.tensor_shape is not None:
                 entry["tensor_shape"] = list(lay.tensor_shape)
-            if lay.param_split_shape:
+            if lay.param_split_shape or lay.indices_offset:
                 entry["param_split_shape"] = list(lay.param_split_shape)
                 entry["indices_offset"] = list(lay.indices_offset)
             items[f"{stage}-{name}" if prefix else name] = entry

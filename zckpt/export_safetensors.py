@@ -1,0 +1,220 @@
+"""Export to safetensors: each destination rank as ``rank_<r>/<prefix><r>.safetensors``.
+
+MindSpore's own safetensors jobs (``save_checkpoint(format="safetensors")``,
+``transform_checkpoints(..., output_format="safetensors")``) use this layout, so the files
+load with ``mindspore.load_checkpoint(f, format="safetensors")`` and with any safetensors
+reader. The export plan gives every tensor's name, type and shape before a byte is read,
+so each file's header is written first and the tensors' bytes are then streamed from the
+store band by band (at most ``block_bytes`` in memory), under a temporary name renamed
+when complete.
+
+* dtypes map one to one (``BFloat16`` -> ``BF16`` with the exact bits the store keeps);
+* metadata is MindSpore's ``{"format": "ms"}`` (plus ``crc_num`` with ``crc``, computed
+  as MindSpore does); string entries go to ``__metadata__`` under ``"zckpt.str:" + name``;
+* MapParameter entries have no safetensors form (MindSpore cannot save them either): refused;
+* with ``max_file_bytes`` a rank larger than that is split HF-style into
+  ``<prefix><r>-00001-of-0000K.safetensors`` parts (tensors whole, in plan order) plus
+  ``<prefix><r>.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``);
+  string entries go to the first part. ``zckpt ingest`` reads such a rank back through
+  its index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from zckpt.dtypes import ms_dtype
+from zckpt.errors import OutputError
+from zckpt.export import (
+    ExportOptions,
+    ExportReport,
+    RankResult,
+    StoreReader,
+    check_coverage,
+    output_jobs,
+    plan_export,
+)
+from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
+from zckpt.formats.shards import INDEX_SUFFIX
+from zckpt.ingest import StrategyArg
+from zckpt.layout import Box
+from zckpt.plan import RankExport
+from zckpt.runner import Engine, dask_client, run_all
+from zckpt.store import EntryRecord, Store
+
+SUFFIX = ".safetensors"
+
+
+def part_name(stem: str, index: int, count: int) -> str:
+    """HF's shard file name: ``<stem>-00001-of-00003.safetensors``."""
+    return f"{stem}-{index + 1:05d}-of-{count:05d}{SUFFIX}"
+
+
+def split_parts(tensors: Sequence[TensorHeader], max_bytes: int) -> list[list[TensorHeader]]:
+    """Tensors grouped in order into parts of at most ``max_bytes`` of data (a larger tensor
+    gets a part of its own); one part when ``max_bytes`` is 0."""
+    if max_bytes <= 0 or not tensors:
+        return [list(tensors)]
+    parts: list[list[TensorHeader]] = [[]]
+    size = 0
+    for t in tensors:
+        if parts[-1] and size + t.nbytes > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(t)
+        size += t.nbytes
+    return parts
+
+
+def _stem(target: Path) -> str:
+    return target.name[: -len(SUFFIX)] if target.name.endswith(SUFFIX) else target.stem
+
+
+def _outputs(target: Path) -> list[Path]:
+    """Every file an export of ``target`` may leave: the single file, the index, parts."""
+    stem = _stem(target)
+    found = [target, target.with_name(stem + INDEX_SUFFIX)]
+    if target.parent.is_dir():
+        found += sorted(target.parent.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]{SUFFIX}"))
+    return [p for p in found if p.exists()]
+
+
+def export_safetensors(
+    store_or_path: Store | str | Path,
+    out_dir: str | Path,
+    strategy: StrategyArg = None,
+    *,
+    ranks: Iterable[int] | None = None,
+    options: ExportOptions | None = None,
+) -> ExportReport:
+    """Write ``out_dir/rank_<r>/<prefix><r>.safetensors`` for every (or each requested) rank."""
+    options = options if options is not None else ExportOptions(format="safetensors")
+    if options.format != "safetensors":
+        raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    t0 = time.perf_counter()
+    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
+    plan = plan_export(store, strategy, ranks)
+    check_coverage(store, plan)
+    kinds = {e.name: e.kind for e in store.entries()}
+    for r in plan.ranks:
+        for s in r.slices:
+            if kinds[s.name] == "map":
+                raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                                  "safetensors either); export this store as .ckpt", param=s.name)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError("output path exists and is not a directory", path=out)
+    jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, out, options)]
+    if not options.overwrite:
+        clash = [p for _, target in jobs for p in _outputs(target)]
+        if clash:
+            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
+    sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
+    units = [(r, str(p)) for r, p in jobs]
+    engine = Engine(options.workers, options.scheduler, options.progress)
+    with dask_client(engine) as client:
+        results = run_all(write_safetensors_file, units, str(store.path), options, client=client,
+                          label="export", progress=options.progress,
+                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
+    return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+
+
+def write_safetensors_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
+    """Write one destination rank (a Dask task: it opens the store itself)."""
+    rank, target = unit
+    return write_rank(StoreReader(Store.open(store_path), options), rank, Path(target), options)
+
+
+def write_rank(reader: StoreReader, rank: RankExport, target: Path, options: ExportOptions) -> RankResult:
+    """One rank's file, or its parts and index when it exceeds ``max_file_bytes``."""
+    entries: dict[str, EntryRecord] = {e.name: e for e in reader.store.entries()}
+    tensors = [TensorHeader(s.name, entries[s.name].ms_type, s.box.shape) for s in rank.slices
+               if entries[s.name].kind == "tensor"]
+    boxes = {s.name: s.box for s in rank.slices}
+    meta = dict(MS_METADATA)
+    for s in rank.slices:
+        if entries[s.name].kind == "str":
+            meta[STRING_PREFIX + s.name] = entries[s.name].value or ""
+    parts = split_parts(tensors, options.max_file_bytes)
+    stem = _stem(target)
+    stale = set(_outputs(target))
+    if len(parts) == 1:
+        paths = [target]
+    else:
+        paths = [target.with_name(part_name(stem, i, len(parts))) for i in range(len(parts))]
+    total = 0
+    for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
+        part_meta = meta if i == 0 else dict(MS_METADATA)
+        with SafetensorsWriter(path, part, part_meta, crc=options.crc, fsync=options.fsync) as w:
+            bands = _BandStream(reader, [(t.name, b) for t in w.order for b in reader.bands(t.name, boxes[t.name])],
+                                options.block_bytes)
+            for t in w.order:
+                w.write_tensor(t.name, bands.take(t.name))
+        total += path.stat().st_size
+    result_path = paths[0]
+    if len(parts) > 1:
+        result_path = target.with_name(stem + INDEX_SUFFIX)
+        doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+               "weight_map": {t.name: p.name for p, part in zip(paths, parts, strict=True) for t in part}}
+        _write_json(result_path, doc, fsync=options.fsync)
+        total += result_path.stat().st_size
+    for p in stale - {*paths, result_path}:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return RankResult(rank.rank, str(result_path), len(tensors), total)
+
+
+def _write_json(path: Path, doc: object, *, fsync: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp-zckpt")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _BandStream:
+    """Band arrays in file order, read from the store batch by batch (at most ``limit``
+    bytes materialised at a time, or one band when a band alone is larger)."""
+
+    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int) -> None:
+        self.reader = reader
+        self.todo = deque(bands)
+        self.ready: deque[tuple[str, np.ndarray]] = deque()
+        self.limit = max(1, limit)
+        self.itemsize = {e.name: ms_dtype(e.ms_type).storage.itemsize
+                         for e in reader.store.entries() if e.kind == "tensor"}
+
+    def take(self, name: str) -> Iterator[np.ndarray]:
+        """The bands of ``name`` (the next tensor in order)."""
+        while True:
+            if not self.ready:
+                if not self.todo or self.todo[0][0] != name:
+                    return
+                self._fill()
+            if self.ready[0][0] != name:
+                return
+            yield self.ready.popleft()[1]
+
+    def _fill(self) -> None:
+        batch: list[tuple[str, Box]] = []
+        size = 0
+        while self.todo:
+            name, box = self.todo[0]
+            nbytes = box.size * self.itemsize[name]
+            if batch and size + nbytes > self.limit:
+                break
+            batch.append(self.todo.popleft())
+            size += nbytes
+        for (name, _), arr in zip(batch, self.reader.materialise(batch), strict=True):
+            self.ready.append((name, arr))
