@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from zckpt.store import Store, encode_key
 
 ESCAPE_MARK = f"zckpt_escape_{uuid.uuid4().hex}"
 """A file name that must not appear anywhere on the machine after the run."""
+TEMP = Path(tempfile.gettempdir())
+ROOT = Path(os.path.abspath(os.sep))
 
 HOSTILE = [
     "../x",
-    "../../../../../../../../tmp/" + ESCAPE_MARK,
-    "/tmp/" + ESCAPE_MARK + "_abs",
+    "../" * 12 + ESCAPE_MARK,  # climbs to the filesystem root from anywhere shallower than 12 levels
+    str(TEMP / (ESCAPE_MARK + "_abs")),
     "a/b",
     "a%2Fb",  # what "a/b" becomes once escaped: must not collide with it
     "a%252Fb",
@@ -99,7 +102,7 @@ def test_hostile_names_round_trip_and_stay_inside(tmp_path: Path) -> None:
                        "--store", str(store)])]
     if codes[0] == 0:
         codes.append(cli_main(["export", str(store), "--strategy", str(dst_file), "--out", str(out)]))
-    escaped = list(Path("/tmp").glob(ESCAPE_MARK + "*")) + list(tmp_path.parent.glob("**/" + ESCAPE_MARK))
+    escaped = [p for d in (TEMP, ROOT, tmp_path.parent) for p in d.glob(ESCAPE_MARK + "*")]
     for p in escaped:  # do not leave them behind
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     assert not escaped, escaped
