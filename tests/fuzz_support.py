@@ -173,23 +173,11 @@ def parse(data: bytes, schema: dict[str, dict[int, str]], msg: str) -> list[Node
 def varint(value: int, pad: int = 0) -> bytes:
     """Varint of ``value`` (negative as 10-byte two's complement), with ``pad`` redundant
     continuation bytes (valid up to 10 bytes in all, overlong beyond)."""
-    b = bytearray(wire.encode_varint(value) if value < 2**64 else _big_varint(value))
+    b = bytearray(wire.encode_varint(value))
     for _ in range(pad):
         b[-1] |= 0x80
         b.append(0)
     return bytes(b)
-
-
-def _big_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def encode(nodes: Sequence[Node]) -> bytes:

@@ -89,18 +89,7 @@ class CkptReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
-        self.path = Path(path)
-        self._file: BinaryIO = _open_regular(self.path)
-        size = os.fstat(self._file.fileno()).st_size
-        self._map: mmap.mmap | None = None
-        self._buf = memoryview(b"")
-        if size:
-            try:
-                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as err:
-                self._file.close()
-                raise CheckpointFormatError(f"cannot map: {err}", path=self.path) from None
-            self._buf = memoryview(self._map)
+        size = self._map_file(path)
         self.has_crc = False
         self.crc_expected: int | None = None
         end = size
@@ -116,6 +105,22 @@ class CkptReader:
             raise
         if self.has_crc and verify_crc:
             self.verify_crc()
+
+    def _map_file(self, path: str | os.PathLike[str]) -> int:
+        """Open and map ``path`` read-only (shared by every shard reader); returns its size."""
+        self.path = Path(path)
+        self._file: BinaryIO = _open_regular(self.path)
+        size = os.fstat(self._file.fileno()).st_size
+        self._map: mmap.mmap | None = None
+        self._buf = memoryview(b"")
+        if size:
+            try:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as err:
+                self._file.close()
+                raise CheckpointFormatError(f"cannot map: {err}", path=self.path) from None
+            self._buf = memoryview(self._map)
+        return size
 
     def __enter__(self) -> CkptReader:
         return self

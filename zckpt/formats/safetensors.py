@@ -33,7 +33,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -220,19 +219,8 @@ class SafetensorsReader(CkptReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
-        # Not CkptReader.__init__ (that parses protobuf): set up the same mapping and index.
-        self.path = Path(path)
-        self._file: BinaryIO = _open_regular(self.path)
-        size = os.fstat(self._file.fileno()).st_size
-        self._map: mmap.mmap | None = None
-        self._buf = memoryview(b"")
-        if size:
-            try:
-                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as err:
-                self._file.close()
-                raise CheckpointFormatError(f"cannot map: {err}", path=self.path) from None
-            self._buf = memoryview(self._map)
+        # Not CkptReader.__init__ (that parses protobuf): the same mapping, another index.
+        size = self._map_file(path)
         self.content_end = size
         try:
             header = parse_header(self._buf, self.path)
@@ -342,18 +330,6 @@ class SafetensorsReader(CkptReader):
         per = max(1, max_bytes // row_bytes)
         for r in range(0, shape[0], per):
             yield r, self.rows(name, r, min(shape[0], r + per))
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """Open a regular file; a FIFO would block and a device has no size to map."""
-    try:
-        if stat.S_ISREG(os.stat(path).st_mode):
-            return open(path, "rb")  # noqa: SIM115
-    except OSError as err:
-        raise CheckpointFormatError(f"cannot open: {err.strerror}", path=path) from None
-    except ValueError as err:  # e.g. a NUL byte in the path
-        raise CheckpointFormatError(f"cannot open: {err}", path=path) from None
-    raise CheckpointFormatError("not a regular file", path=path)
 
 
 def mindspore_crc(buf: memoryview | mmap.mmap, tensors: Iterable[tuple[str, Segment]]) -> int:
