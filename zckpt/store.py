@@ -393,7 +393,9 @@ class Store:
         return [np.asarray(x) for x in out]
 
     def mark_ingested(self, rank: int, **info: Any) -> None:
-        self.group.require_group(f"progress/rank_{rank}").attrs.update(info)
+        # One atomic write of the group with its attributes: a crash can never leave a
+        # rank marked done without the checksums that prove its chunks.
+        self.group.create_group(f"progress/rank_{rank}", attributes=dict(info), overwrite=True)
         self._ingested = None
 
     def mark_complete(self) -> None:
