@@ -109,6 +109,35 @@ def relevant_ranks(files: Mapping[int, Path], smap: StrategyMap | None) -> dict[
     return {r: p for r, p in files.items() if r // stage_dev in stages}
 
 
+def _refuse_foreign_strategy(
+    smap: StrategyMap,
+    found: Mapping[int, Path],
+    files: Mapping[int, Path],
+    indexes: Mapping[int, Mapping[str, object]],
+) -> None:
+    """Refuse a strategy that describes fewer devices than the job that wrote the files.
+
+    Rank files beyond the strategy's stages are normally another pipeline stage's (other
+    parameters). When the first of them holds every parameter the strategy lists, they are
+    more ranks of the same stage: reading only the described ranks as the whole job would
+    make every global shape wrong.
+    """
+    ignored = sorted(set(found) - set(files))
+    if not ignored or not files:
+        return
+    listed = set(smap.layouts) & set(indexes[min(files)])
+    if not listed:
+        return
+    with open_shard(found[ignored[0]], verify_crc=False) as r:
+        held = set(r.entries)
+    if listed <= held:
+        raise SourceError(
+            f"the strategy describes {smap.device_num()} device(s), but rank file(s) {ignored} beyond them hold "
+            f"the same {len(listed)} parameter(s): the strategy belongs to a smaller job than these shards",
+            path=", ".join(smap.sources) or None,
+        )
+
+
 def plan_ingest(
     src: str | Path | Mapping[int, str | Path],
     strategy: StrategyArg,
@@ -120,6 +149,8 @@ def plan_ingest(
     found = resolve_sources(src)
     files = relevant_ranks(found, smap)
     indexes = read_indexes(files, verify_crc=verify_crc)
+    if smap is not None:
+        _refuse_foreign_strategy(smap, found, files, indexes)
     plan = build_ingest_plan(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )

@@ -200,6 +200,7 @@ def build_ingest_plan(
                 raise SourceError(
                     f"no source file covers region(s) {[h.to_json() for h, _ in holes]} of shape {list(spec.shape)}; "
                     f"they are held by missing source rank(s) {sorted({r for _, rs in holes for r in rs})}",
+                    path=", ".join(strategy.sources) if strategy is not None and strategy.sources else None,
                     param=name,
                 )
             uncovered[name] = holes

@@ -41,12 +41,17 @@ from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
 VERSION = 1
-_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
 _MAX_KEY = 180
 
 
 def encode_key(name: str) -> str:
-    """A store-safe node name for an entry name (injective, no ``/``, no leading ``.``/``_``)."""
+    """A store-safe node name for an entry name: one path component that no other name maps
+    to, even on a case-insensitive disk, and never Zarr's own ``zarr.json``.
+
+    Only lowercase letters, digits and ``._-`` are kept; everything else (uppercase included,
+    so that ``W`` and ``w`` differ in more than case) is percent-encoded as UTF-8 bytes.
+    """
     out = []
     for i, ch in enumerate(name):
         if ch in _SAFE and not (i == 0 and ch in "._"):
@@ -54,6 +59,8 @@ def encode_key(name: str) -> str:
         else:
             out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
     key = "".join(out) or "%"
+    if key == "zarr.json":
+        key = "%7A" + key[1:]
     if len(key) > _MAX_KEY:
         digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
         key = f"{key[:_MAX_KEY - 18]}~{digest}"
@@ -216,19 +223,34 @@ def chunk_shape(shard: Sequence[int], itemsize: int, target_bytes: int) -> tuple
     """Largest chunk that divides ``shard`` in every dimension and fits ``target_bytes``.
 
     Dividing the shard keeps chunk borders on shard borders, so writers never share a chunk.
+    An empty shard has no chunk to write: its chunk is its shape (dims may be huge).
     """
     c = [max(1, int(s)) for s in shard]
+    if any(int(s) == 0 for s in shard):
+        return tuple(c)
     for d in range(len(c)):
-        while math.prod(c) * itemsize > target_bytes and c[d] > 1:
-            c[d] = _next_divisor_below(max(1, int(shard[d])), c[d])
+        if math.prod(c) * itemsize <= target_bytes:
+            break
+        others = math.prod(c) // c[d]
+        c[d] = _largest_divisor_at_most(c[d], max(1, target_bytes // max(1, others * itemsize)))
     return tuple(c)
 
 
-def _next_divisor_below(n: int, current: int) -> int:
-    for k in range(current - 1, 0, -1):
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """Largest divisor of ``n`` not above ``limit``, by trial division up to the square root
+    (a non-empty dimension is bounded by its file's payload, so this stays small)."""
+    if n <= limit:
+        return n
+    best = 1
+    k = 1
+    while k * k <= n:
         if n % k == 0:
-            return k
-    return 1
+            if k <= limit:
+                best = max(best, k)
+            if n // k <= limit:
+                best = max(best, n // k)
+        k += 1
+    return best
 
 
 class Store:
