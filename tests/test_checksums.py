@@ -1,14 +1,18 @@
-"""Every stored chunk has a CRC-32 recorded at ingest; export refuses a damaged chunk by name."""
+"""Every stored chunk has a CRC-32C recorded at ingest; export refuses a damaged chunk by name."""
 
 from __future__ import annotations
 
 import shutil
+import zlib
 from pathlib import Path
 
+import google_crc32c
 import pytest
+import zarr
 
 import zckpt
 from zckpt.cli import main as cli_main
+from zckpt.ingest import IngestOptions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")
@@ -49,3 +53,43 @@ def test_missing_chunk_is_named(tmp_path: Path) -> None:
     with pytest.raises(zckpt.StoreError, match="missing") as err:
         zckpt.export(store, tmp_path / "o", DST_S)
     assert chunk.name in str(err.value)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 96])  # whole-shard chunks (copied file to file), small zarr-written
+def test_recorded_checksums_are_crc32c_of_the_stored_bytes(tmp_path: Path, chunk_bytes: int) -> None:
+    """Chunks copied file to file are summed from the source's mapped bytes, the others
+    read back: either way the record must be the CRC-32C of what the chunk file holds."""
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S, IngestOptions(chunk_bytes=chunk_bytes))
+    st = zckpt.open_store(store)
+    checked = 0
+    for name, per in st.checksums().items():
+        key = st.entry(name).key
+        for chunk, want in per.items():
+            assert want.algo == "crc32c"
+            assert want.value == google_crc32c.value((store / key / chunk).read_bytes()), (name, chunk)
+            checked += 1
+    assert checked > 0
+
+
+def test_stores_with_zlib_crc32_records_still_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Stores from before CRC-32C recorded zlib CRC-32 under ``crc32``: still checked."""
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
+    group = zarr.open_group(str(store), mode="r+")
+    for _, child in group["progress"].groups():  # type: ignore[union-attr]
+        attrs = dict(child.attrs)
+        per = attrs.pop("crc32c")
+        st = zckpt.open_store(store)
+        attrs["crc32"] = {n: {k: zlib.crc32((store / st.entry(n).key / k).read_bytes()) for k in keys}
+                          for n, keys in per.items()}
+        child.attrs.clear()
+        child.attrs.update(attrs)
+    assert all(c.algo == "crc32" for per in zckpt.open_store(store).checksums().values() for c in per.values())
+    assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "ok"), "--quiet"]) == 0
+    chunk = sorted((store / "tensors" / "layer2.weight").glob("c.*"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[1] ^= 1
+    chunk.write_bytes(bytes(data))
+    assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "bad"), "--quiet"]) == 1
+    assert "CRC-32 " in capsys.readouterr().err

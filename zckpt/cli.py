@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
     exp.add_argument("--no-verify-checksums", action="store_true",
-                     help="do not check chunks against the CRC-32 recorded at ingest")
+                     help="do not check chunks against the CRC-32C recorded at ingest")
     exp.add_argument("--per-stage", action="store_true",
                      help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     exp.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",

@@ -34,7 +34,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.sources import check_rank_map, discover_rank_files
-from zckpt.store import Store, chunk_shape, file_crc32
+from zckpt.store import Store, checksum_bytes, chunk_shape, file_checksum
 
 MiB = 1024 * 1024
 
@@ -374,24 +374,29 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
     store = Store.open(store_path, mode="r+")
     written = 0
+    known: dict[str, dict[str, int]] = {}
     with open_shard(job.path, verify_crc=False) as reader:
         batch = _WriteBatch(store, options.block_bytes, reader)
         for w in job.writes:
-            written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes)
+            written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
         batch.flush()
-    store.mark_ingested(job.rank, bytes=written, crc32=_written_checksums(store, job.writes))
+    store.mark_ingested(job.rank, bytes=written, crc32c=_written_checksums(store, job.writes, known))
     return written
 
 
-def _written_checksums(store: Store, writes: tuple[Write, ...]) -> dict[str, dict[str, int]]:
-    """CRC-32 of every chunk this rank wrote (read back from the page cache), recorded with
-    the rank's progress so that export and ``zckpt verify`` can prove the bytes unchanged."""
+def _written_checksums(
+    store: Store, writes: tuple[Write, ...], known: Mapping[str, Mapping[str, int]]
+) -> dict[str, dict[str, int]]:
+    """CRC-32C of every chunk this rank wrote, recorded with the rank's progress so that
+    export and ``zckpt verify`` can prove the bytes unchanged. Chunks copied file to file
+    were summed from the source's mapped bytes; the others are read back (page cache)."""
     out: dict[str, dict[str, int]] = {}
     for w in writes:
         if store.entry(w.name).kind != "tensor":
             continue  # MapParameter bytes are passed through as one opaque array
+        done = known.get(w.name, {})
         for key, path in store.chunk_files(w.name, w.box):
-            out.setdefault(w.name, {})[key] = file_crc32(path)[0]
+            out.setdefault(w.name, {})[key] = done[key] if key in done else file_checksum(path)[0]
     return out
 
 
@@ -437,16 +442,20 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _copy_chunks(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...]) -> bool:
+def _copy_chunks(
+    store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], known: dict[str, dict[str, int]]
+) -> bool:
     """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
     copies, no byte passes through Python) when chunks are stored raw and span the shard's
-    full width, so that each chunk is one contiguous byte range of the shard. Returns
-    ``False`` (nothing written) when that does not hold, and zarr writes the box instead."""
+    full width, so that each chunk is one contiguous byte range of the shard; each chunk's
+    CRC-32C (into ``known``) is summed from the mapped source range. Returns ``False``
+    (nothing written) when that does not hold, and zarr writes the box instead."""
     box = w.box
     if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
         return False
     rows = chunks[0]
     plan: list[tuple[Path, int, int]] = []
+    sums = known.setdefault(w.name, {})
     for r0 in range(0, box.shape[0], rows):
         span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
         if span is None:
@@ -455,6 +464,7 @@ def _copy_chunks(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, 
         path = store.raw_chunk_file(w.name, coords)
         assert path is not None
         plan.append((path, span[0], span[1]))
+        sums[store.chunk_info(w.name).chunk_key(coords)] = checksum_bytes(reader.byte_range(*span))
     made: set[Path] = set()
     for path, offset, length in plan:
         if path.parent not in made:
@@ -516,7 +526,14 @@ class _WriteBatch:
         self.pending = 0
 
 
-def _write(batch: _WriteBatch, reader: CkptReader, w: Write, chunks: tuple[int, ...], block_bytes: int) -> int:
+def _write(
+    batch: _WriteBatch,
+    reader: CkptReader,
+    w: Write,
+    chunks: tuple[int, ...],
+    block_bytes: int,
+    known: dict[str, dict[str, int]],
+) -> int:
     entry = reader.entries[w.name]
     if entry.kind == "map":
         body = reader.map_bytes(w.name)
@@ -533,7 +550,7 @@ def _write(batch: _WriteBatch, reader: CkptReader, w: Write, chunks: tuple[int, 
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if _copy_chunks(batch.store, reader, w, chunks):
+    if _copy_chunks(batch.store, reader, w, chunks, known):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:

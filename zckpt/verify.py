@@ -5,7 +5,7 @@ the first, so that one run says everything that is wrong:
 
 * **store** -- the manifest against the arrays (every entry has an array of its shape,
   dtype and attributes, no array lacks an entry), and every chunk: present where a
-  complete (or ingested) region needs it, of the right size, matching the CRC-32 recorded
+  complete (or ingested) region needs it, of the right size, matching the CRC-32C recorded
   at ingest, and decodable by zarr. Problems are named by parameter and chunk key.
 * **sources** -- every source shard equals its box of the store, byte for byte (the boxes
   come from the same plan ingest uses), replicas included.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import zlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from zckpt.formats.shards import open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
-from zckpt.store import EntryRecord, Store
+from zckpt.store import ChunkChecksum, EntryRecord, Store
 
 MiB = 1024 * 1024
 
@@ -240,7 +239,7 @@ def _array_matches_entry(store: Store, e: EntryRecord, arr: Any, report: VerifyR
     return ok
 
 
-def _recorded_checksums(store: Store, report: VerifyReport) -> dict[str, dict[str, int]]:
+def _recorded_checksums(store: Store, report: VerifyReport) -> dict[str, dict[str, ChunkChecksum]]:
     try:
         return store.checksums()
     except (ZckptError, KeyError, TypeError, ValueError, AttributeError) as err:
@@ -269,10 +268,10 @@ def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> Iterator[tuple[tu
 
 
 def _check_chunks(
-    store: Store, e: EntryRecord, arr: Any, crcs: dict[str, int], report: VerifyReport, block_bytes: int
+    store: Store, e: EntryRecord, arr: Any, crcs: dict[str, ChunkChecksum], report: VerifyReport, block_bytes: int
 ) -> None:
     """Fetch every chunk's stored bytes (concurrently, ``block_bytes`` at a time) and check
-    presence, size (for raw chunks), recorded CRC-32 and that zarr decodes it."""
+    presence, size (for raw chunks), recorded checksum and that zarr decodes it."""
     shape = tuple(arr.shape)
     chunks = tuple(arr.chunks)
     itemsize = np.dtype(arr.dtype).itemsize
@@ -304,10 +303,10 @@ def _check_chunks(
             want_crc = crcs.get(key)
             if want_crc is not None:
                 report.checksummed_chunks += 1
-                crc = zlib.crc32(data)
-                if crc != want_crc:
-                    report.add("store", f"chunk fails its checksum (recorded CRC-32 {want_crc:#010x}, stored bytes "
-                                        f"give {crc:#010x})", file=where, param=e.name, region=region)
+                crc = want_crc.of(data)
+                if crc != want_crc.value:
+                    report.add("store", f"chunk fails its checksum ({want_crc.describe(crc)})",
+                               file=where, param=e.name, region=region)
                     continue
             if raw:
                 if len(data) != chunk_bytes:

@@ -346,6 +346,12 @@ class CkptReader:
     def fileno(self) -> int:
         return self._file.fileno()
 
+    def byte_range(self, offset: int, length: int) -> memoryview:
+        """The mapped bytes ``[offset, offset + length)`` of the file (no copy)."""
+        if offset < 0 or length < 0 or offset + length > len(self._buf):
+            raise self._fail(f"byte range {offset}+{length} lies outside the file")
+        return self._buf[offset : offset + length]
+
     def _segment_map(self, e: EntryInfo) -> _SegmentMap:
         # created on first use: subclasses with their own __init__ (safetensors) need no setup
         maps: dict[str, _SegmentMap] = self.__dict__.setdefault("_segmaps", {})
