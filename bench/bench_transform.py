@@ -7,6 +7,9 @@ process and prints wall time, throughput, peak RSS and read amplification side b
 
     python bench/bench_transform.py --size-gib 1 --src-ranks 8 --dst-ranks 4 --work /tmp/zckpt-bench
 
+``--scratch /dev/shm/zb`` puts the store and every output on a tmpfs (sources stay in
+``--work``), which takes the disk's write speed out of the comparison.
+
 MindSpore runs when ``--mindspore-python`` (or $ZCKPT_MS_PYTHON) names a Python with
 mindspore installed; it is skipped otherwise. Generated inputs are reused between runs.
 """
@@ -54,6 +57,11 @@ def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dt
     return src, src_strategy, dst_strategy
 
 
+def _peak(r: dict[str, Any]) -> int:
+    """Peak RSS of the phase's largest process (itself, or a Dask worker / cp it started)."""
+    return max(int(r["max_rss_bytes"]), int(r.get("max_child_rss_bytes", 0)))
+
+
 def run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run([python, str(HERE / "phase.py"), *args], capture_output=True, text=True,
                           env=env, check=False)
@@ -70,7 +78,11 @@ def main() -> None:
     ap.add_argument("--dst-ranks", type=int, default=4)
     ap.add_argument("--no-opt-parallel", action="store_true")
     ap.add_argument("--dtype", default="Float32", choices=["Float32", "BFloat16", "Float16"])
-    ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"), help="generated sources (reused)")
+    ap.add_argument("--scratch", type=Path, default=None,
+                    help="where the store and outputs go (default: WORK/runs); e.g. a tmpfs such as /dev/shm/zb")
+    ap.add_argument("--keep-outputs", action="store_true",
+                    help="keep MindSpore's output and the copies (default: delete each once measured, to save space)")
     ap.add_argument("--mindspore-python", default=os.environ.get("ZCKPT_MS_PYTHON"))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dask-reader", action="store_true", help="also time export with the dask.array reader")
@@ -80,9 +92,9 @@ def main() -> None:
     src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype)
     src_bytes = _tree_bytes(src)
     logical = sum(t.nbytes for t in transformer_like(size, device_num=a.src_ranks, weight_type=a.dtype))
-    runs = a.work / "runs"
+    runs = a.scratch if a.scratch is not None else a.work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
-    runs.mkdir()
+    runs.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     rows: list[dict[str, Any]] = []
 
@@ -96,6 +108,8 @@ def main() -> None:
         ms = run_phase(a.mindspore_python, "mindspore", str(src), str(runs / "ms"), str(src_strategy),
                        str(dst_strategy), env={**os.environ, "GLOG_v": "3"})
         add("MindSpore transform_checkpoints", ms, runs / "ms", src_bytes)
+        if not a.keep_outputs:
+            shutil.rmtree(runs / "ms", ignore_errors=True)
     store = runs / "store.zarr"
     add("zckpt ingest", run_phase(sys.executable, "ingest", str(src), str(src_strategy), str(store), env=env),
         store, src_bytes)
@@ -103,15 +117,22 @@ def main() -> None:
         out = runs / f"dst-w{workers}"
         res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), str(workers), env=env)
         add(f"zckpt export, {workers} worker(s)", res, out, _tree_bytes(out) if out.exists() else 0)
+        if workers > 1 and not a.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
     if a.dask_reader:
         out = runs / "dst-dask"
         res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), "1", "dask", env=env)
         add("zckpt export, dask.array reader", res, out, _tree_bytes(out) if out.exists() else 0)
+        if not a.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
     exported = _tree_bytes(runs / "dst-w1")
     add("cp -r of the export output", run_phase(sys.executable, "copy", str(runs / "dst-w1"), str(runs / "copy"),
                                                 env=env), runs / "copy", exported)
+    if not a.keep_outputs:
+        shutil.rmtree(runs / "copy", ignore_errors=True)
     report = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "scratch": str(runs)},
         "model": {"logical_bytes": logical, "source_bytes": src_bytes, "src_ranks": a.src_ranks,
                   "dst_ranks": a.dst_ranks, "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
         "phases": rows,
@@ -131,7 +152,7 @@ def main() -> None:
             continue
         out = r["bytes_out"] or 1
         print(f"| {r['label']:<34} | {r['seconds']:>7.2f} | {r['bytes_moved'] / MiB / r['seconds']:>7.1f} | "
-              f"{r['max_rss_bytes'] / MiB:>12.0f} | {r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
+              f"{_peak(r) / MiB:>12.0f} | {r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
               f"{r['read_chars'] / out:>8.2f} |")
     by = {r["label"]: r for r in rows if "error" not in r}
     ms_r, ing, e1, e2 = (by.get("MindSpore transform_checkpoints"), by.get("zckpt ingest"),

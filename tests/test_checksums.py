@@ -12,6 +12,9 @@ import zarr
 
 import zckpt
 from zckpt.cli import main as cli_main
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.generate import TensorDef, global_value, write_model
 from zckpt.ingest import IngestOptions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -93,3 +96,26 @@ def test_stores_with_zlib_crc32_records_still_verify(tmp_path: Path, capsys: pyt
     chunk.write_bytes(bytes(data))
     assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "bad"), "--quiet"]) == 1
     assert "CRC-32 " in capsys.readouterr().err
+
+
+def test_a_chunk_read_in_part_is_still_checked_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 0 of a 2-way row split reads only the first half of each whole-tensor chunk;
+    damage in the second half must still stop it (checksums cover whole chunks)."""
+    write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32"), TensorDef("b", (), "Float32")],
+                device_num=1, strategy_format=None, scalars=False)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, None)
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout((2,), [[0], [-1]])}})))
+    assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "ok"), "--quiet"]) == 0
+    with CkptReader(tmp_path / "ok" / "rank_0" / "checkpoint_0.ckpt") as r:
+        assert r.array("w").tobytes() == global_value("w", (8, 6), "Float32")[:4].tobytes()
+        assert r.array("b").tobytes() == global_value("b", (), "Float32").tobytes()
+    chunk = store / "tensors" / "w" / "c.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x01  # last row: rank 1's half
+    chunk.write_bytes(bytes(data))
+    capsys.readouterr()
+    code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "bad"), "--quiet"])
+    assert code == 1 and "c.0.0" in capsys.readouterr().err
+    assert not list((tmp_path / "bad").rglob("*.ckpt"))

@@ -275,15 +275,21 @@ class StoreReader:
         return c_order_pieces(box, max(1, self.options.block_bytes // itemsize))
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
-        """Read a batch of slices: concurrent Zarr reads, or one Dask computation of lazy views."""
-        if self.options.verify_checksums:
-            for name, box in items:
-                self.store.verify_chunks(name, box, self._verified)
+        """Read a batch of slices: raw chunk files directly, else concurrent Zarr reads, or
+        one Dask computation of lazy views. Every chunk used is checked against its recorded
+        checksum first (a chunk read whole is checked on the bytes just read)."""
+        verify = self.options.verify_checksums
         if self.options.reader == "zarr":
             direct = [self._read_raw(name, box) for name, box in items]
-            rest = [(name, box.slices()) for (name, box), got in zip(items, direct, strict=True) if got is None]
-            fetched = iter(self.store.read_many(rest))
+            rest = [(name, box) for (name, box), got in zip(items, direct, strict=True) if got is None]
+            if verify:
+                for name, box in rest:
+                    self.store.verify_chunks(name, box, self._verified)
+            fetched = iter(self.store.read_many([(name, box.slices()) for name, box in rest]))
             return [got if got is not None else next(fetched) for got in direct]
+        if verify:
+            for name, box in items:
+                self.store.verify_chunks(name, box, self._verified)
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
         import dask
 
@@ -295,26 +301,64 @@ class StoreReader:
         each chunk then holds whole rows, so the slice's rows are one byte range per chunk.
         ``None`` when that does not hold (zarr reads it instead)."""
         arr = self.store.chunk_info(name)
-        if box.ndim == 0 or box.size == 0 or not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
+        if box.size == 0 or not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
             return None
-        rows = arr.chunks[0]
         dtype = ms_dtype(self._entries[name].ms_type).storage
+        if box.ndim == 0:
+            out = np.empty((), dtype=dtype)
+            return out if self._read_chunk_rows(name, (), out.reshape(-1).view(np.uint8), 0, True) else None
+        rows = arr.chunks[0]
         row_bytes = math.prod(arr.shape[1:]) * dtype.itemsize
         out = np.empty((box.shape[0],) + tuple(arr.shape[1:]), dtype=dtype)
-        view = out.reshape(-1).view(np.uint8).data
+        view = out.reshape(-1).view(np.uint8)
         for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
-            path = self.store.raw_chunk_file(name, (k,) + (0,) * (box.ndim - 1))
-            if path is None:
-                return None
             lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
             dest = view[(lo - box.start[0]) * row_bytes : (hi - box.start[0]) * row_bytes]
-            with open(path, "rb") as f:
-                f.seek((lo - k * rows) * row_bytes)
-                if f.readinto(dest) != len(dest):
-                    raise StoreError(f"chunk file {path} is shorter than its chunk", path=self.store.path, param=name)
+            whole = lo == k * rows and hi == (k + 1) * rows
+            if not self._read_chunk_rows(name, (k,) + (0,) * (box.ndim - 1), dest, (lo - k * rows) * row_bytes, whole):
+                return None
         if box.shape[1:] == tuple(arr.shape[1:]):
             return out
         return np.ascontiguousarray(out[(slice(None),) + box.slices()[1:]])
+
+    def _chunk_box(self, name: str, coords: tuple[int, ...]) -> Box:
+        info = self.store.chunk_info(name)
+        start = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
+        return Box(start, tuple(min(a + k, s) for a, k, s in zip(start, info.chunks, info.shape, strict=True)))
+
+    def _read_chunk_rows(
+        self, name: str, coords: tuple[int, ...], dest: np.ndarray, offset: int, whole: bool
+    ) -> bool:
+        """Fill ``dest`` from a raw chunk file at ``offset``, verifying the chunk first (or,
+        when ``dest`` is the whole chunk, on the bytes read: one read instead of two)."""
+        path = self.store.raw_chunk_file(name, coords)
+        if path is None:
+            return False
+        key = self.store.chunk_info(name).chunk_key(coords)
+        verify = self.options.verify_checksums and (name, key) not in self._verified
+        want = self.store.checksums().get(name, {}).get(key) if verify else None
+        if want is not None and not whole:
+            self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
+            want = None
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if offset:
+                    f.seek(offset)
+                got = f.readinto(dest.data)
+                extra = f.read(1) if whole else b""
+        except FileNotFoundError:
+            raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+        if got != len(dest) or extra:
+            raise StoreError(f"chunk {key} holds {'more' if extra else 'fewer'} bytes than its "
+                             f"{'chunk' if whole else 'rows'} need: the store is damaged",
+                             path=path, param=name)
+        if want is not None:
+            value = want.of(dest.data)
+            if value != want.value:
+                raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
+                                 path=path, param=name)
+            self._verified.add((name, key))
+        return True
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0

@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import json
 import math
+import mmap
 import os
 import shutil
 import sys
@@ -212,20 +213,19 @@ def checksum_bytes(data: Any, start: int = 0) -> int:
 
 
 def file_checksum(path: Path, algo: Literal["crc32c", "crc32"] = "crc32c") -> tuple[int, int]:
-    """Checksum and size of a file, read in 16 MiB blocks (bounded memory)."""
-    crc = 0
-    size = 0
-    buf = bytearray(16 * 1024 * 1024)
-    view = memoryview(buf)
+    """Checksum and size of a file, summed over its mapped pages in 16 MiB steps (no buffer
+    to allocate or copy into: export checks thousands of chunks)."""
     step = ChunkChecksum(algo, 0)
     try:
         with open(path, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                crc = step.of(view[:n], crc)
-                size += n
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return step.of(b""), 0
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
+                crc = 0
+                for lo in range(0, size, 16 * 1024 * 1024):
+                    with view[lo : lo + 16 * 1024 * 1024] as part:
+                        crc = step.of(part, crc)
     except FileNotFoundError:
         raise StoreError("chunk file is missing: the store is damaged", path=path) from None
     return crc, size
