@@ -669,3 +669,28 @@ def test_fixture_strategy_files_read(fixtures_dir: Path, sid: str) -> None:
             for lay in per.values():
                 if name in shapes:
                     resolve(lay, shapes[name], param=name)
+
+
+@pytest.mark.parametrize("crc", [False, True])
+def test_writer_copies_file_ranges_between_array_blocks(tmp_path: Path, crc: bool) -> None:
+    """Blocks that are ranges of other files (copied by the kernel, or through a buffer
+    when a CRC trailer needs the bytes) give the same file as the bytes themselves."""
+    values = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
+    src = tmp_path / "chunk.bin"
+    src.write_bytes(b"xx" + values[2:5].tobytes() + b"yy")
+    mixed = [values[:2], ckpt_mod.FileRange(src, 2, 3 * 40), values[5:]]
+    with CkptWriter(tmp_path / "a.ckpt", crc=crc) as w:
+        w.write_blocks("w", "Float32", (6, 10), iter(mixed))
+    with CkptWriter(tmp_path / "b.ckpt", crc=crc) as w:
+        w.write_array("w", "Float32", values)
+    assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()
+    with CkptReader(tmp_path / "a.ckpt") as r:
+        assert r.array("w").tobytes() == values.tobytes()
+
+
+def test_writer_refuses_a_file_range_past_the_end(tmp_path: Path) -> None:
+    src = tmp_path / "chunk.bin"
+    src.write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointFormatError, match="past the end"), CkptWriter(tmp_path / "a.ckpt") as w:
+        w.write_blocks("w", "Float32", (8,), iter([ckpt_mod.FileRange(src, 0, 32)]))
+    assert not list(tmp_path.glob("a.ckpt*"))

@@ -16,6 +16,8 @@ import collections
 import hashlib
 import json
 import math
+import mmap
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,10 +28,10 @@ import numpy as np
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
-from zckpt.layout import Box, c_order_pieces
+from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
@@ -301,9 +303,11 @@ class StoreReader:
         each chunk then holds whole rows, so the slice's rows are one byte range per chunk.
         ``None`` when that does not hold (zarr reads it instead)."""
         arr = self.store.chunk_info(name)
-        if box.size == 0 or not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
+        if box.size == 0 or not arr.raw:
             return None
         dtype = ms_dtype(self._entries[name].ms_type).storage
+        if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
+            return self._read_tiles(name, box, dtype)
         if box.ndim == 0:
             out = np.empty((), dtype=dtype)
             return out if self._read_chunk_rows(name, (), out.reshape(-1).view(np.uint8), 0, True) else None
@@ -320,6 +324,48 @@ class StoreReader:
         if box.shape[1:] == tuple(arr.shape[1:]):
             return out
         return np.ascontiguousarray(out[(slice(None),) + box.slices()[1:]])
+
+    def _read_tiles(self, name: str, box: Box, dtype: np.dtype) -> np.ndarray | None:
+        """Read a slice from raw chunks of any shape: each chunk file is mapped as an array
+        of the chunk's shape, checked (on the mapped bytes) and its part of the slice copied."""
+        info = self.store.chunk_info(name)
+        out = np.empty(box.shape, dtype=dtype)
+        chunk_bytes = math.prod(info.chunks) * dtype.itemsize
+        for t in tiles(box, info.chunks):
+            coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
+            path = self.store.raw_chunk_file(name, coords)
+            if path is None:
+                return None
+            key = info.chunk_key(coords)
+            try:
+                f = open(path, "rb", buffering=0)  # noqa: SIM115
+            except FileNotFoundError:
+                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != chunk_bytes:
+                    raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
+                                     "the store is damaged", path=path, param=name)
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    self._check_mapped(name, key, path, m)
+                    chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
+                    origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
+                    local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
+                    out[t.relative_to(box).slices()] = chunk[local]
+                    del chunk
+        return out
+
+    def _check_mapped(self, name: str, key: str, path: Path, data: Any) -> None:
+        """Check a whole chunk's bytes against its recorded checksum (once per chunk)."""
+        if not self.options.verify_checksums or (name, key) in self._verified:
+            return
+        want = self.store.checksums().get(name, {}).get(key)
+        if want is not None:
+            value = want.of(np.frombuffer(data, dtype=np.uint8))
+            if value != want.value:
+                raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
+                                 path=path, param=name)
+        self._verified.add((name, key))
 
     def _chunk_box(self, name: str, coords: tuple[int, ...]) -> Box:
         info = self.store.chunk_info(name)
@@ -360,11 +406,58 @@ class StoreReader:
             self._verified.add((name, key))
         return True
 
+    def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
+        """The slice as byte ranges of raw chunk files, when it is one (chunks and slice span
+        the full width, so its rows are contiguous in each chunk): the writer then copies
+        them file to file in the kernel, as ``cp`` does. Chunks are verified first."""
+        if self.options.reader != "zarr" or box.size == 0:
+            return None
+        arr = self.store.chunk_info(name)
+        if not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or box.shape[1:] != tuple(arr.shape[1:]):
+            return None
+        itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
+        spans: list[tuple[tuple[int, ...], int, int, int]] = []
+        if box.ndim == 0:
+            spans.append(((), 0, itemsize, itemsize))
+        else:
+            rows = arr.chunks[0]
+            row_bytes = math.prod(arr.shape[1:]) * itemsize
+            for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
+                lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
+                spans.append(((k,) + (0,) * (box.ndim - 1), (lo - k * rows) * row_bytes, (hi - lo) * row_bytes,
+                              rows * row_bytes))
+        out = []
+        for coords, offset, length, chunk_bytes in spans:
+            path = self.store.raw_chunk_file(name, coords)
+            if path is None:
+                return None
+            key = self.store.chunk_info(name).chunk_key(coords)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+            if size != chunk_bytes:
+                raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
+                                 "the store is damaged", path=path, param=name)
+            out.append(FileRange(path, offset, length))
+        if self.options.verify_checksums:
+            self.store.verify_chunks(name, box, self._verified)
+        return out
+
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0
-        plan = [(s, self.bands(s.name, s.box)) for s in rank.slices if self._entries[s.name].kind == "tensor"]
-        source = _BandSource(self, [(s.name, b) for s, bands in plan for b in bands], self.options.block_bytes)
-        band_counts = {s.name: len(bands) for s, bands in plan}
+        direct: dict[str, list[FileRange]] = {}
+        plan: list[tuple[str, list[Box]]] = []
+        for s in rank.slices:
+            if self._entries[s.name].kind != "tensor":
+                continue
+            ranges = self.file_ranges(s.name, s.box)
+            if ranges is not None:
+                direct[s.name] = ranges
+            else:
+                plan.append((s.name, self.bands(s.name, s.box)))
+        source = _BandSource(self, [(name, b) for name, bands in plan for b in bands], self.options.block_bytes)
+        band_counts = {name: len(bands) for name, bands in plan}
         with CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync) as w:
             for s in rank.slices:
                 e = self._entries[s.name]
@@ -372,6 +465,9 @@ class StoreReader:
                     w.write_string(s.name, e.value or "")
                 elif e.kind == "map":
                     w.write_map(s.name, np.asarray(self.store.array(s.name)[...]).tobytes())
+                elif s.name in direct:
+                    w.write_blocks(s.name, e.ms_type, s.box.shape, direct[s.name])
+                    tensors += 1
                 else:
                     n = band_counts[s.name]
                     w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))

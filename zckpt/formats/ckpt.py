@@ -47,6 +47,23 @@ another dim is 0, the array is empty), so the reader refuses such dims at index 
 
 
 @dataclass(frozen=True)
+class FileRange:
+    """``length`` bytes at ``offset`` of the file ``path``: a block a writer copies file to
+    file (``copy_file_range``) instead of through memory."""
+
+    path: Path
+    offset: int
+    length: int
+
+    def part(self, skip: int, take: int) -> FileRange:
+        return FileRange(self.path, self.offset + skip, take)
+
+
+Block = np.ndarray | FileRange
+"""A piece of tensor data handed to :meth:`CkptWriter.write_blocks`."""
+
+
+@dataclass(frozen=True)
 class Segment:
     """Payload bytes of one ``Value`` of an entry: ``length`` bytes at file ``offset``."""
 
@@ -537,9 +554,11 @@ class CkptWriter:
         self.write_blocks(name, ms_type, array.shape, iter([array]))
 
     def write_blocks(
-        self, name: str, ms_type: str, shape: tuple[int, ...], blocks: Iterator[np.ndarray]
+        self, name: str, ms_type: str, shape: tuple[int, ...], blocks: Iterable[Block]
     ) -> None:
-        """Stream a tensor given as consecutive row blocks along axis 0.
+        """Stream a tensor given as consecutive blocks of its C-order bytes: arrays (row
+        blocks), or ranges of other files, copied by the kernel without passing through
+        this process when no CRC trailer is being summed.
 
         Tensors above MindSpore's slice size are split into several Values exactly as
         MindSpore does (np.array_split of axis 0), so readers see familiar files.
@@ -555,28 +574,61 @@ class CkptWriter:
         else:
             row_counts = [shape[0] if shape else 1]
         row_bytes = (math.prod(shape[1:]) if shape else 1) * dt.itemsize
-        pending: np.ndarray | None = None
+        pending: np.ndarray | FileRange | None = None
         block_iter = iter(blocks)
         for rows in row_counts:
             need = rows * row_bytes
             self._write(value_header(name, ms_type, dims, need))
             while need > 0:
-                if pending is None or pending.size == 0:
+                if pending is None or _block_size(pending) == 0:
                     nxt = next(block_iter, None)
                     if nxt is None:
                         raise CheckpointFormatError(
                             f"tensor data ended {need} bytes early", path=self.tmp_path, param=name
                         )
-                    pending = _as_le_bytes(nxt, dt)
-                take = min(need, pending.size)
-                self._write(pending[:take].data)
-                pending = pending[take:]
+                    pending = nxt if isinstance(nxt, FileRange) else _as_le_bytes(nxt, dt)
+                take = min(need, _block_size(pending))
+                if isinstance(pending, FileRange):
+                    self._copy_range(pending.part(0, take))
+                    pending = pending.part(take, pending.length - take)
+                else:
+                    self._write(pending[:take].data)
+                    pending = pending[take:]
                 need -= take
-        leftover = (0 if pending is None else pending.size) + sum(_as_le_bytes(b, dt).size for b in block_iter)
+        leftover = (0 if pending is None else _block_size(pending)) + sum(
+            b.length if isinstance(b, FileRange) else _as_le_bytes(b, dt).size for b in block_iter
+        )
         if leftover:
             raise CheckpointFormatError(
                 f"tensor data has {leftover} bytes more than shape {dims} needs", path=self.tmp_path, param=name
             )
+
+    def _copy_range(self, block: FileRange) -> None:
+        """Append a file range: in the kernel when possible, through a bounded buffer when
+        a CRC trailer needs the bytes or the filesystems cannot copy between them."""
+        assert self._f is not None, "writer already closed"
+        try:
+            src = os.open(block.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointFormatError("block source file is missing", path=block.path) from None
+        try:
+            if os.fstat(src).st_size < block.offset + block.length:
+                raise CheckpointFormatError(
+                    f"block {block.offset}+{block.length} lies past the end of the file", path=block.path
+                )
+            done = 0
+            if not self._crc_enabled:
+                self._f.flush()
+                done = _kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                self.bytes_written += done
+            while done < block.length:
+                data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
+                if not data:
+                    raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
+                self._write(data)
+                done += len(data)
+        finally:
+            os.close(src)
 
     def write_string(self, name: str, value: str) -> None:
         """Write an ``append_dict`` string entry the way MindSpore does (dims [0], type "str")."""
@@ -610,6 +662,25 @@ class CkptWriter:
             self._f = None
         with contextlib.suppress(FileNotFoundError):
             self.tmp_path.unlink()
+
+
+def _block_size(block: np.ndarray | FileRange) -> int:
+    return block.length if isinstance(block, FileRange) else int(block.size)
+
+
+def _kernel_copy(src: int, dst: int, offset: int, length: int) -> int:
+    """Copy with ``copy_file_range`` at ``dst``'s position; returns the bytes copied (fewer
+    than ``length``, possibly 0, when the kernel cannot: the caller copies the rest)."""
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, offset + done)
+        except OSError:
+            return done
+        if n == 0:
+            return done
+        done += n
+    return done
 
 
 def _as_le_bytes(block: np.ndarray, dt: np.dtype) -> np.ndarray:
