@@ -89,6 +89,19 @@ def test_per_stage_cli_from_whole_store(tmp_path: Path) -> None:
         with CkptReader(next(rank_dir.glob("*.ckpt"))) as e:
             want = {n: (x.ms_type, x.shape, e.array(n).tobytes()) for n, x in e.entries.items()}
         assert _union_of_parts(tmp_path / "o" / rank_dir.name) == want
+    verify = ["verify", str(store), "--against", str(tmp_path / "o"),
+              "--dst-strategy", str(d / "dst" / "strategy.ckpt")]
+    assert cli_main(verify) == 0
+    part = sorted((tmp_path / "o").glob("rank_*/*_part1.ckpt"))[0]
+    with CkptReader(part) as r:
+        name = next(n for n, e in r.entries.items() if e.kind == "tensor" and e.nbytes)
+        offset = r.entry(name).segments[0].offset
+    data = bytearray(part.read_bytes())
+    data[offset] ^= 0x40
+    part.write_bytes(bytes(data))
+    assert cli_main(verify) == 1
+    part.unlink()
+    assert cli_main(verify) == 1
 
 
 @pytest.mark.parametrize("sid", ["s01", "s02", "s05", "s06", "s07", "s08", "s09", "s10", "s11", "s14", "s15"])

@@ -490,9 +490,12 @@ def check_export(
     *,
     prefix: str = "checkpoint_",
     block_bytes: int = 64 * MiB,
+    per_stage: bool | None = None,
 ) -> None:
-    """Every destination rank file holds exactly its plan's entries, in order, with the
-    store's bytes."""
+    """Every destination file holds exactly its plan's entries, in order, with the store's
+    bytes. ``per_stage`` checks ``<prefix><r>_part<s>.ckpt`` parts instead of one file per
+    rank; ``None`` decides from what the directory holds."""
+    from zckpt.export import ExportOptions, output_jobs
     from zckpt.ingest import load_strategy
 
     try:
@@ -501,22 +504,25 @@ def check_export(
         report.add_error("export", err)
         return
     out = Path(out_dir)
+    if per_stage is None:
+        per_stage = any(out.glob(f"rank_*/{prefix}*_part*.ckpt")) and not any(
+            (out / f"rank_{r.rank}" / f"{prefix}{r.rank}.ckpt").is_file() for r in plan.ranks)
     entries = {e.name: e for e in store.entries()}
     expected = set()
 
     def count(n: int) -> None:
         report.export_bytes += n
 
-    for rank in plan.ranks:
-        path = out / f"rank_{rank.rank}" / f"{prefix}{rank.rank}.ckpt"
+    for rank, path in output_jobs(store, plan, out, ExportOptions(prefix=prefix, per_stage=per_stage)):
         expected.add(path)
+        what = f"destination rank {rank.rank}'s {'part' if per_stage else 'file'}"
         if not path.is_file():
-            report.add("export", f"destination rank {rank.rank}'s file is missing", file=path)
+            report.add("export", f"{what} is missing", file=path)
             continue
         try:
             with CkptReader(path) as reader:
                 report.export_files += 1
-                want = list(rank.names)
+                want = [s.name for s in rank.slices]
                 have = reader.names()
                 if have != want:
                     report.add("export", _order_problem(have, want), file=path)
