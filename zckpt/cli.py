@@ -25,22 +25,24 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
-    ing.add_argument("src_dir", help="directory with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
+    ing.add_argument("src_dir", help="directory (or URL: s3://..., memory://...) with rank_<r>/*.ckpt or "
+                                      "rank_<r>/*.safetensors")
     ing.add_argument(
         "--strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
     )
-    ing.add_argument("--store", required=True, help="Zarr store to create")
+    ing.add_argument("--store", required=True, help="Zarr store to create (a directory or a URL)")
     ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
     ing.add_argument("--chunk-mb", type=int, help="largest chunk (MiB; default min(64, max-mem/16))")
     ing.add_argument("--block-mb", type=int, help="tensor data written per step (MiB; default max-mem/4)")
     ing.add_argument("--json", action="store_true", help="print the report as JSON")
     _engine_args(ing)
+    _storage_args(ing)
 
     exp = sub.add_parser("export", help="write destination rank files from a store")
-    exp.add_argument("store")
-    exp.add_argument("--strategy", help="destination strategy file (omit: one rank with full tensors)")
-    exp.add_argument("--out", required=True, help="output directory (rank_<r>/<prefix><r>.ckpt)")
+    exp.add_argument("store", help="zckpt store (a directory or a URL)")
+    exp.add_argument("--strategy", help="destination strategy file, local or URL (omit: one rank with full tensors)")
+    exp.add_argument("--out", required=True, help="output directory or URL (rank_<r>/<prefix><r>.ckpt)")
     exp.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
     exp.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -59,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="safetensors: split a rank larger than this into HF-style parts plus "
                           "<prefix><r>.safetensors.index.json (default: never split)")
     exp.add_argument("--json", action="store_true", help="print the report as JSON")
+    _storage_args(exp)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True)
@@ -98,6 +101,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mem", default="1GiB",
                    help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for s3://, gs://, ... URLs (repeatable; e.g. endpoint_url=http://host:9000; "
+                        "VALUE is parsed as JSON when it can be, else kept as text)")
+
+
+def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["endpoint_url=http://h:9000", "anon=true"]`` -> ``{"endpoint_url": "http://h:9000", "anon": True}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--storage-option wants KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def _progress(a: argparse.Namespace) -> bool:
@@ -150,6 +173,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     opts = IngestOptions(
         chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
         overwrite=a.overwrite, workers=a.workers, scheduler=a.scheduler, progress=_progress(a),
+        storage_options=parse_storage_options(a.storage_option) or None,
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     _emit(
@@ -172,7 +196,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                          reader=a.reader, workers=a.workers, scheduler=a.scheduler, per_stage=a.per_stage,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
-    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB)
+    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
+                   storage_options=parse_storage_options(a.storage_option) or None)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "

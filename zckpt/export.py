@@ -18,14 +18,16 @@ import json
 import math
 import mmap
 import os
+import tempfile
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
 from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
@@ -62,6 +64,8 @@ class ExportOptions:
     """``"ckpt"`` or ``"safetensors"`` (``rank_<r>/<prefix><r>.safetensors``, MindSpore's layout)."""
     max_file_bytes: int = 0
     """safetensors only: split a rank above this size into HF-style parts + index (0: never)."""
+    storage_options: Mapping[str, Any] | None = None
+    """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,13 @@ def rank_file(out_dir: str | Path, rank: int, prefix: str, suffix: str = "") -> 
     return Path(out_dir) / f"rank_{rank}" / f"{prefix}{rank}{suffix}.ckpt"
 
 
-def plan_export(store: Store, strategy: StrategyArg, ranks: Iterable[int] | None = None) -> ExportPlan:
-    smap: StrategyMap | None = load_strategy(strategy)
+def plan_export(
+    store: Store,
+    strategy: StrategyArg,
+    ranks: Iterable[int] | None = None,
+    storage_options: remote.StorageOptions = None,
+) -> ExportPlan:
+    smap: StrategyMap | None = load_strategy(strategy, storage_options)
     return build_export_plan(store.specs(), smap, ranks=ranks)
 
 
@@ -132,30 +141,62 @@ def export(
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
-    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
-    plan = plan_export(store, strategy, ranks)
+    so = options.storage_options
+    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+    plan = plan_export(store, strategy, ranks, so)
     check_coverage(store, plan)
-    out = Path(out_dir)
+    out_loc, out = output_dir(out_dir, so)
     jobs = output_jobs(store, plan, out, options)
-    if out.exists() and not out.is_dir():
-        raise OutputError("output path exists and is not a directory", path=out)
-    jobs = resume_or_refuse(out, jobs, export_fingerprint(store, jobs, options), options.overwrite)
+    fingerprint = export_fingerprint(store, jobs, options)
+    if out_loc is not None:
+        jobs = resume_or_refuse_remote(out_loc, jobs, fingerprint, options.overwrite)
+    else:
+        if out.exists() and not out.is_dir():
+            raise OutputError("output path exists and is not a directory", path=out)
+        jobs = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
-    units = [(r, str(p)) for r, p in jobs]
+    units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine(options.workers, options.scheduler, options.progress)
     with dask_client(engine) as client:
-        results = run_all(write_file, units, str(store.path), options, client=client, label="export",
+        results = run_all(write_file, units, store.url, options, client=client, label="export",
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
                           progress=options.progress)
-    return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+    return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
+
+
+def output_dir(out_dir: str | Path, storage_options: remote.StorageOptions) -> tuple[remote.Location | None, Path]:
+    """The output directory: ``(None, local path)``, or for a URL its location and its path
+    inside the filesystem (file names are planned on that path, then turned back into URLs)."""
+    if isinstance(out_dir, str) and remote.is_remote(out_dir):
+        loc = remote.locate(out_dir, storage_options, OutputError)
+        if remote.isfile(loc, OutputError):
+            raise OutputError("output path exists and is not a directory", path=out_dir)
+        return loc, Path(loc.path)
+    return None, remote.local_path(out_dir)
+
+
+def target_name(out_loc: remote.Location | None, path: Path) -> str:
+    """What a task receives: a local path, or the URL of a remote file."""
+    return str(path) if out_loc is None else out_loc.url_of(path.as_posix())
 
 
 def write_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
-    """Write one destination file from the store (a Dask task: it opens the store itself)."""
+    """Write one destination file from the store (a Dask task: it opens the store itself).
+
+    A remote destination is written to a local temporary file first and uploaded when
+    complete, so that its final name never holds a partial file."""
     rank, target = unit
-    return StoreReader(Store.open(store_path), options).write_rank(rank, Path(target))
+    reader = StoreReader(Store.open(store_path, storage_options=options.storage_options), options)
+    reader.store.prefetch(s.name for s in rank.slices)
+    if not remote.is_remote(target):
+        return reader.write_rank(rank, Path(target))
+    with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
+        local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
+        result = reader.write_rank(rank, local)
+        remote.upload(local, remote.locate(target, options.storage_options, OutputError), OutputError)
+    return replace(result, path=target)
 
 
 MARKER = ".zckpt-export.json"
@@ -202,6 +243,33 @@ def resume_or_refuse(
     out.mkdir(parents=True, exist_ok=True)
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
         marker.write_text(json.dumps({"fingerprint": fingerprint}), encoding="utf-8")
+    return todo
+
+
+def resume_or_refuse_remote(
+    out: remote.Location, jobs: list[tuple[RankExport, Path]], fingerprint: str, overwrite: bool
+) -> list[tuple[RankExport, Path]]:
+    """:func:`resume_or_refuse` for a remote directory. A file present under its final name
+    is complete (uploads publish a file only when whole), so resuming skips it unread."""
+    marker = out.child(MARKER)
+    present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
+    todo = jobs
+    if present and not overwrite:
+        try:
+            same = json.loads(remote.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
+        except (OutputError, ValueError, AttributeError):
+            same = False
+        if not same:
+            raise OutputError(
+                f"destination directory already holds {len(present)} entries (use overwrite to replace them)",
+                path=out.url,
+            )
+        files = set(remote.find(out, OutputError))
+        for stray in sorted(f for f in files if f.endswith(".tmp-zckpt")):
+            remote.remove(remote.Location(out.url_of(stray), out.fs, stray), OutputError)
+        todo = [(r, p) for r, p in jobs if p.as_posix() not in files]
+    if not overwrite:
+        remote.write_bytes(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"), OutputError)
     return todo
 
 

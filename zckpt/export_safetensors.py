@@ -24,13 +24,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
 from zckpt.export import (
@@ -39,8 +43,10 @@ from zckpt.export import (
     RankResult,
     StoreReader,
     check_coverage,
+    output_dir,
     output_jobs,
     plan_export,
+    target_name,
 )
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import INDEX_SUFFIX
@@ -87,6 +93,21 @@ def _outputs(target: Path) -> list[Path]:
     return [p for p in found if p.exists()]
 
 
+def output_names(target_name: str, names: Iterable[str]) -> list[str]:
+    """Which of ``names`` (files beside ``target``) an export of ``target`` may leave: the
+    single file, its index, its parts (what :func:`_outputs` finds on a local disk)."""
+    stem = target_name[: -len(SUFFIX)] if target_name.endswith(SUFFIX) else Path(target_name).stem
+    part = re.compile(re.escape(stem) + r"-[0-9]{5}-of-[0-9]{5}" + re.escape(SUFFIX) + "$")
+    return sorted(n for n in names if n in (target_name, stem + INDEX_SUFFIX) or part.match(n))
+
+
+def _remote_outputs(out: remote.Location, target: str) -> list[str]:
+    """Filesystem paths of what an export of ``target`` (a path below ``out``) left there."""
+    folder, name = target.rsplit("/", 1)
+    beside = [n for n, d in remote.listdir(remote.Location(out.url_of(folder), out.fs, folder), OutputError) if not d]
+    return [f"{folder}/{n}" for n in output_names(name, beside)]
+
+
 def export_safetensors(
     store_or_path: Store | str | Path,
     out_dir: str | Path,
@@ -100,8 +121,9 @@ def export_safetensors(
     if options.format != "safetensors":
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     t0 = time.perf_counter()
-    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
-    plan = plan_export(store, strategy, ranks)
+    so = options.storage_options
+    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+    plan = plan_export(store, strategy, ranks, so)
     check_coverage(store, plan)
     kinds = {e.name: e.kind for e in store.entries()}
     for r in plan.ranks:
@@ -109,28 +131,55 @@ def export_safetensors(
             if kinds[s.name] == "map":
                 raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                                   "safetensors either); export this store as .ckpt", param=s.name)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
+    out_loc, out = output_dir(out_dir, so)
+    if out_loc is None and out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
     jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, out, options)]
     if not options.overwrite:
-        clash = [p for _, target in jobs for p in _outputs(target)]
+        if out_loc is None:
+            clash = [str(p) for _, target in jobs for p in _outputs(target)]
+        else:
+            clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
         if clash:
             raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
-    units = [(r, str(p)) for r, p in jobs]
+    units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine(options.workers, options.scheduler, options.progress)
     with dask_client(engine) as client:
-        results = run_all(write_safetensors_file, units, str(store.path), options, client=client,
+        results = run_all(write_safetensors_file, units, store.url, options, client=client,
                           label="export", progress=options.progress,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
-    return ExportReport(str(out), tuple(results), time.perf_counter() - t0)
+    return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 
 def write_safetensors_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
     """Write one destination rank (a Dask task: it opens the store itself)."""
     rank, target = unit
-    return write_rank(StoreReader(Store.open(store_path), options), rank, Path(target), options)
+    reader = StoreReader(Store.open(store_path, storage_options=options.storage_options), options)
+    reader.store.prefetch(s.name for s in rank.slices)
+    if not remote.is_remote(target):
+        return write_rank(reader, rank, Path(target), options)
+    return _write_remote_rank(reader, rank, target, options)
+
+
+def _write_remote_rank(reader: StoreReader, rank: RankExport, target: str, options: ExportOptions) -> RankResult:
+    """Write the rank's files in a local temporary directory, upload each when complete (the
+    parts before the index that names them), then remove what an earlier export of this
+    rank left that this one did not write (e.g. parts of another split)."""
+    loc = remote.locate(target, options.storage_options, OutputError)
+    folder = loc.sibling("")
+    stale = set(_remote_outputs(loc, loc.path))
+    with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
+        name = target.rstrip("/").rsplit("/", 1)[-1]
+        result = write_rank(reader, rank, Path(tmp) / name, options)
+        made = sorted(p.name for p in Path(tmp).iterdir())
+        index = Path(result.path).name if Path(result.path).name.endswith(INDEX_SUFFIX) else None
+        for n in [m for m in made if m != index] + ([index] if index else []):
+            remote.upload(Path(tmp) / n, folder.child(n), OutputError)
+    written = {folder.child(n).path for n in made}
+    for p in sorted(stale - written):
+        remote.remove(remote.Location(loc.url_of(p), loc.fs, p), OutputError)
+    return replace(result, path=folder.child(Path(result.path).name).url)
 
 
 def write_rank(reader: StoreReader, rank: RankExport, target: Path, options: ExportOptions) -> RankResult:

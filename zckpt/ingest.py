@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,15 +25,15 @@ from typing import Any
 
 import numpy as np
 
+from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError, StoreError, StrategyError, ZckptError
 from zckpt.formats.ckpt import CkptReader, EntryInfo
-from zckpt.formats.shards import open_shard  # .ckpt or .safetensors shards
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.runner import Engine, dask_client, run_all
-from zckpt.sources import check_rank_map, discover_rank_files
+from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
 from zckpt.store import Store, checksum_bytes, chunk_shape, file_checksum
 
 MiB = 1024 * 1024
@@ -52,6 +52,8 @@ class IngestOptions:
     workers: int = 1
     scheduler: str | None = None
     progress: bool = False
+    storage_options: Mapping[str, Any] | None = None
+    """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ class IngestReport:
 StrategyArg = str | Path | StrategyMap | None
 
 
-def load_strategy(strategy: StrategyArg) -> StrategyMap | None:
-    """A strategy file, a directory of per-rank strategy files, a StrategyMap, or None."""
+def load_strategy(strategy: StrategyArg, storage_options: remote.StorageOptions = None) -> StrategyMap | None:
+    """A strategy file, a directory of per-rank strategy files (local or URLs), a StrategyMap, or None."""
     if strategy is None or isinstance(strategy, StrategyMap):
         return strategy
-    p = Path(strategy)
+    if isinstance(strategy, str) and remote.is_remote(strategy):
+        return _load_remote_strategy(strategy, storage_options)
+    p = remote.local_path(strategy)
     if p.is_dir():
         files = sorted(p.glob("*.ckpt")) or sorted(p.glob("*.json"))
         if not files:
@@ -84,21 +88,56 @@ def load_strategy(strategy: StrategyArg) -> StrategyMap | None:
     return read_strategy(p)
 
 
-def resolve_sources(src: str | Path | Mapping[int, str | Path]) -> dict[int, Path]:
+def _load_remote_strategy(url: str, storage_options: remote.StorageOptions) -> StrategyMap:
+    """A strategy file or directory at a URL: copied to a temporary directory and read there;
+    the map names the URLs (they enter the store's manifest and fingerprint)."""
+    loc = remote.locate(url, storage_options, StrategyError)
+    if remote.isdir(loc, StrategyError):
+        names = [n for n, d in remote.listdir(loc, StrategyError) if not d]
+        picked = sorted(n for n in names if n.endswith(".ckpt")) or sorted(n for n in names if n.endswith(".json"))
+        if not picked:
+            raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=url)
+        with remote.local_dir_copy(url, picked, storage_options, StrategyError) as tmp:
+            smap = _renamed(lambda: read_strategies([tmp / n for n in picked]), str(tmp), url)
+        return replace(smap, sources=tuple(loc.child(n).url for n in picked))
+    if not remote.isfile(loc, StrategyError):
+        raise StrategyError("no such strategy file", path=url)
+    with remote.local_copy(url, storage_options, StrategyError) as local:
+        smap = _renamed(lambda: read_strategy(local), str(local), url)
+    return replace(smap, sources=(url,))
+
+
+def _renamed(read: Any, tmp: str, url: str) -> StrategyMap:
+    """Errors about the temporary copy name the URL instead."""
+    try:
+        result: StrategyMap = read()
+    except ZckptError as err:
+        if err.path is None or not err.path.startswith(tmp):
+            raise
+        where = url if err.path == tmp else url.rstrip("/") + "/" + Path(err.path).name
+        raise type(err)(err.message, path=where, param=err.param) from None
+    return result
+
+
+def resolve_sources(
+    src: str | Path | Mapping[int, str | Path], storage_options: remote.StorageOptions = None
+) -> dict[int, SourceFile]:
     if isinstance(src, Mapping):
-        return check_rank_map(src)
-    return discover_rank_files(src)
+        return check_rank_map(src, storage_options)
+    return discover_rank_files(src, storage_options)
 
 
-def read_indexes(files: Mapping[int, Path], *, verify_crc: bool) -> dict[int, dict[str, EntryInfo]]:
+def read_indexes(
+    files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None
+) -> dict[int, dict[str, EntryInfo]]:
     out: dict[int, dict[str, EntryInfo]] = {}
     for rank, path in files.items():
-        with open_shard(path, verify_crc=verify_crc) as r:
+        with open_source(path, storage_options, verify_crc=verify_crc) as r:
             out[rank] = dict(r.entries)
     return out
 
 
-def relevant_ranks(files: Mapping[int, Path], smap: StrategyMap | None) -> dict[int, Path]:
+def relevant_ranks(files: Mapping[int, SourceFile], smap: StrategyMap | None) -> dict[int, SourceFile]:
     """The source files the strategy describes: rank 0 alone without a strategy (the full
     model), else the ranks of the pipeline stages the strategy lists (a single stage's
     strategy file converts that stage only, as in MindSpore's per-stage conversion)."""
@@ -111,9 +150,10 @@ def relevant_ranks(files: Mapping[int, Path], smap: StrategyMap | None) -> dict[
 
 def _refuse_foreign_strategy(
     smap: StrategyMap,
-    found: Mapping[int, Path],
-    files: Mapping[int, Path],
+    found: Mapping[int, SourceFile],
+    files: Mapping[int, SourceFile],
     indexes: Mapping[int, Mapping[str, object]],
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Refuse a strategy that describes fewer devices than the job that wrote the files.
 
@@ -128,7 +168,7 @@ def _refuse_foreign_strategy(
     listed = set(smap.layouts) & set(indexes[min(files)])
     if not listed:
         return
-    with open_shard(found[ignored[0]], verify_crc=False) as r:
+    with open_source(found[ignored[0]], storage_options, verify_crc=False) as r:
         held = set(r.entries)
     if listed <= held:
         raise SourceError(
@@ -144,13 +184,14 @@ def plan_ingest(
     *,
     require_complete: bool = True,
     verify_crc: bool = True,
+    storage_options: remote.StorageOptions = None,
 ) -> tuple[IngestPlan, StrategyMap | None]:
-    smap = load_strategy(strategy)
-    found = resolve_sources(src)
+    smap = load_strategy(strategy, storage_options)
+    found = resolve_sources(src, storage_options)
     files = relevant_ranks(found, smap)
-    indexes = read_indexes(files, verify_crc=verify_crc)
+    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options)
     if smap is not None:
-        _refuse_foreign_strategy(smap, found, files, indexes)
+        _refuse_foreign_strategy(smap, found, files, indexes, storage_options)
     plan = build_ingest_plan(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )
@@ -173,11 +214,17 @@ def ingest(
     """
     t0 = time.perf_counter()
     plan, smap = plan_ingest(
-        src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc
+        src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
+        storage_options=options.storage_options,
     )
     layout = store_layout(plan, smap, options)
-    with store_lock(Path(store_path)):
-        store, state = open_for_ingest(Path(store_path), layout.fingerprint(), options.overwrite)
+    if isinstance(store_path, str) and remote.is_remote(store_path):
+        lock: contextlib.AbstractContextManager[None] = remote_store_lock(store_path, options.storage_options)
+        target: str | Path = store_path
+    else:
+        lock, target = store_lock(remote.local_path(store_path)), remote.local_path(store_path)
+    with lock:
+        store, state = open_for_ingest(target, layout.fingerprint(), options.overwrite, options.storage_options)
         try:
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
@@ -187,10 +234,10 @@ def ingest(
             if complete and state != "complete":
                 store.mark_complete()
         except ZckptError:
-            shutil.rmtree(store.path, ignore_errors=True)
+            store.remove()
             raise
     return IngestReport(
-        store=str(store.path),
+        store=store.url,
         ranks_read=ranks,
         tensors=len(plan.tensors),
         bytes_written=written,
@@ -225,8 +272,37 @@ def store_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def open_for_ingest(path: Path, fingerprint: str, overwrite: bool) -> tuple[Store, str]:
+LOCK_SUFFIX = ".lock"
+
+
+@contextmanager
+def remote_store_lock(url: str, storage_options: remote.StorageOptions) -> Iterator[None]:
+    """Hold ``<store>.lock`` on object storage: an object created only if absent (S3's
+    conditional ``If-None-Match: *`` put, which AWS S3 and compatible servers honour; other
+    fsspec filesystems check then write, which is not atomic). A lock left by a killed
+    ingest is not taken over: the error says which object to delete once no ingest runs."""
+    loc = remote.locate(url, storage_options, StoreError).sibling(url.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
+    holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode()
+    if not remote.create_exclusive(loc, holder, StoreError):
+        try:
+            who = remote.read_bytes(loc, StoreError).decode("utf-8", "replace")
+        except StoreError:
+            who = "?"
+        raise StoreError(f"another zckpt ingest is writing this store (lock object held by {who}); if no ingest "
+                         "is running (one was killed), delete the lock object and rerun to resume", path=loc.url)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(StoreError):
+            remote.remove(loc, StoreError)
+
+
+def open_for_ingest(
+    path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
+) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
+    if isinstance(path, str):
+        return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
     if path.exists() and not overwrite:
         try:
             existing = Store.open(path, mode="r+")
@@ -245,6 +321,28 @@ def open_for_ingest(path: Path, fingerprint: str, overwrite: bool) -> tuple[Stor
         raise StoreError("store already exists and holds a different ingest (use overwrite to replace it)",
                          path=path)
     return Store.create(path, overwrite=overwrite), "new"
+
+
+def _open_remote_for_ingest(
+    url: str, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions
+) -> tuple[Store, str]:
+    """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
+    files: every object is written whole)."""
+    loc = remote.locate(url, storage_options, StoreError)
+    present = remote.listdir(loc, StoreError)
+    if present and not overwrite:
+        try:
+            existing = Store.open(url, mode="r+", storage_options=storage_options)
+        except StoreError:
+            raise StoreError("exists and is not a zckpt store (use overwrite to replace it)", path=url) from None
+        found = existing.manifest.get("fingerprint")
+        if found == fingerprint:
+            return existing, "complete" if existing.complete else "resume"
+        if found is None and not existing.complete:
+            return Store.create(url, overwrite=True, storage_options=storage_options), "new"
+        raise StoreError("store already exists and holds a different ingest (use overwrite to replace it)",
+                         path=url)
+    return Store.create(url, overwrite=overwrite, storage_options=storage_options), "new"
 
 
 def remove_partial_files(root: Path) -> None:
@@ -287,13 +385,14 @@ def store_layout(plan: IngestPlan, smap: StrategyMap | None, options: IngestOpti
         grid = _common_grid(boxes) if boxes and t.shape else t.shape
         itemsize = 1 if t.kind == "map" else max(1, t.nbytes // max(1, _count(t.shape)))
         chunks[t.name] = chunk_shape(grid, itemsize, options.chunk_bytes)
+    so = options.storage_options
     for w in [x for x in plan.writes if _kind(plan, x.name) == "str"]:
-        with open_shard(plan.rank_files[w.rank], verify_crc=False) as r:
+        with open_source(plan.rank_files[w.rank], so, verify_crc=False) as r:
             strings[w.name] = r.string(w.name)
     map_shapes: dict[str, int] = {}
     for mw in plan.writes:
         if _kind(plan, mw.name) == "map":
-            with open_shard(plan.rank_files[mw.rank], verify_crc=False) as r:
+            with open_source(plan.rank_files[mw.rank], so, verify_crc=False) as r:
                 map_shapes[mw.name] = len(r.map_bytes(mw.name))
     tensors = [
         t if t.kind != "map" else replace(t, shape=(map_shapes[t.name],))
@@ -308,7 +407,7 @@ def store_layout(plan: IngestPlan, smap: StrategyMap | None, options: IngestOpti
         writers={n: tuple(ws) for n, ws in writers.items()},
         chunks=chunks,
         strings=strings,
-        source=_source_record(plan, smap),
+        source=_source_record(plan, smap, options.storage_options),
     )
 
 
@@ -343,9 +442,9 @@ def _run(
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
     engine = Engine(options.workers, options.scheduler, options.progress)
     with dask_client(engine) as client:
-        written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], str(store.path), options,
+        written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)
-        compared = run_all(check_rank, [j for j in jobs if j.checks], str(store.path), options,
+        compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
                            dict(plan.rank_files), client=client, label="verify", progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
@@ -372,14 +471,17 @@ def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
 
 def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
-    store = Store.open(store_path, mode="r+")
+    store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
+    store.prefetch(w.name for w in job.writes)
     written = 0
     known: dict[str, dict[str, int]] = {}
-    with open_shard(job.path, verify_crc=False) as reader:
+    with open_source(job.path, options.storage_options, verify_crc=False) as reader:
         batch = _WriteBatch(store, options.block_bytes, reader)
         for w in job.writes:
             written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
         batch.flush()
+        if store.is_remote:
+            _source_checksums(store, reader, job.writes, known)
     store.mark_ingested(job.rank, bytes=written, crc32c=_written_checksums(store, job.writes, known))
     return written
 
@@ -395,16 +497,46 @@ def _written_checksums(
         if store.entry(w.name).kind != "tensor":
             continue  # MapParameter bytes are passed through as one opaque array
         done = known.get(w.name, {})
+        if store.is_remote:  # summed from the source (_source_checksums): nothing to read back
+            out[w.name] = {k: done[k] for k in store.chunk_keys(w.name, w.box) if k in done}
+            continue
         for key, path in store.chunk_files(w.name, w.box):
             out.setdefault(w.name, {})[key] = done[key] if key in done else file_checksum(path)[0]
     return out
 
 
+def _source_checksums(
+    store: Store, reader: CkptReader, writes: tuple[Write, ...], known: dict[str, dict[str, int]]
+) -> None:
+    """Remote stores: CRC-32C of every raw chunk this rank wrote, summed from the source's
+    C-order bytes of the chunk (what the ``bytes`` codec stored) instead of downloading the
+    chunks back. Export still verifies them on the bytes it fetches."""
+    for w in writes:
+        if store.entry(w.name).kind != "tensor" or w.box.size == 0:
+            continue
+        info = store.chunk_info(w.name)
+        if not info.raw:
+            continue
+        sums = known.setdefault(w.name, {})
+        if w.box.ndim == 0:
+            sums.setdefault(info.chunk_key(()), checksum_bytes(np.ascontiguousarray(reader.array(w.name))))
+            continue
+        for t in tiles(w.box, info.chunks):
+            key = info.chunk_key(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
+            if key in sums:
+                continue
+            local = t.relative_to(w.box)
+            view = reader.rows(w.name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
+            sums[key] = checksum_bytes(np.ascontiguousarray(view))
+        reader.release_pages()
+
+
 def check_rank(job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str]) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
-    store = Store.open(store_path, mode="r")
+    store = Store.open(store_path, mode="r", storage_options=options.storage_options)
+    store.prefetch(c.name for c in job.checks)
     compared = 0
-    with open_shard(job.path, verify_crc=False) as reader:
+    with open_source(job.path, options.storage_options, verify_crc=False) as reader:
         for c in job.checks:
             compared += _compare(store, reader, c, options.block_bytes, files)
         reader.release_pages()
@@ -422,9 +554,15 @@ def _kind(plan: IngestPlan, name: str) -> str:
     return plan.kind_of(name)
 
 
-def _source_record(plan: IngestPlan, smap: StrategyMap | None) -> dict[str, Any]:
+def _source_record(
+    plan: IngestPlan, smap: StrategyMap | None, storage_options: remote.StorageOptions = None
+) -> dict[str, Any]:
     files = {}
     for rank, p in plan.rank_files.items():
+        if remote.is_remote(p):
+            files[str(rank)] = {"path": p, "size": remote.size(remote.locate(p, storage_options, SourceError),
+                                                               SourceError)}
+            continue
         path = Path(p)
         files[str(rank)] = {"path": str(path.resolve()), "size": path.stat().st_size}
     return {

@@ -15,6 +15,7 @@ divide the source shard shape, so two writers never touch the same chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -33,8 +34,9 @@ import numpy as np
 import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
-from zarr.storage import LocalStore
+from zarr.storage import FsspecStore, LocalStore
 
+from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
@@ -142,15 +144,19 @@ def _template(dtype: np.dtype) -> dict[str, Any]:
     return _TEMPLATES[key]
 
 
-def _write_array_json(
-    folder: Path, dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
-) -> None:
+def _array_json(dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]) -> str:
     doc = dict(_template(dtype))
     doc["shape"] = [int(s) for s in shape]
     doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}}
     doc["attributes"] = attributes
+    return json.dumps(doc)
+
+
+def _write_array_json(
+    folder: Path, dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "zarr.json").write_text(json.dumps(doc), encoding="utf-8")
+    (folder / "zarr.json").write_text(_array_json(dtype, shape, chunks, attributes), encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -277,11 +283,27 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return best
 
 
+def _fsspec_store(url: str, storage_options: remote.StorageOptions, *, read_only: bool) -> FsspecStore:
+    """zarr's own fsspec store for a URL (it wraps synchronous filesystems such as ``memory://``)."""
+    return FsspecStore.from_url(url, storage_options=remote.fs_options(storage_options), read_only=read_only)
+
+
 class Store:
     """A zckpt store opened for reading or being written by ingest."""
 
-    def __init__(self, path: Path, group: zarr.Group, mode: Literal["r", "r+", "a", "w", "w-"] = "r") -> None:
+    def __init__(
+        self,
+        path: Path,
+        group: zarr.Group,
+        mode: Literal["r", "r+", "a", "w", "w-"] = "r",
+        location: remote.Location | None = None,
+    ) -> None:
         self.path = path
+        """The local directory (for a remote store: its path inside the filesystem, for messages)."""
+        self.location = location
+        """Where a remote store lives (``None`` for a local directory)."""
+        self.url = location.url if location is not None else str(path)
+        """The store as the user named it: what tasks reopen and what messages show."""
         self.group = group
         self._mode: Literal["r", "r+", "a", "w", "w-"] = "r" if mode == "r" else "r+"
         self._entries: dict[str, EntryRecord] | None = None
@@ -292,9 +314,17 @@ class Store:
         self._crcs: dict[str, dict[str, ChunkChecksum]] | None = None
 
     # --- creation -----------------------------------------------------------------
+    @property
+    def is_remote(self) -> bool:
+        return self.location is not None
+
     @classmethod
-    def create(cls, path: str | Path, *, overwrite: bool = False) -> Store:
-        p = Path(path)
+    def create(
+        cls, path: str | Path, *, overwrite: bool = False, storage_options: remote.StorageOptions = None
+    ) -> Store:
+        if isinstance(path, str) and remote.is_remote(path):
+            return cls._create_remote(path, overwrite, storage_options)
+        p = remote.local_path(path)
         if p.exists():
             if not overwrite:
                 raise StoreError("store already exists (use overwrite to replace it)", path=p)
@@ -307,8 +337,31 @@ class Store:
         return cls(p, group, mode="w-")
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, mode: Literal["r", "r+", "a"] = "r") -> Store:
-        p = Path(path)
+    def _create_remote(cls, url: str, overwrite: bool, storage_options: remote.StorageOptions) -> Store:
+        loc = remote.locate(url, storage_options, StoreError)
+        children = remote.listdir(loc, StoreError)
+        if children or remote.isfile(loc, StoreError):
+            if not overwrite:
+                raise StoreError("store already exists (use overwrite to replace it)", path=url)
+            if ("zarr.json", False) not in children:
+                raise StoreError("refusing to overwrite a location that is not a zarr store", path=url)
+            remote.remove(loc, StoreError, recursive=True)
+        with remote.remote_errors(StoreError, url, "cannot create zarr store"):
+            group = zarr.open_group(_fsspec_store(url, storage_options, read_only=False), mode="w-", zarr_format=3)
+            group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+        return cls(Path(loc.path), group, mode="w-", location=loc)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        mode: Literal["r", "r+", "a"] = "r",
+        storage_options: remote.StorageOptions = None,
+    ) -> Store:
+        if isinstance(path, str) and remote.is_remote(path):
+            return cls._open_remote(path, mode, storage_options)
+        p = remote.local_path(path)
         if not (p / "zarr.json").is_file():
             raise StoreError("not a zarr store (no zarr.json)", path=p)
         try:
@@ -321,6 +374,29 @@ class Store:
         if int(meta.get("version", 0)) > VERSION:
             raise StoreError(f"store format version {meta.get('version')} is newer than this zckpt", path=p)
         return cls(p, group, mode=mode)
+
+    @classmethod
+    def _open_remote(cls, url: str, mode: Literal["r", "r+", "a"], storage_options: remote.StorageOptions) -> Store:
+        loc = remote.locate(url, storage_options, StoreError)
+        if not remote.isfile(loc.child("zarr.json"), StoreError):
+            raise StoreError("not a zarr store (no zarr.json)", path=url)
+        with remote.remote_errors(StoreError, url, "cannot open zarr store"):
+            group = zarr.open_group(_fsspec_store(url, storage_options, read_only=mode == "r"), mode=mode,
+                                    zarr_format=3)
+            meta = group.attrs.get("zckpt")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise StoreError("zarr store was not written by zckpt (no zckpt manifest)", path=url)
+        if int(meta.get("version", 0)) > VERSION:
+            raise StoreError(f"store format version {meta.get('version')} is newer than this zckpt", path=url)
+        return cls(Path(loc.path), group, mode=mode, location=loc)
+
+    def remove(self) -> None:
+        """Delete the whole store (an ingest that found bad input leaves nothing behind)."""
+        if self.location is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(StoreError):
+                remote.remove(self.location, StoreError, recursive=True)
 
     # --- manifest ------------------------------------------------------------------
     @property
@@ -347,7 +423,7 @@ class Store:
     def entry(self, name: str) -> EntryRecord:
         e = self._entry_map().get(name)
         if e is None:
-            raise StoreError("no such entry in the store", path=self.path, param=name)
+            raise StoreError("no such entry in the store", path=self.url, param=name)
         return e
 
     def specs(self) -> list[TensorSpec]:
@@ -389,6 +465,7 @@ class Store:
         pending: list[tuple[str, Awaitable[Any]]] = []
         agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
         fast = compressors is None
+        docs: dict[str, bytes] = {}
         if fast:
             for folder in ("tensors", "maps"):
                 self.group.require_group(folder)
@@ -409,7 +486,10 @@ class Store:
             }
             if t.note:
                 attrs["note"] = t.note
-            if fast:
+            if fast and self.location is not None:
+                docs[f"{folder}/{key}/zarr.json"] = _array_json(dtype, t.shape, chunks[t.name],
+                                                                {"zckpt": attrs}).encode("utf-8")
+            elif fast:
                 _write_array_json(self.path / folder / key, dtype, t.shape, chunks[t.name], {"zckpt": attrs})
             else:
                 pending.append((t.name, agroup.create_array(
@@ -424,6 +504,10 @@ class Store:
                 )))
             records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, f"{folder}/{key}", None, t.stages, t.note))
             self._writers[t.name] = list(writers.get(t.name, ()))
+        if docs and self.location is not None:
+            loc = self.location
+            with remote.remote_errors(StoreError, self.url, "cannot write array metadata"):
+                loc.fs.pipe({loc.child(k).path: v for k, v in docs.items()})  # concurrent puts
         created = _gather([c for _, c in pending])
         self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
         self.group.require_group("progress")
@@ -431,12 +515,40 @@ class Store:
 
     def write_many(self, items: Sequence[tuple[str, tuple[slice, ...], np.ndarray]]) -> None:
         """Write several regions concurrently (one event-loop round trip, I/O overlapped)."""
-        _gather([self.array(name)._async_array.setitem(sel, data) for name, sel, data in items])
+        self.prefetch(name for name, _, _ in items)
+        with self._io_errors("cannot write"):
+            _gather([self.array(name)._async_array.setitem(sel, data) for name, sel, data in items])
 
     def read_many(self, items: Sequence[tuple[str, tuple[slice, ...]]]) -> list[np.ndarray]:
         """Read several regions concurrently."""
-        out = _gather([self.array(name)._async_array.getitem(sel) for name, sel in items])
+        self.prefetch(name for name, _ in items)
+        with self._io_errors("cannot read"):
+            out = _gather([self.array(name)._async_array.getitem(sel) for name, sel in items])
         return [np.asarray(x) for x in out]
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Remote stores: open every array of ``names`` not opened yet, concurrently (each
+        open is a round trip; one after another they dominate small transfers). Local stores
+        open arrays on first use, as before."""
+        if self.location is None:
+            return
+        todo = [n for n in dict.fromkeys(names) if n not in self._arrays and self.entry(n).kind != "str"]
+        if not todo:
+            return
+        from zarr.api.asynchronous import open_array
+
+        with self._io_errors("cannot open arrays"):
+            opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
+                                         zarr_format=3) for n in todo])
+        for name, node in zip(todo, opened, strict=True):
+            self._arrays[name] = zarr.Array(node).with_config({"write_empty_chunks": True})
+
+    def _io_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Remote stores: network and permission failures become a StoreError naming the URL
+        (local stores keep raising OSError as they always did)."""
+        if self.location is None:
+            return contextlib.nullcontext()
+        return remote.remote_errors(StoreError, self.url, what)
 
     def mark_ingested(self, rank: int, **info: Any) -> None:
         # One atomic write of the group with its attributes: a crash can never leave a
@@ -447,7 +559,7 @@ class Store:
     def mark_complete(self) -> None:
         problems = self.coverage_problems()
         if problems:
-            raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.path)
+            raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.url)
         self._update(complete=True)
 
     # --- data ------------------------------------------------------------------------
@@ -457,7 +569,7 @@ class Store:
             return cached
         e = self.entry(name)
         if e.kind == "str":
-            raise StoreError("string entries have no array", path=self.path, param=name)
+            raise StoreError("string entries have no array", path=self.url, param=name)
         try:
             node = zarr.open_array(store=self.group.store, path=e.key, mode=self._mode,
                                    config={"write_empty_chunks": True})
@@ -465,7 +577,7 @@ class Store:
             # chunk written through zarr leaves no file, which raw chunk readers then miss.
             node = node.with_config({"write_empty_chunks": True})
         except Exception as err:  # zarr raises several types for a missing or broken node
-            raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.path, param=name) from None
+            raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
         self._arrays[name] = node
         return node
 
@@ -482,6 +594,9 @@ class Store:
                     doc = json.loads((root / e.key / "zarr.json").read_text(encoding="utf-8"))
                 except (OSError, ValueError):
                     doc = None
+            if doc is None and self.location is not None:
+                self.prefetch([name])
+                doc = self.array(name).metadata.to_dict()  # the zarr.json the open just read
             if doc is None:
                 arr = self.array(name)
                 doc = {"shape": arr.shape, "chunk_grid": {"configuration": {"chunk_shape": arr.chunks}},
@@ -496,6 +611,8 @@ class Store:
 
         Such chunks can be filled from and copied to checkpoint files without decoding.
         """
+        if self.location is not None:
+            return None
         info = self.chunk_info(name)
         if not info.raw or info.folder is None:
             return None
@@ -514,6 +631,16 @@ class Store:
             key = info.chunk_key(coords)
             out.append((key, info.folder / key))
         return out
+
+    def chunk_keys(self, name: str, box: Box) -> list[str]:
+        """Keys of every chunk ``box`` touches when chunks are stored raw (local or remote)."""
+        info = self.chunk_info(name)
+        if not info.raw:
+            return []
+        if box.ndim == 0:
+            return [info.chunk_key(())]
+        return [info.chunk_key(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
+                for t in tiles(box, info.chunks)]
 
     def checksums(self) -> dict[str, dict[str, ChunkChecksum]]:
         """Checksum of every chunk, as recorded by the source rank that wrote it."""
@@ -537,6 +664,8 @@ class Store:
         and chunk. Returns the bytes checked. ``done`` (chunks already verified) avoids re-reading.
         """
         expected = self.checksums().get(name, {})
+        if self.location is not None:
+            return self._verify_remote_chunks(name, box, expected, done)
         checked = 0
         for key, path in self.chunk_files(name, box):
             if done is not None and (name, key) in done:
@@ -554,6 +683,38 @@ class Store:
             checked += size
             if done is not None:
                 done.add((name, key))
+        return checked
+
+    def _verify_remote_chunks(
+        self, name: str, box: Box, expected: Mapping[str, ChunkChecksum], done: set[tuple[str, str]] | None
+    ) -> int:
+        """:meth:`verify_chunks` on a remote store: each chunk's stored bytes are fetched through
+        zarr's store API, a few at a time (concurrent requests, at most ~64 MiB in flight)."""
+        info = self.chunk_info(name)
+        chunk_bytes = max(1, math.prod(info.chunks) * ms_dtype(self.entry(name).ms_type).storage.itemsize)
+        per_batch = max(1, (64 * 1024 * 1024) // chunk_bytes)
+        todo = [k for k in self.chunk_keys(name, box)
+                if k in expected and (done is None or (name, k) not in done)]
+        prefix = self.entry(name).key
+        checked = 0
+        for i in range(0, len(todo), per_batch):
+            keys = todo[i : i + per_batch]
+            proto = default_buffer_prototype()
+            with self._io_errors("cannot read chunks"):
+                bufs = _gather([self.group.store.get(f"{prefix}/{k}", prototype=proto) for k in keys])
+            for key, buf in zip(keys, bufs, strict=True):
+                where = f"{self.url.rstrip('/')}/{prefix}/{key}"
+                if buf is None:
+                    raise StoreError("chunk is missing: the store is damaged", path=where, param=name)
+                data = buf.as_numpy_array()
+                want = expected[key]
+                got = want.of(data)
+                if got != want.value:
+                    raise StoreError(f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
+                                     path=where, param=name)
+                checked += int(data.nbytes)
+                if done is not None:
+                    done.add((name, key))
         return checked
 
     def writers(self, name: str) -> list[tuple[int, Box]]:

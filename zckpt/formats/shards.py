@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -72,33 +72,42 @@ def _numbers_key(name: str) -> list[int]:
 
 
 def pick_rank_file(rank_dir: Path) -> Path | None:
-    """The checkpoint of one ``rank_<r>`` directory, as MindSpore chooses it.
+    """The checkpoint of one ``rank_<r>`` directory, as MindSpore chooses it (see
+    :func:`pick_rank_name`); ``None`` when the directory holds no checkpoint."""
+    names = [p.name for p in rank_dir.iterdir() if p.is_file()]
+    found = pick_rank_name(names, rank_dir.name, str(rank_dir))
+    return None if found is None else rank_dir / found
+
+
+def pick_rank_name(names: Sequence[str], dir_name: str, where: str) -> str | None:
+    """The checkpoint among a ``rank_<r>`` directory's file names, as MindSpore chooses it.
 
     ``.ckpt``: the last in lexicographic order. ``.safetensors``: the one whose last two
     numbers are largest (``-<epoch>_<step>``), as ``transform_checkpoints`` picks it; a split
     checkpoint's index file stands for its parts. A directory holding both formats is
-    refused. ``None`` when the directory holds no checkpoint.
+    refused. Works on names alone, so remote directories (listed through fsspec) follow
+    the same rules as local ones.
     """
-    ckpts = sorted(p for p in rank_dir.glob("*.ckpt") if p.is_file())
-    indexes = sorted(p for p in rank_dir.glob("*" + INDEX_SUFFIX) if p.is_file())
-    sts = sorted(p for p in rank_dir.glob("*.safetensors") if p.is_file())
+    ckpts = sorted(n for n in names if n.endswith(".ckpt"))
+    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
+    sts = sorted(n for n in names if n.endswith(".safetensors"))
     if ckpts and (sts or indexes):
         raise SourceError(
             "rank directory holds both .ckpt and .safetensors files; MindSpore refuses such a source as well "
-            "(keep one format per job)", path=rank_dir)
+            "(keep one format per job)", path=where)
     if ckpts:
         return ckpts[-1]
     if indexes:
         if len(indexes) > 1:
             raise SourceError(f"rank directory holds {len(indexes)} split-checkpoint index files "
-                              f"({', '.join(p.name for p in indexes)}); keep one", path=rank_dir)
+                              f"({', '.join(indexes)}); keep one", path=where)
         return indexes[0]
     if sts:
-        return max(sts, key=lambda p: (_numbers_key(f"{rank_dir.name}/{p.name}"), p.name))
+        return max(sts, key=lambda n: (_numbers_key(f"{dir_name}/{n}"), n))
     return None
 
 
-def check_single_format(files: Mapping[int, Path], root: Path) -> None:
+def check_single_format(files: Mapping[int, str | Path], root: str | Path) -> None:
     """Refuse a job whose ranks are saved in different formats (MindSpore refuses it too)."""
     kinds = {r: "safetensors" if shard_format(p).startswith("safetensors") else "ckpt" for r, p in files.items()}
     if len(set(kinds.values())) > 1:

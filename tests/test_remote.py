@@ -1,0 +1,368 @@
+"""Object storage and remote paths: the store, sources, strategies and outputs as fsspec URLs.
+
+A real S3-compatible server (moto's server mode) runs on a free loopback port for the
+module; s3fs talks to it over HTTP like it would to AWS. The endpoint reaches s3fs through
+``AWS_ENDPOINT_URL`` (botocore reads it; what a cluster would set on every worker), one
+test passes it as a storage option instead. Every result is compared byte for byte with
+the same job run on local paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zckpt
+from zckpt.cli import main as cli_main
+from zckpt.cli import parse_storage_options
+from zckpt.errors import OutputError, SourceError, StoreError, UsageError
+from zckpt.formats.shards import pick_rank_name
+from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy
+from zckpt.generate import TensorDef, random_layout, write_model
+from zckpt.store import Store
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
+
+BUCKET = "zckpt-test"
+SRC_N, DST_N = 4, 3
+MARKER = ".zckpt-export.json"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """moto's S3 server on loopback, the credentials and endpoint in the environment, a bucket."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        fs.endpoint = env["AWS_ENDPOINT_URL"]
+        yield fs
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def _prefix() -> str:
+    return f"{BUCKET}/{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 4-rank job, a 3-rank destination strategy, and the all-local ingest + export."""
+    root = tmp_path_factory.mktemp("job")
+    rng = np.random.default_rng(6)
+    types = ["Float32", "BFloat16", "Float16", "Int32", "Bool"]
+    tensors = [TensorDef(f"net.p{i}.weight", tuple(int(rng.choice([12, 24])) for _ in range(1 + i % 3)),
+                         types[i % len(types)]) for i in range(8)]
+    tensors = [TensorDef(t.name, t.shape, t.ms_type, random_layout(rng, t.shape, SRC_N)) for t in tensors]
+    write_model(root / "src", tensors, device_num=SRC_N, strings={"note": "remote"})
+    layouts: dict[str, dict[int, ParamLayout]] = {}
+    for t in tensors:
+        lay = random_layout(rng, t.shape, DST_N, unlisted_prob=0.2)
+        if lay is not None:
+            layouts[t.name] = {0: lay}
+    (root / "dst_strategy.ckpt").write_bytes(encode_strategy(StrategyMap(layouts=layouts)))
+    zckpt.ingest(str(root / "src"), str(root / "store.zarr"), str(root / "src" / "strategy.ckpt"))
+    zckpt.export(str(root / "store.zarr"), str(root / "out"), str(root / "dst_strategy.ckpt"))
+    zckpt.export(str(root / "store.zarr"), str(root / "out_st"), str(root / "dst_strategy.ckpt"),
+                 options=zckpt.ExportOptions(format="safetensors"))
+    return {"root": root, "src": root / "src", "src_strategy": root / "src" / "strategy.ckpt",
+            "dst_strategy": root / "dst_strategy.ckpt", "store": root / "store.zarr", "out": root / "out",
+            "out_st": root / "out_st"}
+
+
+def _local_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MARKER}
+
+
+def _remote_tree(fs: Any, root: str) -> dict[str, bytes]:
+    return {p[len(root) + 1:]: fs.cat_file(p) for p in sorted(fs.find(root)) if not p.endswith(MARKER)}
+
+
+def _arrays(store: str | Path, **opts: Any) -> dict[str, tuple[str, tuple[int, ...], bytes, Any]]:
+    st = Store.open(str(store), storage_options=opts or None)
+    out = {}
+    for e in st.entries():
+        if e.kind == "str":
+            out[e.name] = ("str", (), (e.value or "").encode(), None)
+            continue
+        arr = st.array(e.name)
+        out[e.name] = (str(arr.dtype), tuple(arr.shape), np.asarray(arr[...]).tobytes(), arr.attrs["zckpt"]["writers"])
+    return out
+
+
+def _upload(fs: Any, local: Path, remote_path: str) -> str:
+    fs.put(str(local), remote_path, recursive=local.is_dir())
+    return f"s3://{remote_path}"
+
+
+# --- pure helpers -------------------------------------------------------------------------
+
+def test_pick_rank_name_follows_mindspores_rules() -> None:
+    assert pick_rank_name(["a_1.ckpt", "b_2.ckpt", "x.txt"], "rank_0", "d") == "b_2.ckpt"
+    assert pick_rank_name(["m-1_9.safetensors", "m-2_1.safetensors"], "rank_0", "d") == "m-2_1.safetensors"
+    assert pick_rank_name(["x.txt"], "rank_0", "d") is None
+    with pytest.raises(SourceError, match="both"):
+        pick_rank_name(["a.ckpt", "a.safetensors"], "rank_0", "d")
+
+
+def test_parse_storage_options() -> None:
+    got = parse_storage_options(["endpoint_url=http://h:9000", "anon=true", "config_kwargs={\"a\": 1}"])
+    assert got == {"endpoint_url": "http://h:9000", "anon": True, "config_kwargs": {"a": 1}}
+    with pytest.raises(UsageError):
+        parse_storage_options(["novalue"])
+
+
+# --- S3 through the command line ----------------------------------------------------------
+
+def test_cli_local_sources_to_s3_store_and_back(s3: Any, job: dict[str, Path], tmp_path: Path) -> None:
+    """ingest local -> s3:// store; export s3:// store -> local files: identical to the local run."""
+    store = f"s3://{_prefix()}/store.zarr"
+    assert cli_main(["ingest", str(job["src"]), "--strategy", str(job["src_strategy"]), "--store", store,
+                     "--quiet"]) == 0
+    assert _arrays(store) == _arrays(job["store"])
+    assert not s3.exists(store[5:] + ".lock"), "the lock object is removed after the ingest"
+    assert cli_main(["export", store, "--strategy", str(job["dst_strategy"]), "--out", str(tmp_path / "out"),
+                     "--quiet"]) == 0
+    assert _local_tree(tmp_path / "out") == _local_tree(job["out"])
+    # the chunk checksums were recorded for the remote store too
+    st = Store.open(store)
+    assert sum(len(v) for v in st.checksums().values()) == sum(
+        len(v) for v in Store.open(str(job["store"])).checksums().values()) > 0
+
+
+def test_cli_everything_on_s3(s3: Any, job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Sources, both strategies, store and output all on S3."""
+    base = _prefix()
+    src = _upload(s3, job["src"], f"{base}/ckpts")
+    src_strategy = f"{src}/strategy.ckpt"
+    dst_strategy = _upload(s3, job["dst_strategy"], f"{base}/dst.ckpt")
+    store, out = f"s3://{base}/store.zarr", f"s3://{base}/out"
+    assert cli_main(["ingest", src, "--strategy", src_strategy, "--store", store, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["store"] == store and report["complete"]
+    assert _arrays(store) == _arrays(job["store"])
+    manifest = Store.open(store).manifest["source"]
+    assert manifest["strategy_files"] == [src_strategy]
+    assert manifest["rank_files"]["0"]["path"] == f"{src}/rank_0/checkpoint_0.ckpt"
+    assert cli_main(["export", store, "--strategy", dst_strategy, "--out", out, "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["path"] for r in ranks] == [f"{out}/rank_{r}/checkpoint_{r}.ckpt" for r in range(DST_N)]
+    assert _remote_tree(s3, out[5:]) == _local_tree(job["out"])
+    assert not [p for p in s3.find(out[5:]) if p.endswith(".tmp-zckpt")]
+    # rerunning the same ingest finds the store complete; the same export has nothing left to do
+    assert cli_main(["ingest", src, "--strategy", src_strategy, "--store", store, "--quiet"]) == 0
+    assert cli_main(["export", store, "--strategy", dst_strategy, "--out", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 2)[-1] or "{}") is not None
+
+
+def test_cli_storage_option_gives_the_endpoint(s3: Any, job: dict[str, Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AWS_ENDPOINT_URL, --storage-option endpoint_url=... reaches the server."""
+    endpoint = s3.endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    store = f"s3://{_prefix()}/store.zarr"
+    opts = ["--storage-option", f"endpoint_url={endpoint}"]
+    assert cli_main(["ingest", str(job["src"]), "--strategy", str(job["src_strategy"]), "--store", store,
+                     "--quiet", *opts]) == 0
+    assert cli_main(["export", store, "--strategy", str(job["dst_strategy"]), "--out", str(tmp_path / "o"),
+                     "--quiet", *opts]) == 0
+    assert _local_tree(tmp_path / "o") == _local_tree(job["out"])
+
+
+# --- S3 through the API -------------------------------------------------------------------
+
+def test_api_s3_sources_store_and_safetensors_output(s3: Any, job: dict[str, Path]) -> None:
+    base = _prefix()
+    src = _upload(s3, job["src"], f"{base}/ckpts")
+    opts = {"endpoint_url": s3.endpoint}
+    report = zckpt.ingest(src, f"s3://{base}/store.zarr", f"{src}/strategy.ckpt",
+                          zckpt.IngestOptions(storage_options=opts))
+    assert report.complete and report.store == f"s3://{base}/store.zarr"
+    assert _arrays(report.store, **opts) == _arrays(job["store"])
+    zckpt.export(report.store, f"s3://{base}/out", str(job["dst_strategy"]),
+                 options=zckpt.ExportOptions(storage_options=opts))
+    assert _remote_tree(s3, f"{base}/out") == _local_tree(job["out"])
+    zckpt.export(report.store, f"s3://{base}/out_st", str(job["dst_strategy"]),
+                 options=zckpt.ExportOptions(format="safetensors", storage_options=opts))
+    assert _remote_tree(s3, f"{base}/out_st") == _local_tree(job["out_st"])
+    with pytest.raises(OutputError, match="already exist"):
+        zckpt.export(report.store, f"s3://{base}/out_st", str(job["dst_strategy"]),
+                     options=zckpt.ExportOptions(format="safetensors"))
+
+
+def test_split_safetensors_sources_on_s3(s3: Any, job: dict[str, Path], tmp_path: Path) -> None:
+    """A rank saved as parts + index: the parts are fetched with the index."""
+    local = tmp_path / "st_src"
+    zckpt.export(str(job["store"]), str(local), str(job["src_strategy"]),
+                 options=zckpt.ExportOptions(format="safetensors", max_file_bytes=600))
+    assert list(local.glob("rank_0/*.index.json"))
+    zckpt.ingest(str(local), str(tmp_path / "st_store.zarr"), str(job["src_strategy"]))
+    src = _upload(s3, local, f"{_prefix()}/st_src")
+    store = src.rsplit("/", 1)[0] + "/store.zarr"
+    zckpt.ingest(src, store, str(job["src_strategy"]))
+    assert _arrays(store) == _arrays(tmp_path / "st_store.zarr")
+
+
+def test_export_to_s3_on_dask_workers(s3: Any, job: dict[str, Path]) -> None:
+    """Workers inherit the endpoint from the environment and reopen the store by URL."""
+    pytest.importorskip("distributed")
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    zckpt.export(store, f"s3://{base}/out", str(job["dst_strategy"]), options=zckpt.ExportOptions(workers=2))
+    assert _remote_tree(s3, f"{base}/out") == _local_tree(job["out"])
+
+
+# --- resume, refusal, lock, checksums -----------------------------------------------------
+
+def test_remote_export_resumes_and_refuses_foreign_directories(s3: Any, job: dict[str, Path]) -> None:
+    base = _prefix()
+    store, out = f"s3://{base}/store.zarr", f"s3://{base}/out"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    zckpt.export(store, out, str(job["dst_strategy"]))
+    s3.rm(f"{base}/out/rank_1/checkpoint_1.ckpt")
+    s3.pipe(f"{base}/out/rank_2/checkpoint_2.ckpt.tmp-zckpt", b"partial")
+    again = zckpt.export(store, out, str(job["dst_strategy"]))
+    assert [r.rank for r in again.ranks] == [1], "only the missing file is written"
+    assert _remote_tree(s3, f"{base}/out") == _local_tree(job["out"]), "the stray temporary is removed"
+    s3.pipe(f"{base}/foreign/notes.txt", b"x")
+    with pytest.raises(OutputError, match="already holds"):
+        zckpt.export(store, f"s3://{base}/foreign", str(job["dst_strategy"]))
+    assert cli_main(["export", store, "--strategy", str(job["dst_strategy"]), "--out", f"s3://{base}/foreign",
+                     "--quiet"]) == 1
+    zckpt.export(store, f"s3://{base}/foreign", str(job["dst_strategy"]),
+                 options=zckpt.ExportOptions(overwrite=True))
+    assert s3.exists(f"{base}/foreign/rank_0/checkpoint_0.ckpt")
+
+
+def test_remote_store_refusals_and_overwrite(s3: Any, job: dict[str, Path], tmp_path: Path) -> None:
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    write_model(tmp_path / "other", [TensorDef("x", (4,), "Float32")], device_num=1, strategy_format=None)
+    with pytest.raises(StoreError, match="different ingest"):
+        zckpt.ingest(str(tmp_path / "other"), store)
+    zckpt.ingest(str(tmp_path / "other"), store, options=zckpt.IngestOptions(overwrite=True))
+    assert "x" in _arrays(store)
+    assert "net.p0.weight" not in _arrays(store), "overwrite removed the old store first"
+    s3.pipe(f"{base}/notastore/a.txt", b"x")
+    with pytest.raises(StoreError, match="not a zckpt store"):
+        zckpt.ingest(str(job["src"]), f"s3://{base}/notastore", str(job["src_strategy"]))
+    with pytest.raises(StoreError, match="not a zarr store"):
+        zckpt.ingest(str(job["src"]), f"s3://{base}/notastore", str(job["src_strategy"]),
+                     zckpt.IngestOptions(overwrite=True))
+
+
+def test_remote_ingest_resumes_after_an_interruption(s3: Any, job: dict[str, Path]) -> None:
+    """A store whose rank 2 never finished (its progress node removed, its chunks kept or
+    not) is completed by rerunning the same ingest, to the same arrays."""
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    s3.rm(f"{base}/store.zarr/progress/rank_2", recursive=True)
+    meta = json.loads(s3.cat_file(f"{base}/store.zarr/zarr.json"))
+    meta["attributes"]["zckpt"]["complete"] = False
+    s3.pipe(f"{base}/store.zarr/zarr.json", json.dumps(meta).encode())
+    report = zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    assert report.resumed and report.complete
+    assert _arrays(store) == _arrays(job["store"])
+
+
+def test_remote_lock_object(s3: Any, job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The lock is an object created only if absent (S3 conditional put): while it exists,
+    ingest is refused and told which object to delete; once deleted, ingest runs."""
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    s3.pipe(f"{base}/store.zarr.lock", b'{"host": "elsewhere", "pid": 1}')
+    with pytest.raises(StoreError, match="another zckpt ingest") as err:
+        zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    assert f"s3://{base}/store.zarr.lock" in str(err.value) and "elsewhere" in str(err.value)
+    assert not s3.exists(f"{base}/store.zarr/zarr.json")
+    assert cli_main(["ingest", str(job["src"]), "--store", store, "--strategy", str(job["src_strategy"])]) == 1
+    assert "lock" in capsys.readouterr().err
+    s3.rm(f"{base}/store.zarr.lock")
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    assert not s3.exists(f"{base}/store.zarr.lock")
+
+
+def test_remote_chunks_are_verified_at_export(s3: Any, job: dict[str, Path], tmp_path: Path) -> None:
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    st = Store.open(store)
+    name = next(n for n, per in st.checksums().items() if per)
+    key = sorted(st.checksums()[name])[0]
+    obj = f"{base}/store.zarr/{st.entry(name).key}/{key}"
+    data = bytearray(s3.cat_file(obj))
+    data[0] ^= 0xFF
+    s3.pipe(obj, bytes(data))
+    with pytest.raises(StoreError, match="fails its checksum") as err:
+        zckpt.export(store, str(tmp_path / "bad"), str(job["dst_strategy"]))
+    assert err.value.param == name and store in str(err.value)
+    zckpt.export(store, str(tmp_path / "unchecked"), str(job["dst_strategy"]),
+                 options=zckpt.ExportOptions(verify_checksums=False))
+
+
+# --- failures become zckpt errors naming the URL ------------------------------------------
+
+def test_missing_bucket_and_store(s3: Any, job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(StoreError) as err:
+        zckpt.ingest(str(job["src"]), "s3://no-such-bucket-zckpt/store.zarr", str(job["src_strategy"]))
+    assert "s3://no-such-bucket-zckpt/store.zarr" in str(err.value)
+    with pytest.raises(StoreError, match="no zarr.json"):
+        zckpt.export(f"s3://{BUCKET}/nothing-here.zarr", "unused-out")
+    with pytest.raises(SourceError, match="does not exist"):
+        zckpt.ingest(f"s3://{BUCKET}/no-sources", f"s3://{BUCKET}/x.zarr")
+    assert cli_main(["export", "s3://no-such-bucket-zckpt/store.zarr", "--out", "o"]) == 1
+    assert "s3://no-such-bucket-zckpt/store.zarr" in capsys.readouterr().err
+
+
+def test_unreachable_endpoint(s3: Any, job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    code = cli_main(["export", f"s3://{BUCKET}/store.zarr", "--out", "o", "--storage-option",
+                     f"endpoint_url=http://127.0.0.1:{closed}",
+                     "--storage-option", 'config_kwargs={"retries": {"max_attempts": 1}}',
+                     "--storage-option", "retries=1"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"s3://{BUCKET}/store.zarr" in err and "zckpt export: error" in err
+
+
+# --- memory:// ----------------------------------------------------------------------------
+
+def test_memory_store_round_trip(job: dict[str, Path], tmp_path: Path) -> None:
+    """memory:// is an fsspec filesystem like any other (in this process only)."""
+    fsspec = pytest.importorskip("fsspec")
+    base = f"memory://zckpt-{uuid.uuid4().hex[:8]}"
+    zckpt.ingest(str(job["src"]), f"{base}/store.zarr", str(job["src_strategy"]))
+    assert _arrays(f"{base}/store.zarr") == _arrays(job["store"])
+    zckpt.export(f"{base}/store.zarr", str(tmp_path / "out"), str(job["dst_strategy"]))
+    assert _local_tree(tmp_path / "out") == _local_tree(job["out"])
+    zckpt.export(f"{base}/store.zarr", f"{base}/out", str(job["dst_strategy"]))
+    fs, path = fsspec.core.url_to_fs(f"{base}/out")
+    assert _remote_tree(fs, path) == _local_tree(job["out"])
+    fs.rm(path.split("/out")[0], recursive=True)
