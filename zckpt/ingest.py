@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from zckpt import remote
+from zckpt import fileio, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError, StoreError, StrategyError, ZckptError
+from zckpt.fileio import copy_range
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
@@ -581,13 +582,19 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
 
 
 def _copy_chunks(
-    store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], known: dict[str, dict[str, int]]
+    store: Store,
+    reader: CkptReader,
+    w: Write,
+    chunks: tuple[int, ...],
+    known: dict[str, dict[str, int]],
+    buf: bytearray,
 ) -> bool:
     """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
     copies, no byte passes through Python) when chunks are stored raw and span the shard's
     full width, so that each chunk is one contiguous byte range of the shard; each chunk's
     CRC-32C (into ``known``) is summed from the mapped source range. Returns ``False``
-    (nothing written) when that does not hold, and zarr writes the box instead."""
+    (nothing written) when that does not hold, and zarr writes the box instead. ``buf``
+    carries the bytes when the kernel cannot copy (across filesystems)."""
     box = w.box
     if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
         return False
@@ -610,29 +617,10 @@ def _copy_chunks(
             made.add(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _copy_range(reader.fileno(), fd, offset, length)
+            copy_range(reader.fileno(), fd, offset, length, buf)
         finally:
             os.close(fd)
     return True
-
-
-def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
-    done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, offset + done)
-        except OSError:
-            n = 0
-        if n == 0:  # not supported here (e.g. across filesystems): copy through a buffer
-            os.lseek(dst, done, os.SEEK_SET)
-            while done < length:
-                chunk = os.pread(src, min(length - done, 16 * MiB), offset + done)
-                if not chunk:
-                    raise OSError(f"source ended after {done} of {length} bytes")
-                os.write(dst, chunk)
-                done += len(chunk)
-            return
-        done += n
 
 
 class _WriteBatch:
@@ -648,12 +636,19 @@ class _WriteBatch:
         self.limit = limit
         self.items: list[tuple[str, tuple[slice, ...], np.ndarray]] = []
         self.pending = 0
+        self._copy_buffer: bytearray | None = None
 
     def add(self, name: str, sel: tuple[slice, ...], data: np.ndarray) -> None:
         if self.items and self.pending + data.nbytes > self.limit:
             self.flush()
         self.items.append((name, sel, data))
         self.pending += data.nbytes
+
+    def copy_buffer(self) -> bytearray:
+        """One block-sized buffer for this rank's file-to-file copies, made on first use."""
+        if self._copy_buffer is None:
+            self._copy_buffer = bytearray(fileio.BLOCK)
+        return self._copy_buffer
 
     def flush(self) -> None:
         if self.items:
@@ -688,7 +683,7 @@ def _write(
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if _copy_chunks(batch.store, reader, w, chunks, known):
+    if _copy_chunks(batch.store, reader, w, chunks, known, batch.copy_buffer()):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:

@@ -30,6 +30,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from zckpt import fileio
 from zckpt.dtypes import STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
@@ -619,7 +620,7 @@ class CkptWriter:
             done = 0
             if not self._crc_enabled:
                 self._f.flush()
-                done = _kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
                 self.bytes_written += done
             while done < block.length:
                 data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
@@ -666,21 +667,6 @@ class CkptWriter:
 
 def _block_size(block: np.ndarray | FileRange) -> int:
     return block.length if isinstance(block, FileRange) else int(block.size)
-
-
-def _kernel_copy(src: int, dst: int, offset: int, length: int) -> int:
-    """Copy with ``copy_file_range`` at ``dst``'s position; returns the bytes copied (fewer
-    than ``length``, possibly 0, when the kernel cannot: the caller copies the rest)."""
-    done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, offset + done)
-        except OSError:
-            return done
-        if n == 0:
-            return done
-        done += n
-    return done
 
 
 def _as_le_bytes(block: np.ndarray, dt: np.dtype) -> np.ndarray:
