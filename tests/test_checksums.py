@@ -12,6 +12,7 @@ import zarr
 
 import zckpt
 from zckpt.cli import main as cli_main
+from zckpt.export import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model
@@ -119,3 +120,18 @@ def test_a_chunk_read_in_part_is_still_checked_whole(tmp_path: Path, capsys: pyt
     code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "bad"), "--quiet"])
     assert code == 1 and "c.0.0" in capsys.readouterr().err
     assert not list((tmp_path / "bad").rglob("*.ckpt"))
+
+
+def test_export_counts_the_store_bytes_it_reads(tmp_path: Path) -> None:
+    """Data reads are exactly the slices' bytes; checking checksums reads whole chunks on top."""
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
+    plain = zckpt.export(store, tmp_path / "a", DST_S, options=ExportOptions(verify_checksums=False))
+    checked = zckpt.export(store, tmp_path / "b", DST_S)
+    payload = 0
+    for r in plain.ranks:
+        with CkptReader(r.path) as reader:
+            payload += sum(e.nbytes for e in reader.entries.values() if e.kind == "tensor")
+    assert sum(r.read_bytes for r in plain.ranks) == payload and sum(r.checked_bytes for r in plain.ranks) == 0
+    assert sum(r.read_bytes for r in checked.ranks) == payload
+    assert sum(r.checked_bytes for r in checked.ranks) > 0 and checked.bytes_read > plain.bytes_read

@@ -74,6 +74,12 @@ class RankResult:
     path: str
     tensors: int
     bytes: int
+    read_bytes: int = 0
+    """Store bytes read for the file's data (slices only: exact slicing makes this ``bytes``
+    minus the file's framing)."""
+    checked_bytes: int = 0
+    """Store bytes read only to check chunk checksums (the parts of chunks not in a slice,
+    or whole chunks when the data are copied in the kernel)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,12 @@ class ExportReport:
     @property
     def bytes_written(self) -> int:
         return sum(r.bytes for r in self.ranks)
+
+    @property
+    def bytes_read(self) -> int:
+        """Store bytes read, data and checksum checks together (read amplification =
+        ``bytes_read / bytes_written``)."""
+        return sum(r.read_bytes + r.checked_bytes for r in self.ranks)
 
 
 def rank_file(out_dir: str | Path, rank: int, prefix: str, suffix: str = "") -> Path:
@@ -328,6 +340,8 @@ class StoreReader:
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
         self._verified: set[tuple[str, str]] = set()
+        self.read_bytes = 0
+        self.checked_bytes = 0
 
     def lazy(self, name: str) -> Any:
         """``name`` as a lazy ``dask.array`` over its Zarr array (Dask is imported only here)."""
@@ -354,17 +368,21 @@ class StoreReader:
             rest = [(name, box) for (name, box), got in zip(items, direct, strict=True) if got is None]
             if verify:
                 for name, box in rest:
-                    self.store.verify_chunks(name, box, self._verified)
+                    self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
             fetched = iter(self.store.read_many([(name, box.slices()) for name, box in rest]))
-            return [got if got is not None else next(fetched) for got in direct]
+            result = [got if got is not None else next(fetched) for got in direct]
+            self.read_bytes += sum(a.nbytes for a in result)
+            return result
         if verify:
             for name, box in items:
-                self.store.verify_chunks(name, box, self._verified)
+                self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
         import dask
 
         computed = dask.compute(*lazy, scheduler=self.options.dask_scheduler)  # type: ignore[attr-defined,no-untyped-call]
-        return [np.asarray(x) for x in computed]
+        arrays = [np.asarray(x) for x in computed]
+        self.read_bytes += sum(a.nbytes for a in arrays)
+        return arrays
 
     def _read_raw(self, name: str, box: Box) -> np.ndarray | None:
         """Read a slice straight from raw chunk files when chunks span the array's full width:
@@ -429,6 +447,7 @@ class StoreReader:
             return
         want = self.store.checksums().get(name, {}).get(key)
         if want is not None:
+            self.checked_bytes += len(data)
             value = want.of(np.frombuffer(data, dtype=np.uint8))
             if value != want.value:
                 raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
@@ -452,7 +471,7 @@ class StoreReader:
         verify = self.options.verify_checksums and (name, key) not in self._verified
         want = self.store.checksums().get(name, {}).get(key) if verify else None
         if want is not None and not whole:
-            self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
+            self.checked_bytes += self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
             want = None
         try:
             with open(path, "rb", buffering=0) as f:
@@ -509,7 +528,8 @@ class StoreReader:
                                  "the store is damaged", path=path, param=name)
             out.append(FileRange(path, offset, length))
         if self.options.verify_checksums:
-            self.store.verify_chunks(name, box, self._verified)
+            self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
+        self.read_bytes += sum(r.length for r in out)
         return out
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
@@ -540,7 +560,7 @@ class StoreReader:
                     n = band_counts[s.name]
                     w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))
                     tensors += 1
-        return RankResult(rank.rank, str(target), tensors, target.stat().st_size)
+        return RankResult(rank.rank, str(target), tensors, target.stat().st_size, self.read_bytes, self.checked_bytes)
 
 
 class _BandSource:
