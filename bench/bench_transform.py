@@ -57,6 +57,16 @@ def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dt
     return src, src_strategy, dst_strategy
 
 
+def prewarm(scratch: Path, nbytes: int) -> None:
+    """Touch ``nbytes`` of scratch storage once (written in 64 MiB blocks, then deleted)."""
+    block = b"\0" * (64 * MiB)
+    target = scratch / "prewarm.bin"
+    with open(target, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+    target.unlink()
+
+
 def _peak(r: dict[str, Any]) -> int:
     """Peak RSS of the phase's largest process (itself, or a Dask worker / cp it started)."""
     return max(int(r["max_rss_bytes"]), int(r.get("max_child_rss_bytes", 0)))
@@ -81,13 +91,22 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"), help="generated sources (reused)")
     ap.add_argument("--scratch", type=Path, default=None,
                     help="where the store and outputs go (default: WORK/runs); e.g. a tmpfs such as /dev/shm/zb")
+    ap.add_argument("--prewarm-gib", type=float, default=0.0,
+                    help="write and delete this many GiB in SCRATCH first: on a VM, memory the guest has not "
+                         "touched lately makes the first writes to a tmpfs several times slower (measured 7.8 s "
+                         "then 3.4 s for the same cp -r), which would land on whichever phase runs first")
     ap.add_argument("--cp-runs", type=int, default=3, help="times to run cp -r (the median is reported)")
     ap.add_argument("--keep-outputs", action="store_true",
                     help="keep MindSpore's output and the copies (default: delete each once measured, to save space)")
     ap.add_argument("--mindspore-python", default=os.environ.get("ZCKPT_MS_PYTHON"))
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the run as JSON instead of a table")
+    ap.add_argument("--json-out", type=Path, default=None, help="also save the run as JSON")
+    ap.add_argument("--render", type=Path, default=None, help="print the table of a saved JSON run and exit")
     ap.add_argument("--dask-reader", action="store_true", help="also time export with the dask.array reader")
     a = ap.parse_args()
+    if a.render is not None:
+        render(json.loads(a.render.read_text(encoding="utf-8")))
+        return
     size = int(a.size_gib * GiB)
     a.work.mkdir(parents=True, exist_ok=True)
     src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype)
@@ -96,6 +115,8 @@ def main() -> None:
     runs = a.scratch if a.scratch is not None else a.work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
+    if a.prewarm_gib > 0:
+        prewarm(runs, int(a.prewarm_gib * GiB))
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     rows: list[dict[str, Any]] = []
 
@@ -143,21 +164,30 @@ def main() -> None:
                   "dst_ranks": a.dst_ranks, "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
         "phases": rows,
     }
+    if a.json_out is not None:
+        a.json_out.write_text(json.dumps(report, indent=1), encoding="utf-8")
     if a.json:
         print(json.dumps(report, indent=1))
-        return
-    print(f"model: {logical / GiB:.2f} GiB {a.dtype} ({src_bytes / GiB:.2f} GiB of source shards incl. replicas), "
-          f"{a.src_ranks} -> {a.dst_ranks} ranks, optimizer parallel on destination: {not a.no_opt_parallel}; "
-          f"{os.cpu_count()} cpus")
-    print(f"| {'phase':<34} | {'wall s':>7} | {'MiB/s':>7} | {'peak RSS MiB':>12} | {'read MiB':>9} | "
+    else:
+        render(report)
+
+
+def render(report: dict[str, Any]) -> None:
+    """Print a run's table and ratios (also for a saved run: ``--render FILE``)."""
+    model, rows = report["model"], report["phases"]
+    print(f"model: {model['logical_bytes'] / GiB:.2f} GiB {model['dtype']} "
+          f"({model['source_bytes'] / GiB:.2f} GiB of source shards incl. replicas), "
+          f"{model['src_ranks']} -> {model['dst_ranks']} ranks, "
+          f"optimizer parallel on destination: {model['opt_parallel']}; {report['machine']['cpus']} cpus")
+    print(f"| {'phase':<44} | {'wall s':>7} | {'MiB/s':>7} | {'peak RSS MiB':>12} | {'read MiB':>9} | "
           f"{'written MiB':>11} | {'read amp':>8} |")
-    print(f"|{'-' * 36}|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|")
+    print(f"|{'-' * 46}|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['label']:<34} | error: {r['error']}")
+            print(f"| {r['label']:<44} | error: {r['error']}")
             continue
         out = r["bytes_out"] or 1
-        print(f"| {r['label']:<34} | {r['seconds']:>7.2f} | {r['bytes_moved'] / MiB / r['seconds']:>7.1f} | "
+        print(f"| {r['label']:<44} | {r['seconds']:>7.2f} | {r['bytes_moved'] / MiB / r['seconds']:>7.1f} | "
               f"{_peak(r) / MiB:>12.0f} | {r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
               f"{r['read_chars'] / out:>8.2f} |")
     by = {r["label"]: r for r in rows if "error" not in r}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import google_crc32c
 import pytest
 
 from zckpt import fileio
+from zckpt.store import checksum_bytes
 
 
 @pytest.mark.parametrize("how", ["kernel-or-buffer", "buffer"])
@@ -42,3 +44,23 @@ def test_a_range_past_the_end_of_the_source_is_an_error(tmp_path: Path) -> None:
     finally:
         os.close(src)
         os.close(dst)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_copy_returns_the_digest_of_the_bytes_copied(tmp_path: Path, kernel: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checksum comes from the same pass as the copy (buffered) or one read after the
+    kernel copied (kernel), and equals the checksum of the bytes themselves."""
+    data = os.urandom(50_000)
+    (tmp_path / "src").write_bytes(data)
+    if not kernel:
+        monkeypatch.setattr(fileio, "kernel_copy", lambda *a: 0)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        got = fileio.copy_range(src, dst, 123, 40_000, bytearray(4096), checksum_bytes)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert got == google_crc32c.value(data[123:40_123])
+    assert (tmp_path / "dst").read_bytes() == data[123:40_123]

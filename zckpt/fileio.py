@@ -4,6 +4,7 @@ reusable buffer (bounded memory, no fresh allocation per block)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 BLOCK = 1024 * 1024
 """Copy buffer size: large enough for few system calls, small enough that the bytes just
@@ -26,22 +27,58 @@ def kernel_copy(src: int, dst: int, offset: int, length: int) -> int:
     return done
 
 
-def buffered_copy(src: int, dst: int, offset: int, length: int, buf: bytearray | None = None) -> None:
-    """Copy through ``buf`` (or a fresh ``BLOCK``-sized one) to ``dst`` at its position."""
+Digest = Callable[[memoryview, int], int]
+"""A running checksum: ``digest(data, previous) -> next`` (e.g. CRC-32C)."""
+
+
+def _no_digest(data: memoryview, value: int) -> int:
+    return value
+
+
+def buffered_copy(
+    src: int, dst: int, offset: int, length: int, buf: bytearray | None = None, digest: Digest = _no_digest,
+    value: int = 0,
+) -> int:
+    """Copy through ``buf`` (or a fresh ``BLOCK``-sized one) to ``dst`` at its position,
+    folding ``digest`` over the bytes on the way; returns the digest."""
     view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length))))
     done = 0
     while done < length:
         n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
         if n == 0:
             raise OSError(f"source ended after {done} of {length} bytes")
+        value = digest(view[:n], value)
         written = 0
         while written < n:
             written += os.write(dst, view[written:n])
         done += n
+    return value
 
 
-def copy_range(src: int, dst: int, offset: int, length: int, buf: bytearray | None = None) -> None:
-    """Append ``length`` bytes of ``src`` at ``offset`` to ``dst`` (at its position)."""
+def read_digest(src: int, offset: int, length: int, buf: bytearray, digest: Digest, value: int = 0) -> int:
+    """``digest`` of a range of ``src``, read through ``buf`` (no mapping: the process's
+    resident memory stays at one buffer whatever the file size)."""
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
+        if n == 0:
+            raise OSError(f"source ended after {done} of {length} bytes")
+        value = digest(view[:n], value)
+        done += n
+    return value
+
+
+def copy_range(
+    src: int, dst: int, offset: int, length: int, buf: bytearray | None = None, digest: Digest = _no_digest
+) -> int:
+    """Append ``length`` bytes of ``src`` at ``offset`` to ``dst`` (at its position) and
+    return ``digest`` of them: the kernel copies when it can (then the bytes are read once
+    more, through ``buf``, for the digest), else one pass through ``buf`` does both."""
     done = kernel_copy(src, dst, offset, length)
+    value = 0
+    if done and digest is not _no_digest:
+        value = read_digest(src, offset, done, buf if buf is not None else bytearray(BLOCK), digest)
     if done < length:
-        buffered_copy(src, dst, offset + done, length - done, buf)
+        value = buffered_copy(src, dst, offset + done, length - done, buf, digest, value)
+    return value

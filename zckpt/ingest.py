@@ -592,14 +592,15 @@ def _copy_chunks(
     """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
     copies, no byte passes through Python) when chunks are stored raw and span the shard's
     full width, so that each chunk is one contiguous byte range of the shard; each chunk's
-    CRC-32C (into ``known``) is summed from the mapped source range. Returns ``False``
+    CRC-32C (into ``known``) is summed from the source bytes as they are copied (read
+    through ``buf``, never through the mapping, so resident memory stays flat). Returns ``False``
     (nothing written) when that does not hold, and zarr writes the box instead. ``buf``
     carries the bytes when the kernel cannot copy (across filesystems)."""
     box = w.box
     if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
         return False
     rows = chunks[0]
-    plan: list[tuple[Path, int, int]] = []
+    plan: list[tuple[Path, int, int, str]] = []
     sums = known.setdefault(w.name, {})
     for r0 in range(0, box.shape[0], rows):
         span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
@@ -608,16 +609,15 @@ def _copy_chunks(
         coords = ((box.start[0] + r0) // rows,) + tuple(s // c for s, c in zip(box.start[1:], chunks[1:], strict=True))
         path = store.raw_chunk_file(w.name, coords)
         assert path is not None
-        plan.append((path, span[0], span[1]))
-        sums[store.chunk_info(w.name).chunk_key(coords)] = checksum_bytes(reader.byte_range(*span))
+        plan.append((path, span[0], span[1], store.chunk_info(w.name).chunk_key(coords)))
     made: set[Path] = set()
-    for path, offset, length in plan:
+    for path, offset, length, key in plan:
         if path.parent not in made:
             path.parent.mkdir(parents=True, exist_ok=True)
             made.add(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            copy_range(reader.fileno(), fd, offset, length, buf)
+            sums[key] = copy_range(reader.fileno(), fd, offset, length, buf, checksum_bytes)
         finally:
             os.close(fd)
     return True
