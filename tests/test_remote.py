@@ -367,3 +367,4 @@ def test_memory_store_round_trip(job: dict[str, Path], tmp_path: Path) -> None:
     fs, path = fsspec.core.url_to_fs(f"{base}/out")
     assert _remote_tree(fs, path) == _local_tree(job["out"])
     fs.rm(path.split("/out")[0], recursive=True)
+

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from zckpt import remote
 from zckpt.errors import UsageError, ZckptError
 from zckpt.runner import memory_budget
 
@@ -225,6 +226,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _cmd_info(a: argparse.Namespace) -> int:
     from zckpt.info import describe
 
+    remote.require_local("zckpt info", path=a.path)
     doc, lines = describe(Path(a.path))
     _emit(doc, a.json, lines)
     return 0

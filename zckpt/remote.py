@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import ZckptError
+from zckpt.errors import UsageError, ZckptError
 
 StorageOptions = Mapping[str, Any] | None
 """Keyword arguments of the fsspec filesystem (``endpoint_url``, ``key``, ``anon``, ...)."""
@@ -229,3 +229,12 @@ def local_dir_copy(
         for name in names:
             download(loc.child(name), Path(tmp) / name, err_cls)
         yield Path(tmp)
+
+
+def require_local(command: str, **paths: str | os.PathLike[str] | None) -> None:
+    """Refuse URLs where a command reads local files only (a clear error rather than a
+    report about paths that do not exist)."""
+    for what, p in paths.items():
+        if p is not None and is_remote(p):
+            raise UsageError(f"{command} works on local paths; {what} {str(p)!r} is a URL "
+                             "(copy it locally first, e.g. with fsspec or the aws CLI)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import zarr
 
+from zckpt import remote
 from zckpt.errors import StoreError
 from zckpt.store import Store
 
@@ -43,6 +44,7 @@ def consolidate(store_path: str | os.PathLike[str]) -> ConsolidateReport:
     Refuses a store that is not complete (it would still change, and the consolidated
     copy would go stale). Running it again refreshes the consolidated copy.
     """
+    remote.require_local("zckpt consolidate", store=store_path)
     t0 = time.perf_counter()
     path = Path(store_path)
     store = Store.open(path)

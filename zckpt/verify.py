@@ -30,6 +30,7 @@ import numpy as np
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
 
+from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
@@ -117,6 +118,7 @@ def verify(
     A store that cannot be opened at all raises its :class:`~zckpt.errors.StoreError`;
     everything else found is collected in the report.
     """
+    remote.require_local("zckpt verify", store=store_path, sources=src, export=against)
     store = Store.open(store_path)
     report = VerifyReport(str(store.path))
     check_store(store, report, block_bytes=block_bytes)
