@@ -72,7 +72,7 @@ def _peak(r: dict[str, Any]) -> int:
     return max(int(r["max_rss_bytes"]), int(r.get("max_child_rss_bytes", 0)))
 
 
-def run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def _run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run([python, str(HERE / "phase.py"), *args], capture_output=True, text=True,
                           env=env, check=False)
     if proc.returncode != 0:
@@ -92,9 +92,10 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=None,
                     help="where the store and outputs go (default: WORK/runs); e.g. a tmpfs such as /dev/shm/zb")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
-                    help="write and delete this many GiB in SCRATCH first: on a VM, memory the guest has not "
-                         "touched lately makes the first writes to a tmpfs several times slower (measured 7.8 s "
-                         "then 3.4 s for the same cp -r), which would land on whichever phase runs first")
+                    help="write and delete this many GiB in SCRATCH before each phase: on a VM, memory "
+                         "the guest has not touched lately makes the first writes to a tmpfs several times "
+                         "slower (measured 7.8 s then 3.4 s for the same cp -r), which would land on whichever "
+                         "phase runs first")
     ap.add_argument("--cp-runs", type=int, default=3, help="times to run cp -r (the median is reported)")
     ap.add_argument("--keep-outputs", action="store_true",
                     help="keep MindSpore's output and the copies (default: delete each once measured, to save space)")
@@ -115,8 +116,13 @@ def main() -> None:
     runs = a.scratch if a.scratch is not None else a.work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
-    if a.prewarm_gib > 0:
-        prewarm(runs, int(a.prewarm_gib * GiB))
+    warm = int(a.prewarm_gib * GiB)
+
+    def run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        if warm:  # before every phase, so that none pays for cold memory more than another
+            prewarm(runs, warm)
+        return _run_phase(python, *args, env=env)
+
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     rows: list[dict[str, Any]] = []
 
