@@ -4,7 +4,7 @@ reusable buffer (bounded memory, no fresh allocation per block)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 BLOCK = 1024 * 1024
 """Copy buffer size: large enough for few system calls, small enough that the bytes just
@@ -35,6 +35,17 @@ def _no_digest(data: memoryview, value: int) -> int:
     return value
 
 
+def _blocks(src: int, offset: int, length: int, view: memoryview) -> Iterator[memoryview]:
+    """The range read into ``view`` one block at a time (each block valid until the next)."""
+    done = 0
+    while done < length:
+        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
+        if n == 0:
+            raise OSError(f"source ended after {done} of {length} bytes")
+        yield view[:n]
+        done += n
+
+
 def buffered_copy(
     src: int, dst: int, offset: int, length: int, buf: bytearray | None = None, digest: Digest = _no_digest,
     value: int = 0,
@@ -42,30 +53,19 @@ def buffered_copy(
     """Copy through ``buf`` (or a fresh ``BLOCK``-sized one) to ``dst`` at its position,
     folding ``digest`` over the bytes on the way; returns the digest."""
     view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length))))
-    done = 0
-    while done < length:
-        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            raise OSError(f"source ended after {done} of {length} bytes")
-        value = digest(view[:n], value)
+    for block in _blocks(src, offset, length, view):
+        value = digest(block, value)
         written = 0
-        while written < n:
-            written += os.write(dst, view[written:n])
-        done += n
+        while written < len(block):
+            written += os.write(dst, block[written:])
     return value
 
 
 def read_digest(src: int, offset: int, length: int, buf: bytearray, digest: Digest, value: int = 0) -> int:
     """``digest`` of a range of ``src``, read through ``buf`` (no mapping: the process's
     resident memory stays at one buffer whatever the file size)."""
-    view = memoryview(buf)
-    done = 0
-    while done < length:
-        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            raise OSError(f"source ended after {done} of {length} bytes")
-        value = digest(view[:n], value)
-        done += n
+    for block in _blocks(src, offset, length, memoryview(buf)):
+        value = digest(block, value)
     return value
 
 
