@@ -431,7 +431,7 @@ def _run(
     chunks = layout.chunks
     done = store.ingested_ranks()
     ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
-    sizes = {t.name: t.nbytes for t in tensors}
+    itemsizes = {t.name: t.nbytes // max(1, math.prod(t.shape)) for t in tensors}
     jobs = []
     for rank in ranks:
         ws = tuple(x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str")
@@ -439,7 +439,7 @@ def _run(
             ws = ()
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         names = {x.name for x in ws} | {c.name for c in cs}
-        nbytes = sum(x.box.size * (sizes[x.name] // max(1, _count(_shape_of(tensors, x.name)))) for x in ws)
+        nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
     engine = Engine(options.workers, options.scheduler, options.progress)
     with dask_client(engine) as client:
@@ -449,13 +449,6 @@ def _run(
                            dict(plan.rank_files), client=client, label="verify", progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
-
-
-def _shape_of(tensors: list[TensorSpec], name: str) -> tuple[int, ...]:
-    for t in tensors:
-        if t.name == name:
-            return t.shape
-    raise KeyError(name)
 
 
 def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
