@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+import zckpt
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import make_layout
 from zckpt.generate import GeneratedModel, TensorDef, write_model
@@ -42,6 +43,13 @@ def all_dtypes_tensors() -> list[TensorDef]:
 def all_dtypes_model(root: Path) -> GeneratedModel:
     """A 2-rank .ckpt job with every dtype, optimizer scalars and a string entry."""
     return write_model(root, all_dtypes_tensors(), device_num=2, strings=STRINGS)
+
+
+def ingest_all_dtypes(root: Path) -> tuple[GeneratedModel, Path]:
+    """:func:`all_dtypes_model` under ``root/src`` and its store ``root/store.zarr``."""
+    model = all_dtypes_model(root / "src")
+    zckpt.ingest(str(root / "src"), root / "store.zarr", str(model.strategy_path))
+    return model, root / "store.zarr"
 
 
 def entries_by_name(path: Path) -> dict[str, tuple[str, str, tuple[int, ...], bytes]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sf_models import STRINGS, all_dtypes_model, entries_by_name, save_safetensors_job
+from sf_models import STRINGS, entries_by_name, ingest_all_dtypes, save_safetensors_job
 
 import zckpt
 from zckpt.cli import main
@@ -35,10 +35,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[GeneratedModel, Path]:
     """A 2-rank all-dtypes .ckpt job and its store."""
-    root = tmp_path_factory.mktemp("sf")
-    model = all_dtypes_model(root / "src")
-    zckpt.ingest(str(root / "src"), root / "store.zarr", str(model.strategy_path))
-    return model, root / "store.zarr"
+    return ingest_all_dtypes(tmp_path_factory.mktemp("sf"))
 
 
 def _as_bits(arr: np.ndarray) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sf_models import STRINGS, all_dtypes_model, entries_by_name
+from sf_models import STRINGS, entries_by_name, ingest_all_dtypes
 
 import zckpt
 from zckpt.cli import main
@@ -34,10 +34,7 @@ TOOLS = Path(__file__).resolve().parent / "tools"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[GeneratedModel, Path]:
-    root = tmp_path_factory.mktemp("std")
-    model = all_dtypes_model(root / "src")
-    zckpt.ingest(str(root / "src"), root / "store.zarr", str(model.strategy_path))
-    return model, root / "store.zarr"
+    return ingest_all_dtypes(tmp_path_factory.mktemp("std"))
 
 
 def _sha(arr: np.ndarray) -> str:

@@ -433,7 +433,7 @@ class StoreReader:
                     raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
                                      "the store is damaged", path=path, param=name)
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    self._check_mapped(name, key, path, m)
+                    self._check_bytes(name, key, path, m, extra_read=True)
                     chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
                     origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
                     local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
@@ -441,14 +441,17 @@ class StoreReader:
                     del chunk
         return out
 
-    def _check_mapped(self, name: str, key: str, path: Path, data: Any) -> None:
-        """Check a whole chunk's bytes against its recorded checksum (once per chunk)."""
+    def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: bool) -> None:
+        """Check a whole chunk's bytes against its recorded checksum (once per chunk).
+        ``extra_read``: the bytes were read only for this check (counted as such)."""
         if not self.options.verify_checksums or (name, key) in self._verified:
             return
         want = self.store.checksums().get(name, {}).get(key)
         if want is not None:
-            self.checked_bytes += len(data)
-            value = want.of(np.frombuffer(data, dtype=np.uint8))
+            view = np.frombuffer(data, dtype=np.uint8)
+            if extra_read:
+                self.checked_bytes += view.size
+            value = want.of(view)
             if value != want.value:
                 raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
                                  path=path, param=name)
@@ -486,11 +489,7 @@ class StoreReader:
                              f"{'chunk' if whole else 'rows'} need: the store is damaged",
                              path=path, param=name)
         if want is not None:
-            value = want.of(dest.data)
-            if value != want.value:
-                raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
-                                 path=path, param=name)
-            self._verified.add((name, key))
+            self._check_bytes(name, key, path, dest, extra_read=False)
         return True
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
