@@ -493,13 +493,15 @@ class StoreReader:
         return True
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
-        """The slice as byte ranges of raw chunk files, when it is one (chunks and slice span
-        the full width, so its rows are contiguous in each chunk): the writer then copies
-        them file to file in the kernel, as ``cp`` does. Chunks are verified first."""
+        """The slice as byte ranges of raw chunk files, when it is one: its trailing
+        dimensions are exactly one chunk's (whole rows of the array, or one column block of
+        a tensor-parallel split stored as its own chunks), so its rows are contiguous in
+        each chunk. The writer then copies them file to file in the kernel, as ``cp``
+        does. Chunks are verified first."""
         if self.options.reader != "zarr" or box.size == 0:
             return None
         arr = self.store.chunk_info(name)
-        if not arr.raw or tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or box.shape[1:] != tuple(arr.shape[1:]):
+        if not arr.raw or not _one_chunk_column(box, arr.chunks):
             return None
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
         spans: list[tuple[tuple[int, ...], int, int, int]] = []
@@ -507,11 +509,11 @@ class StoreReader:
             spans.append(((), 0, itemsize, itemsize))
         else:
             rows = arr.chunks[0]
-            row_bytes = math.prod(arr.shape[1:]) * itemsize
+            row_bytes = math.prod(arr.chunks[1:]) * itemsize
+            column = tuple(s // c for s, c in zip(box.start[1:], arr.chunks[1:], strict=True))
             for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
                 lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
-                spans.append(((k,) + (0,) * (box.ndim - 1), (lo - k * rows) * row_bytes, (hi - lo) * row_bytes,
-                              rows * row_bytes))
+                spans.append(((k, *column), (lo - k * rows) * row_bytes, (hi - lo) * row_bytes, rows * row_bytes))
         out = []
         for coords, offset, length, chunk_bytes in spans:
             path = self.store.raw_chunk_file(name, coords)
@@ -560,6 +562,14 @@ class StoreReader:
                     w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))
                     tensors += 1
         return RankResult(rank.rank, str(target), tensors, target.stat().st_size, self.read_bytes, self.checked_bytes)
+
+
+def _one_chunk_column(box: Box, chunks: tuple[int, ...]) -> bool:
+    """Whether ``box`` spans exactly one chunk in every dimension but the first (chunks
+    are stored full size, edge chunks padded, so a narrower box would not be contiguous)."""
+    return all(
+        b - a == c and a % c == 0 for a, b, c in zip(box.start[1:], box.stop[1:], chunks[1:], strict=True)
+    )
 
 
 class _BandSource:
