@@ -2,8 +2,11 @@
 values the generator put into the sharded sources, and zckpt's consolidated metadata
 keeps both zarr-python and zckpt itself reading the same bytes.
 
-bf16 is stored as Zarr ``uint16`` (the exact bit patterns) with the array attribute
-``zckpt.ms_dtype = "BFloat16"`` (docs/store-format.md); these tests pin that representation.
+bf16 is stored as Zarr's extension data type ``bfloat16`` (docs/store-format.md): TensorStore
+reads it natively; zarr-python needs the type registered (zckpt's standalone
+``zckpt/zarr_bfloat16.py``, run by the reading script without zckpt importable), and without
+it reads the documented fallback (raw chunk files as uint16 bits). Stores of format 1 kept
+bf16 as ``uint16`` and must still read the same.
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ import pytest
 from sf_models import STRINGS, entries_by_name, ingest_all_dtypes
 
 import zckpt
+from zckpt import zarr_bfloat16
 from zckpt.cli import main
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.generate import GeneratedModel, global_value
 from zckpt.store import Store
 from zckpt.store_tools import consolidate
+from zckpt.verify import verify as zckpt_verify
 
 TOOLS = Path(__file__).resolve().parent / "tools"
+BF16_TYPE = Path(zarr_bfloat16.__file__)
+ZARR_CANNOT = "No Zarr data type found that matches 'bfloat16'"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,9 @@ def _read_with_zarr_only(store: Path, *extra: str) -> dict[str, Any]:
     return doc
 
 
-def _check(model: GeneratedModel, doc: dict[str, Any]) -> None:
+def _check(model: GeneratedModel, doc: dict[str, Any], *, registered: bool, bf16_type: str = "bfloat16") -> None:
+    """Every entry read with the generator's bytes; bf16 as ``bf16_type`` in ``zarr.json``,
+    read as ml_dtypes bfloat16 when the type is registered, else through the raw fallback."""
     assert doc["zckpt_blocked"], "the reading script must not be able to import zckpt"
     entries = doc["entries"]
     assert set(entries) == {t.name for t in model.tensors} | set(STRINGS)
@@ -59,16 +68,39 @@ def _check(model: GeneratedModel, doc: dict[str, Any]) -> None:
         assert got["shape"] == list(t.shape), t.name
         assert got["sha256"] == _sha(value), f"{t.name}: zarr-python reads other bytes"
         assert got["ms_dtype"] == t.ms_type
-        assert got["numpy"] == ms_dtype(t.ms_type).storage.str
-        # the stored Zarr data type: bf16 is kept as its uint16 bit patterns
-        assert got["data_type"] == ("uint16" if t.ms_type == "BFloat16" else np.dtype(got["numpy"]).name)
+        if t.ms_type != "BFloat16":
+            assert "open_error" not in got, got
+            assert got["numpy"] == ms_dtype(t.ms_type).storage.str
+            assert got["data_type"] == np.dtype(got["numpy"]).name
+            continue
+        assert got["data_type"] == bf16_type
+        if registered or bf16_type == "uint16":
+            assert "open_error" not in got, got
+            assert got["numpy"] == ("bfloat16" if bf16_type == "bfloat16" else "<u2")
+        else:
+            assert ZARR_CANNOT in got["open_error"] and got["numpy"] == "<u2"
     for name, value in STRINGS.items():
         assert entries[name] == {"kind": "str", "value": value}
 
 
-def test_zarr_python_alone_reads_every_dtype(job: tuple[GeneratedModel, Path]) -> None:
+def test_zarr_python_with_registered_bfloat16_reads_every_dtype(job: tuple[GeneratedModel, Path]) -> None:
     model, store = job
-    _check(model, _read_with_zarr_only(store))
+    doc = _read_with_zarr_only(store, "--register", str(BF16_TYPE))
+    _check(model, doc, registered=True)
+    assert len(doc["tensor_arrays"]) == len(model.tensors)
+
+
+def test_zarr_python_alone_cannot_open_bfloat16_and_reads_the_raw_fallback(job: tuple[GeneratedModel, Path]) -> None:
+    model, store = job
+    _check(model, _read_with_zarr_only(store), registered=False)
+
+
+def test_bfloat16_type_file_is_standalone() -> None:
+    """What the reading script runs must not need zckpt: it imports only numpy, ml_dtypes, zarr."""
+    text = BF16_TYPE.read_text(encoding="utf-8")
+    imports = [ln.split()[1] for ln in text.splitlines() if ln.startswith(("import ", "from "))]
+    assert imports and all(m.split(".")[0] in {"__future__", "math", "dataclasses", "typing", "ml_dtypes",
+                                                "numpy", "zarr"} for m in imports), imports
 
 
 def test_tensorstore_reads_every_dtype(job: tuple[GeneratedModel, Path]) -> None:
@@ -82,24 +114,28 @@ def test_tensorstore_reads_every_dtype(job: tuple[GeneratedModel, Path]) -> None
         arr = ts.open(spec, read=True).result()
         got = np.asarray(arr.read().result())
         value = global_value(t.name, t.shape, t.ms_type)
-        assert got.shape == t.shape and got.dtype == ms_dtype(t.ms_type).storage, t.name
         assert _sha(got) == _sha(value), f"{t.name}: TensorStore reads other bytes"
         if t.ms_type == "BFloat16":
-            assert arr.dtype.name == "uint16"  # today's representation: the bits, as Zarr uint16
-            as_f32 = (got.astype(np.uint32) << 16).view(np.float32)
-            np.testing.assert_array_equal(got.view(ml_dtypes.bfloat16).astype(np.float32), as_f32)
+            assert arr.dtype.name == "bfloat16" and got.dtype == np.dtype(ml_dtypes.bfloat16), t.name
+            assert got.shape == t.shape
+            as_f32 = (value.astype(np.uint32) << 16).view(np.float32)
+            np.testing.assert_array_equal(got.astype(np.float32), as_f32)
+        else:
+            assert got.shape == t.shape and got.dtype == ms_dtype(t.ms_type).storage, t.name
 
 
 def test_consolidated_metadata(job: tuple[GeneratedModel, Path], tmp_path: Path) -> None:
     model, store = job
     copy = tmp_path / "c.zarr"
     shutil.copytree(store, copy)
-    before = _read_with_zarr_only(copy)
+    before = _read_with_zarr_only(copy, "--register", str(BF16_TYPE))
     rep = consolidate(copy)
     root = json.loads((copy / "zarr.json").read_text())
     assert rep.nodes == len(root["consolidated_metadata"]["metadata"]) and rep.nodes >= len(model.tensors)
-    after = _read_with_zarr_only(copy, "--consolidated")
-    _check(model, after)
+    assert {m["data_type"] for m in root["consolidated_metadata"]["metadata"].values()
+            if m["node_type"] == "array"} >= {"bfloat16", "float32"}
+    after = _read_with_zarr_only(copy, "--consolidated", "--register", str(BF16_TYPE))
+    _check(model, after, registered=True)
     assert after["tensor_arrays"] == before["tensor_arrays"]
     # zckpt still opens it and exports the same bytes
     a = zckpt.export(store, tmp_path / "a", str(model.strategy_path))
@@ -127,3 +163,55 @@ def test_consolidate_cli(job: tuple[GeneratedModel, Path], tmp_path: Path, capsy
     assert doc["nodes"] > 0 and doc["root_bytes"] == os.path.getsize(copy / "zarr.json")
     assert main(["consolidate", str(tmp_path / "nothing.zarr")]) == 1
     assert "not a zarr store" in capsys.readouterr().err
+
+
+def _as_format_1(store: Path, copy: Path) -> list[str]:
+    """A copy of ``store`` as zckpt wrote it before format 2: bf16 arrays are Zarr ``uint16``
+    (same chunk bytes), manifest version 1. Returns the keys of the rewritten arrays."""
+    shutil.copytree(store, copy)
+    root_doc = json.loads((copy / "zarr.json").read_text())
+    root_doc["attributes"]["zckpt"]["version"] = 1
+    (copy / "zarr.json").write_text(json.dumps(root_doc))
+    changed = []
+    for e in root_doc["attributes"]["zckpt"]["entries"]:
+        if e.get("ms_type") == "BFloat16":
+            meta = copy / e["key"] / "zarr.json"
+            doc = json.loads(meta.read_text())
+            assert doc["data_type"] == "bfloat16"
+            doc.update(data_type="uint16", fill_value=0)
+            meta.write_text(json.dumps(doc))
+            changed.append(e["key"])
+    return changed
+
+
+def test_format_1_store_with_uint16_bf16_still_reads(job: tuple[GeneratedModel, Path], tmp_path: Path) -> None:
+    model, store = job
+    old = tmp_path / "v1.zarr"
+    assert _as_format_1(store, old)
+    _check(model, _read_with_zarr_only(old), registered=False, bf16_type="uint16")
+    st = Store.open(old)
+    assert st.data_type("w.bf16") == "uint16" and Store.open(store).data_type("w.bf16") == "bfloat16"
+    assert np.asarray(st.array("w.bf16")[...]).tobytes() == global_value("w.bf16", (8, 4), "BFloat16").tobytes()
+    assert zckpt_verify(old).ok
+    a = zckpt.export(store, tmp_path / "a", str(model.strategy_path))
+    b = zckpt.export(old, tmp_path / "b", str(model.strategy_path))
+    for x, y in zip(a.ranks, b.ranks, strict=True):
+        assert entries_by_name(Path(y.path)) == entries_by_name(Path(x.path))
+    assert entries_by_name(Path(a.ranks[0].path))["w.bf16"][1] == "BFloat16"
+
+
+def test_verify_reports_a_wrong_stored_data_type(job: tuple[GeneratedModel, Path], tmp_path: Path) -> None:
+    """bits_view reads any ``bfloat16`` array as uint16: a UInt16 entry stored as bfloat16 (or a
+    BFloat16 entry as int16) must still be reported by verify, naming both types."""
+    _, store = job
+    copy = tmp_path / "bad.zarr"
+    shutil.copytree(store, copy)
+    keys = {e["name"]: e["key"] for e in json.loads((copy / "zarr.json").read_text())["attributes"]["zckpt"]["entries"]}
+    for name, data_type in (("i.uint16", "bfloat16"), ("w.bf16", "int16")):
+        meta = copy / keys[name] / "zarr.json"
+        meta.write_text(meta.read_text().replace(f'"data_type": "{"uint16" if name == "i.uint16" else "bfloat16"}"',
+                                                 f'"data_type": "{data_type}"'))
+    report = zckpt_verify(copy)
+    found = {m.param: m.message for m in report.mismatches}
+    assert "array data type bfloat16" in found["i.uint16"] and "needs uint16" in found["i.uint16"]
+    assert "array data type int16" in found["w.bf16"] and "needs bfloat16 or uint16" in found["w.bf16"]

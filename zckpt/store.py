@@ -7,6 +7,10 @@ Layout (readable without zckpt, see docs/store-format.md)::
     STORE.zarr/maps/<key>/            MapParameter entries: their encoded bytes (uint8)
 
 Array keys are the entry names percent-encoded so that no name can escape the store.
+BFloat16 arrays have Zarr's extension data type ``bfloat16`` (format version 2; version 1
+stored them as ``uint16``); importing this module registers that type with zarr-python
+(:mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them as their ``uint16`` bit
+patterns (:func:`bits_view`), as it does every other bf16 value.
 Each array's attributes say which source rank wrote which box ("writers"); a region is
 present when its writer's rank is listed in the manifest's ``ingested_ranks``. Chunks
 divide the source shard shape, so two writers never touch the same chunk.
@@ -32,11 +36,13 @@ from typing import Any, Literal
 import google_crc32c
 import numpy as np
 import zarr
+from zarr.core.array import AsyncArray
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, LocalStore
 
-from zckpt import remote
+from zckpt import remote, zarr_bfloat16
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
@@ -44,7 +50,11 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 1
+VERSION = 2
+"""2: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16`` (still read)."""
+
+zarr_bfloat16.register()
+
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
 _MAX_KEY = 180
 
@@ -125,26 +135,62 @@ class EntryRecord:
         )
 
 
+ZarrType = np.dtype | zarr_bfloat16.BFloat16
+"""What an array is created with: a numpy dtype, or Zarr's ``bfloat16`` extension type."""
+
+
+def zarr_type(ms_type: str, kind: str) -> ZarrType:
+    """The Zarr data type of an entry's array: the numpy dtype holding MindSpore's bytes
+    (``uint8`` for a map's encoded bytes), except BFloat16, which is Zarr's ``bfloat16`` so
+    that other readers (TensorStore, zarr-python with the type registered) see bf16 numbers."""
+    if kind != "tensor":
+        return np.dtype("u1")
+    if ms_type == "BFloat16":
+        return zarr_bfloat16.BFloat16()
+    return ms_dtype(ms_type).storage
+
+
+def bits_view(arr: zarr.Array[Any]) -> zarr.Array[Any]:
+    """A ``bfloat16`` array read and written as ``uint16`` bit patterns (the same chunks, the
+    same bytes: only the in-memory metadata says ``uint16``), which is how zckpt carries bf16
+    everywhere; other arrays are returned unchanged. The view never writes its metadata (zckpt
+    does not change array attributes after creation), so the store keeps ``bfloat16``."""
+    meta = arr.metadata
+    if not isinstance(getattr(meta, "data_type", None), zarr_bfloat16.BFloat16):
+        return arr
+    doc = meta.to_dict()
+    doc["data_type"] = "uint16"
+    doc["fill_value"] = zarr_bfloat16.bits_from_json(doc["fill_value"])
+    base = arr._async_array
+    return zarr.Array(AsyncArray(metadata=ArrayV3Metadata.from_dict(doc), store_path=base.store_path,
+                                 config=base.config))
+
+
+def _data_type_name(arr: zarr.Array[Any]) -> str:
+    """The array's data type as its ``zarr.json`` names it (``"bfloat16"``, ``"uint16"``, ...)."""
+    return str(arr.metadata.data_type.to_json(zarr_format=3))  # type: ignore[union-attr]
+
+
 _TEMPLATES: dict[str, dict[str, Any]] = {}
 
 
-def _template(dtype: np.dtype) -> dict[str, Any]:
+def _template(dtype: ZarrType) -> dict[str, Any]:
     """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once).
 
     Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk in the array's folder,
     with no directory per chunk coordinate to create.
     """
-    key = dtype.str
+    key = dtype.str if isinstance(dtype, np.dtype) else str(dtype.to_json(zarr_format=3))
     if key not in _TEMPLATES:
         arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(1,), chunks=(1,), dtype=dtype,
-                                compressors=None, fill_value=np.zeros((), dtype=dtype),
+                                compressors=None, fill_value=0,
                                 chunk_key_encoding={"name": "default", "separator": "."})
         buf = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
         _TEMPLATES[key] = json.loads(buf.to_bytes())
     return _TEMPLATES[key]
 
 
-def _array_json(dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]) -> str:
+def _array_json(dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]) -> str:
     doc = dict(_template(dtype))
     doc["shape"] = [int(s) for s in shape]
     doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}}
@@ -153,7 +199,7 @@ def _array_json(dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], at
 
 
 def _write_array_json(
-    folder: Path, dtype: np.dtype, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
+    folder: Path, dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "zarr.json").write_text(_array_json(dtype, shape, chunks, attributes), encoding="utf-8")
@@ -309,6 +355,7 @@ class Store:
         self._entries: dict[str, EntryRecord] | None = None
         self._writers: dict[str, list[tuple[int, Box]]] = {}
         self._arrays: dict[str, zarr.Array[Any]] = {}
+        self._data_types: dict[str, str] = {}
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
         self._crcs: dict[str, dict[str, ChunkChecksum]] | None = None
@@ -317,6 +364,12 @@ class Store:
     @property
     def is_remote(self) -> bool:
         return self.location is not None
+
+    def where(self, *parts: str) -> str:
+        """A node or chunk of the store as messages name it: a path, or a URL when remote."""
+        if self.location is None:
+            return str(self.path.joinpath(*parts))
+        return "/".join([self.url.rstrip("/"), *parts])
 
     @classmethod
     def create(
@@ -475,7 +528,7 @@ class Store:
                 records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name], t.stages, t.note))
                 continue
             folder = "tensors" if t.kind == "tensor" else "maps"
-            dtype = ms_dtype(t.ms_type).storage if t.kind == "tensor" else np.dtype("u1")
+            dtype = zarr_type(t.ms_type, t.kind)
             attrs: dict[str, Any] = {
                 "name": t.name,
                 "ms_dtype": t.ms_type,
@@ -498,7 +551,7 @@ class Store:
                 chunks=chunks[t.name],
                 dtype=dtype,
                 compressors=compressors,
-                fill_value=np.zeros((), dtype=dtype),
+                fill_value=0,
                 attributes={"zckpt": attrs},
                 config={"write_empty_chunks": True},
                 )))
@@ -509,7 +562,8 @@ class Store:
             with remote.remote_errors(StoreError, self.url, "cannot write array metadata"):
                 loc.fs.pipe({loc.child(k).path: v for k, v in docs.items()})  # concurrent puts
         created = _gather([c for _, c in pending])
-        self._arrays.update({name: zarr.Array(a) for (name, _), a in zip(pending, created, strict=True)})
+        for (name, _), node in zip(pending, created, strict=True):
+            self._keep(name, zarr.Array(node))
         self.group.require_group("progress")
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
 
@@ -541,7 +595,7 @@ class Store:
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
                                          zarr_format=3) for n in todo])
         for name, node in zip(todo, opened, strict=True):
-            self._arrays[name] = zarr.Array(node).with_config({"write_empty_chunks": True})
+            self._keep(name, zarr.Array(node).with_config({"write_empty_chunks": True}))
 
     def _io_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Remote stores: network and permission failures become a StoreError naming the URL
@@ -578,8 +632,21 @@ class Store:
             node = node.with_config({"write_empty_chunks": True})
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
-        self._arrays[name] = node
-        return node
+        return self._keep(name, node)
+
+    def _keep(self, name: str, node: zarr.Array[Any]) -> zarr.Array[Any]:
+        """Cache an opened array as zckpt uses it (bf16 as bits), remembering its stored type."""
+        self._data_types[name] = _data_type_name(node)
+        view = bits_view(node)
+        self._arrays[name] = view
+        return view
+
+    def data_type(self, name: str) -> str:
+        """The Zarr data type an array is stored with: ``"bfloat16"`` for BFloat16 (``"uint16"``
+        in stores of format version 1), else the numpy name of its storage (``"float32"``, ...)."""
+        if name not in self._data_types:
+            self.array(name)
+        return self._data_types[name]
 
     def chunk_info(self, name: str) -> ChunkInfo:
         """Shape, chunk shape and chunk encoding of an array, read from its ``zarr.json``

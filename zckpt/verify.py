@@ -225,8 +225,10 @@ def _array_matches_entry(store: Store, e: EntryRecord, arr: Any, report: VerifyR
         report.add("store", message, file=where, param=e.name)
 
     want_dtype = ms_dtype(e.ms_type).storage if e.kind == "tensor" else np.dtype("u1")
-    if np.dtype(arr.dtype) != want_dtype:
-        bad(f"array dtype {arr.dtype} but the manifest's {e.ms_type} needs {want_dtype}")
+    stored = store.data_type(e.name)
+    allowed = stored_type_names(e.ms_type if e.kind == "tensor" else "map")
+    if np.dtype(arr.dtype) != want_dtype or stored not in allowed:
+        bad(f"array data type {stored} but the manifest's {e.ms_type} needs {' or '.join(allowed)}")
     if e.kind == "tensor" and tuple(arr.shape) != tuple(e.shape):
         bad(f"array shape {list(arr.shape)} but the manifest says {list(e.shape)}")
     if e.kind == "map" and len(arr.shape) != 1:
@@ -239,6 +241,16 @@ def _array_matches_entry(store: Store, e: EntryRecord, arr: Any, report: VerifyR
         if attrs.get(key) != want:
             bad(f"array attribute {key} is {attrs.get(key)!r}, the manifest says {want!r}")
     return ok
+
+
+def stored_type_names(ms_type: str) -> tuple[str, ...]:
+    """Zarr data types an entry's array may have: BFloat16 is ``bfloat16`` (``uint16`` in
+    format-1 stores), a map's bytes ``uint8``, any other type its storage dtype's name."""
+    if ms_type == "BFloat16":
+        return ("bfloat16", "uint16")
+    if ms_type == "map":
+        return ("uint8",)
+    return (ms_dtype(ms_type).storage.name,)
 
 
 def _recorded_checksums(store: Store, report: VerifyReport) -> dict[str, dict[str, ChunkChecksum]]:

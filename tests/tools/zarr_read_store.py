@@ -1,12 +1,22 @@
 """Read a zckpt store with zarr-python alone (zckpt cannot even be imported here) and print,
 as JSON, every entry: Zarr data type, attributes, shape and a SHA-256 of the raw bytes.
 
-usage: python zarr_read_store.py STORE.zarr [--consolidated]
+usage: python zarr_read_store.py STORE.zarr [--consolidated] [--register FILE]
+
+zarr-python has no ``bfloat16`` data type of its own. ``--register FILE`` runs FILE (zckpt's
+standalone ``zarr_bfloat16.py``, which imports only numpy, ml_dtypes and zarr, as a user who
+copied it would) and calls its ``register()``. Without it, an array zarr-python cannot open is
+reported with zarr's error and read the documented fallback way: its ``zarr.json`` and raw
+chunk files (bytes codec, little-endian) decoded with numpy as ``uint16`` bit patterns.
 """
 
 import hashlib
+import itertools
 import json
+import math
+import runpy
 import sys
+from pathlib import Path
 
 sys.modules["zckpt"] = None  # any "import zckpt" now fails
 
@@ -14,7 +24,31 @@ import numpy as np  # noqa: E402
 import zarr  # noqa: E402
 
 
-def main(path: str, consolidated: bool) -> None:
+def read_raw_bits(array_dir: Path) -> tuple[str, np.ndarray]:
+    """A 2-byte array of an uncompressed store from its files alone: ``zarr.json`` says the
+    shape, chunk shape and chunk key separator; each chunk file holds its values' bytes."""
+    doc = json.loads((array_dir / "zarr.json").read_text(encoding="utf-8"))
+    assert [c["name"] for c in doc["codecs"]] == ["bytes"], "the fallback reads uncompressed chunks only"
+    assert doc["fill_value"] in (0, 0.0, "0x0000"), "the fallback fills missing chunks with zero bits"
+    endian = "<" if doc["codecs"][0]["configuration"]["endian"] == "little" else ">"
+    shape = tuple(doc["shape"])
+    chunks = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+    sep = doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+    out = np.zeros(shape, dtype="<u2")  # fill value 0.0 is all-zero bits
+    counts = [math.ceil(s / c) for s, c in zip(shape, chunks, strict=True)]
+    for coords in itertools.product(*(range(n) for n in counts)):
+        path = array_dir / ("c" + "".join(f"{sep}{i}" for i in coords))
+        if not path.is_file():
+            continue
+        block = np.frombuffer(path.read_bytes(), dtype=endian + "u2").reshape(chunks)
+        region = tuple(slice(i * c, min(s, (i + 1) * c)) for i, c, s in zip(coords, chunks, shape, strict=True))
+        out[region] = block[tuple(slice(0, r.stop - r.start) for r in region)]
+    return str(doc["data_type"]), out
+
+
+def main(path: str, consolidated: bool, register: str | None) -> None:
+    if register:
+        runpy.run_path(register)["register"]()
     root = zarr.open_consolidated(path, mode="r") if consolidated else zarr.open_group(path, mode="r")
     manifest = root.attrs["zckpt"]
     out = {}
@@ -22,20 +56,31 @@ def main(path: str, consolidated: bool) -> None:
         if e["kind"] == "str":
             out[e["name"]] = {"kind": "str", "value": e["value"]}
             continue
-        arr = root[e["key"]]
-        data = np.asarray(arr[...])
+        try:
+            arr = root[e["key"]]
+        except ValueError as err:
+            data_type, data = read_raw_bits(Path(path) / e["key"])
+            attrs = json.loads((Path(path) / e["key"] / "zarr.json").read_text(encoding="utf-8"))["attributes"]
+            info = {"open_error": str(err), "data_type": data_type, "ms_dtype": attrs["zckpt"]["ms_dtype"]}
+        else:
+            data = np.asarray(arr[...])
+            info = {"data_type": str(arr.metadata.data_type.to_json(zarr_format=3)),
+                    "ms_dtype": arr.attrs["zckpt"]["ms_dtype"]}
         out[e["name"]] = {
             "kind": e["kind"],
-            "data_type": str(arr.metadata.data_type.to_json(zarr_format=3)),
-            "numpy": data.dtype.str,
-            "ms_dtype": arr.attrs["zckpt"]["ms_dtype"],
+            **info,
+            "numpy": data.dtype.name if data.dtype.kind == "V" else data.dtype.str,
             "shape": list(data.shape),
             "sha256": hashlib.sha256(np.ascontiguousarray(data).view(np.uint8).tobytes()).hexdigest(),
         }
-    arrays = sorted(name for name, _ in root["tensors"].arrays())
+    try:
+        arrays = sorted(name for name, _ in root["tensors"].arrays())
+    except ValueError as err:  # listing opens every array
+        arrays = [f"error: {err}"]
     json.dump({"entries": out, "tensor_arrays": arrays, "zckpt_blocked": sys.modules.get("zckpt", "") is None},
               sys.stdout)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--consolidated" in sys.argv[2:])
+    args = sys.argv[2:]
+    main(sys.argv[1], "--consolidated" in args, args[args.index("--register") + 1] if "--register" in args else None)
