@@ -8,7 +8,11 @@ process and prints wall time, throughput, peak RSS and read amplification side b
     python bench/bench_transform.py --size-gib 1 --src-ranks 8 --dst-ranks 4 --work /tmp/zckpt-bench
 
 ``--scratch /dev/shm/zb`` puts the store and every output on a tmpfs (sources stay in
-``--work``), which takes the disk's write speed out of the comparison.
+``--work``), which takes the disk's write speed out of the comparison. Every phase runs
+``--repeat`` times (3 by default) and the median run is shown with all its times: on a VM
+the same copy varies 2-3x from run to run (the *to host* column shows the MiB of freed
+memory the guest handed back to the hypervisor during the phase, which must then be
+faulted in again).
 
 MindSpore runs when ``--mindspore-python`` (or $ZCKPT_MS_PYTHON) names a Python with
 mindspore installed; it is skipped otherwise. Generated inputs are reused between runs.
@@ -72,6 +76,16 @@ def _peak(r: dict[str, Any]) -> int:
     return max(int(r["max_rss_bytes"]), int(r.get("max_child_rss_bytes", 0)))
 
 
+def _reported_kib() -> int | None:
+    """KiB of free guest memory handed back to the hypervisor so far (virtio-balloon free
+    page reporting), when the kernel exposes it: each such page costs a host fault when
+    written again, the main source of variance between runs on such VMs."""
+    try:
+        return int(Path("/sys/module/page_reporting/parameters/reported_kib").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run([python, str(HERE / "phase.py"), *args], capture_output=True, text=True,
                           env=env, check=False)
@@ -96,7 +110,8 @@ def main() -> None:
                          "the guest has not touched lately makes the first writes to a tmpfs several times "
                          "slower (measured 7.8 s then 3.4 s for the same cp -r), which would land on whichever "
                          "phase runs first")
-    ap.add_argument("--cp-runs", type=int, default=3, help="times to run cp -r (the median is reported)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of every phase; the median run is reported (times on a VM vary 2-3x from run to run)")
     ap.add_argument("--keep-outputs", action="store_true",
                     help="keep MindSpore's output and the copies (default: delete each once measured, to save space)")
     ap.add_argument("--mindspore-python", default=os.environ.get("ZCKPT_MS_PYTHON"))
@@ -121,48 +136,57 @@ def main() -> None:
     def run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
         if warm:  # before every phase, so that none pays for cold memory more than another
             prewarm(runs, warm)
-        return _run_phase(python, *args, env=env)
+        reported = _reported_kib()
+        result = _run_phase(python, *args, env=env)
+        if reported is not None:
+            result["host_reported_bytes"] = ((_reported_kib() or 0) - reported) * 1024
+        return result
 
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     rows: list[dict[str, Any]] = []
 
-    def add(label: str, result: dict[str, Any], out: Path, moved: int) -> None:
-        result["label"] = label
-        result["bytes_out"] = _tree_bytes(out) if out.exists() else 0
-        result["bytes_moved"] = moved
+    def measure(label: str, python: str, args: list[str], out: Path, moved: int | None,
+                penv: dict[str, str] | None = None, keep: bool = False) -> None:
+        """Run a phase ``--repeat`` times (its output removed before each run) and keep the
+        median run; peak RSS is the largest of all runs."""
+        results = []
+        for _ in range(a.repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            results.append(run_phase(python, *args, env=penv if penv is not None else env))
+        good = sorted((r for r in results if "error" not in r), key=lambda r: float(r["seconds"]))
+        if not good:
+            result = {**results[0], "label": label, "bytes_out": 0, "bytes_moved": 0}
+        else:
+            result = dict(good[(len(good) - 1) // 2])
+            result["label"] = label
+            result["runs_seconds"] = [float(r["seconds"]) for r in results if "error" not in r]
+            result["max_rss_bytes"] = max(_peak(r) for r in good)
+            result["bytes_out"] = _tree_bytes(out) if out.exists() else 0
+            result["bytes_moved"] = moved if moved is not None else result["bytes_out"]
         rows.append(result)
+        if not keep and not a.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
 
     if a.mindspore_python:
-        ms = run_phase(a.mindspore_python, "mindspore", str(src), str(runs / "ms"), str(src_strategy),
-                       str(dst_strategy), env={**os.environ, "GLOG_v": "3"})
-        add("MindSpore transform_checkpoints", ms, runs / "ms", src_bytes)
-        if not a.keep_outputs:
-            shutil.rmtree(runs / "ms", ignore_errors=True)
+        measure("MindSpore transform_checkpoints", a.mindspore_python,
+                ["mindspore", str(src), str(runs / "ms"), str(src_strategy), str(dst_strategy)], runs / "ms",
+                src_bytes, penv={**os.environ, "GLOG_v": "3"})
     store = runs / "store.zarr"
-    add("zckpt ingest", run_phase(sys.executable, "ingest", str(src), str(src_strategy), str(store), env=env),
-        store, src_bytes)
+    for workers in (2, 1):  # the 1-worker store is kept for the exports
+        measure(f"zckpt ingest, {workers} worker(s)", sys.executable,
+                ["ingest", str(src), str(src_strategy), str(store), str(workers)], store, src_bytes,
+                keep=workers == 1)
     for workers in (1, 2):
         out = runs / f"dst-w{workers}"
-        res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), str(workers), env=env)
-        add(f"zckpt export, {workers} worker(s)", res, out, _tree_bytes(out) if out.exists() else 0)
-        if workers > 1 and not a.keep_outputs:
-            shutil.rmtree(out, ignore_errors=True)
+        measure(f"zckpt export, {workers} worker(s)", sys.executable,
+                ["export", str(store), str(dst_strategy), str(out), str(workers)], out, None, keep=workers == 1)
     if a.dask_reader:
-        out = runs / "dst-dask"
-        res = run_phase(sys.executable, "export", str(store), str(dst_strategy), str(out), "1", "dask", env=env)
-        add("zckpt export, dask.array reader", res, out, _tree_bytes(out) if out.exists() else 0)
-        if not a.keep_outputs:
-            shutil.rmtree(out, ignore_errors=True)
+        measure("zckpt export, dask.array reader", sys.executable,
+                ["export", str(store), str(dst_strategy), str(runs / "dst-dask"), "1", "dask"], runs / "dst-dask",
+                None)
     exported = _tree_bytes(runs / "dst-w1")
-    copies = []
-    for i in range(a.cp_runs):  # cp's time on a fresh tmpfs varies 3x from run to run: report the median
-        if i:
-            shutil.rmtree(runs / "copy", ignore_errors=True)
-        copies.append(run_phase(sys.executable, "copy", str(runs / "dst-w1"), str(runs / "copy"), env=env))
-    copies.sort(key=lambda r: float(r.get("seconds", 0.0)))
-    add(f"cp -r of the export output (median of {a.cp_runs})", copies[len(copies) // 2], runs / "copy", exported)
-    if not a.keep_outputs:
-        shutil.rmtree(runs / "copy", ignore_errors=True)
+    measure("cp -r of the export output", sys.executable, ["copy", str(runs / "dst-w1"), str(runs / "copy")],
+            runs / "copy", exported)
     report = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "scratch": str(runs)},
@@ -185,27 +209,35 @@ def render(report: dict[str, Any]) -> None:
           f"({model['source_bytes'] / GiB:.2f} GiB of source shards incl. replicas), "
           f"{model['src_ranks']} -> {model['dst_ranks']} ranks, "
           f"optimizer parallel on destination: {model['opt_parallel']}; {report['machine']['cpus']} cpus")
-    print(f"| {'phase':<44} | {'wall s':>7} | {'MiB/s':>7} | {'peak RSS MiB':>12} | {'read MiB':>9} | "
-          f"{'written MiB':>11} | {'read amp':>8} |")
-    print(f"|{'-' * 46}|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|")
+    print(f"| {'phase':<36} | {'wall s':>7} | {'all runs s':<20} | {'MiB/s':>7} | {'peak RSS MiB':>12} | "
+          f"{'read MiB':>9} | {'written MiB':>11} | {'read amp':>8} | {'to host MiB':>11} |")
+    print(f"|{'-' * 38}|{'-' * 9}|{'-' * 22}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 13}|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['label']:<44} | error: {r['error']}")
+            print(f"| {r['label']:<36} | error: {r['error']}")
             continue
         out = r["bytes_out"] or 1
-        print(f"| {r['label']:<44} | {r['seconds']:>7.2f} | {r['bytes_moved'] / MiB / r['seconds']:>7.1f} | "
-              f"{_peak(r) / MiB:>12.0f} | {r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
-              f"{r['read_chars'] / out:>8.2f} |")
+        runs = " ".join(f"{x:.2f}" for x in r.get("runs_seconds", [r["seconds"]]))
+        host = r.get("host_reported_bytes")
+        rate = r["bytes_moved"] / MiB / r["seconds"]
+        print(f"| {r['label']:<36} | {r['seconds']:>7.2f} | {runs:<20} | {rate:>7.1f} | {_peak(r) / MiB:>12.0f} | "
+              f"{r['read_chars'] / MiB:>9.0f} | {r['bytes_out'] / MiB:>11.0f} | "
+              f"{r['read_chars'] / out:>8.2f} | {'-' if host is None else f'{host / MiB:.0f}':>11} |")
     by = {r["label"]: r for r in rows if "error" not in r}
-    ms_r, ing, e1, e2 = (by.get("MindSpore transform_checkpoints"), by.get("zckpt ingest"),
-                         by.get("zckpt export, 1 worker(s)"), by.get("zckpt export, 2 worker(s)"))
+    ms_r = by.get("MindSpore transform_checkpoints")
+    ing = {w: by.get(f"zckpt ingest, {w} worker(s)") or by.get("zckpt ingest") for w in (1, 2)}
+    exp = {w: by.get(f"zckpt export, {w} worker(s)") for w in (1, 2)}
     cp = next((r for label, r in by.items() if label.startswith("cp -r")), None)
-    if ms_r and ing and e1:
-        print(f"zckpt ingest+export / MindSpore wall time = {(ing['seconds'] + e1['seconds']) / ms_r['seconds']:.3f}")
-    if e1 and cp:
-        print(f"zckpt export / cp of its output = {e1['seconds'] / cp['seconds']:.2f}")
-    if e1 and e2:
-        print(f"export speed-up with 2 workers = {e1['seconds'] / e2['seconds']:.2f}")
+    for w in (1, 2):
+        i, e = ing[w], exp[w]
+        if ms_r and i and e:
+            print(f"zckpt ingest+export ({w} worker(s)) / MindSpore wall time = "
+                  f"{(i['seconds'] + e['seconds']) / ms_r['seconds']:.3f}")
+    if exp[1] and cp:
+        print(f"zckpt export / cp of its output = {exp[1]['seconds'] / cp['seconds']:.2f}")
+    for what, d in (("ingest", ing), ("export", exp)):
+        if d[1] and d[2] and d[1] is not d[2]:
+            print(f"{what} speed-up with 2 workers = {d[1]['seconds'] / d[2]['seconds']:.2f}")
 
 
 if __name__ == "__main__":
