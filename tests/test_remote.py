@@ -327,6 +327,160 @@ def test_remote_chunks_are_verified_at_export(s3: Any, job: dict[str, Path], tmp
                  options=zckpt.ExportOptions(verify_checksums=False))
 
 
+# --- info, verify, consolidate and plan on S3 --------------------------------------------
+
+def _cli_json(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 0) -> dict[str, Any]:
+    assert cli_main([*args, "--json"]) == code, capsys.readouterr().err
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def test_info_on_s3_store_checkpoint_and_strategy(s3: Any, job: dict[str, Path],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The same description as for the local copies, with the URL as the path."""
+    base = _prefix()
+    store = _upload(s3, job["store"], f"{base}/store.zarr")
+    ckpt = _upload(s3, job["src"] / "rank_1" / "checkpoint_1.ckpt", f"{base}/c.ckpt")
+    strategy = _upload(s3, job["dst_strategy"], f"{base}/dst.ckpt")
+    st_file = _upload(s3, job["out_st"] / "rank_0" / "checkpoint_0.safetensors", f"{base}/r0.safetensors")
+    for url, local, kind in ((store, job["store"], "store"),
+                             (ckpt, job["src"] / "rank_1" / "checkpoint_1.ckpt", "ckpt"),
+                             (strategy, job["dst_strategy"], "strategy"),
+                             (st_file, job["out_st"] / "rank_0" / "checkpoint_0.safetensors", "safetensors")):
+        got, want = _cli_json(["info", url], capsys), _cli_json(["info", str(local)], capsys)
+        assert got["type"] == want["type"] == kind and got["path"] == url and want["path"] == str(local)
+        assert {**got, "path": None} == {**want, "path": None}
+    assert cli_main(["info", f"s3://{base}/nothing.ckpt"]) == 1
+    assert f"s3://{base}/nothing.ckpt" in capsys.readouterr().err
+    s3.pipe(f"{base}/junk.ckpt", b"\x00not a checkpoint")
+    assert cli_main(["info", f"s3://{base}/junk.ckpt"]) == 1
+    err = capsys.readouterr().err
+    assert f"s3://{base}/junk.ckpt" in err and "zckpt-spool" not in err, "errors name the URL, not the copy"
+
+
+def test_verify_s3_store_and_a_damaged_chunk(s3: Any, job: dict[str, Path],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    local = _cli_json(["verify", str(job["store"])], capsys)
+    good = _cli_json(["verify", store], capsys)
+    assert good["ok"] and good["store"] == store and good["checksummed_chunks"] > 0
+    for k in ("arrays", "chunks", "chunk_bytes", "checksummed_chunks"):
+        assert good[k] == local[k], k
+    st = Store.open(store)
+    name = next(n for n, per in st.checksums().items() if per)
+    key = sorted(st.checksums()[name])[-1]
+    obj = f"{base}/store.zarr/{st.entry(name).key}/{key}"
+    data = bytearray(s3.cat_file(obj))
+    data[-1] ^= 0x01
+    s3.pipe(obj, bytes(data))
+    s3.rm(f"{base}/store.zarr/{st.entry('net.p1.weight').key}/" + sorted(st.checksums()["net.p1.weight"])[0])
+    bad = _cli_json(["verify", store], capsys, code=1)
+    found = {(m["param"], m["file"]): m["message"] for m in bad["mismatches"]}
+    assert "fails its checksum" in found[(name, f"s3://{obj}")]
+    missing = [f for p, f in found if p == "net.p1.weight"]
+    assert len(missing) == 1 and missing[0].startswith(f"{store}/tensors/")
+    assert "missing from a complete store" in found[("net.p1.weight", missing[0])]
+    assert len(bad["mismatches"]) == 2
+
+
+def test_verify_consolidate_and_plan_take_storage_options(s3: Any, job: dict[str, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AWS_ENDPOINT_URL, --storage-option endpoint_url=... reaches the server."""
+    base = _prefix()
+    store = f"s3://{base}/store.zarr"
+    zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
+    src_strategy = _upload(s3, job["src_strategy"], f"{base}/src.ckpt")
+    dst_strategy = _upload(s3, job["dst_strategy"], f"{base}/dst.ckpt")
+    endpoint = s3.endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    opts = ["--storage-option", f"endpoint_url={endpoint}"]
+    assert _cli_json(["verify", store, *opts], capsys)["ok"]
+    plan = _cli_json(["plan", "--src-strategy", src_strategy, "--dst-strategy", dst_strategy, *opts], capsys)
+    want = _cli_json(["plan", "--src-strategy", str(job["src_strategy"]), "--dst-strategy",
+                      str(job["dst_strategy"])], capsys)
+    assert plan == want and len(plan["ranks"]) == DST_N
+    assert _cli_json(["info", store, *opts], capsys)["complete"]
+    report = _cli_json(["consolidate", store, *opts], capsys)
+    root = json.loads(s3.cat_file(f"{base}/store.zarr/zarr.json"))
+    assert report["nodes"] == len(root["consolidated_metadata"]["metadata"]) >= 8, "8 tensor arrays at least"
+    assert report["store"] == store
+    assert report["root_bytes"] == s3.size(f"{base}/store.zarr/zarr.json")
+    zckpt.export(store, str(tmp_path / "out"), str(job["dst_strategy"]),
+                 options=zckpt.ExportOptions(storage_options={"endpoint_url": endpoint}))
+    assert _local_tree(tmp_path / "out") == _local_tree(job["out"])
+    assert cli_main(["plan", "--src-strategy", f"s3://{base}/none.ckpt"]) == 1
+    assert f"s3://{base}/none.ckpt" in capsys.readouterr().err
+
+
+def test_info_and_verify_on_memory_store(job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    base = f"memory://zckpt-{uuid.uuid4().hex[:8]}"
+    zckpt.ingest(str(job["src"]), f"{base}/store.zarr", str(job["src_strategy"]))
+    try:
+        assert _cli_json(["verify", f"{base}/store.zarr"], capsys)["ok"]
+        info = _cli_json(["info", f"{base}/store.zarr"], capsys)
+        assert info["path"] == f"{base}/store.zarr" and len(info["entries"]) == len(Store.open(job["store"]).entries())
+    finally:
+        fs, path = fsspec.core.url_to_fs(base)
+        fs.rm(path, recursive=True)
+
+
+# --- the MindSpore-compatible API with URLs -----------------------------------------------
+
+def test_transform_checkpoints_with_urls(s3: Any, job: dict[str, Path], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sources, strategies and destination on S3 (endpoint given only as a storage option),
+    then S3 sources to a local destination: MindSpore's file layout, the local export's bytes."""
+    base = _prefix()
+    src = _upload(s3, job["src"], f"{base}/ckpts")
+    dst_strategy = _upload(s3, job["dst_strategy"], f"{base}/dst.ckpt")
+    opts = {"endpoint_url": s3.endpoint}
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    zckpt.transform_checkpoints(src, f"s3://{base}/out", "checkpoint_", f"{src}/strategy.ckpt", dst_strategy,
+                                storage_options=opts)
+    assert _remote_tree(s3, f"{base}/out") == _local_tree(job["out"])
+    assert {p[len(base) + 1:].split("/")[0] for p in s3.find(base)} == {"ckpts", "dst.ckpt", "out"}, \
+        "no temporary store left beside the destination"
+    zckpt.transform_checkpoints(src, str(tmp_path / "out"), "checkpoint_", f"{src}/strategy.ckpt", dst_strategy,
+                                storage_options=opts)
+    assert _local_tree(tmp_path / "out") == _local_tree(job["out"])
+    with pytest.raises(NotADirectoryError):
+        zckpt.transform_checkpoints(f"s3://{base}/nowhere", str(tmp_path / "x"), "checkpoint_",
+                                    storage_options=opts)
+    with pytest.raises(UsageError, match="dst_strategy_file does not exist") as err:
+        zckpt.transform_checkpoints(src, str(tmp_path / "x"), "checkpoint_", f"{src}/strategy.ckpt",
+                                    f"s3://{base}/none.ckpt", storage_options=opts)
+    assert f"s3://{base}/none.ckpt" in str(err.value)
+
+
+def test_transform_checkpoint_by_rank_with_urls(s3: Any, job: dict[str, Path], tmp_path: Path) -> None:
+    """Only the source ranks rank_list_for_transform names, as URLs; the file saved to S3."""
+    base = _prefix()
+    src = _upload(s3, job["src"], f"{base}/ckpts")
+    src_strategy, dst_strategy = f"{src}/strategy.ckpt", _upload(s3, job["dst_strategy"], f"{base}/dst.ckpt")
+    needed = zckpt.rank_list_for_transform(1, src_strategy, dst_strategy)
+    assert needed == zckpt.rank_list_for_transform(1, str(job["src_strategy"]), str(job["dst_strategy"]))
+    files = {r: f"{src}/rank_{r}/checkpoint_{r}.ckpt" for r in needed}
+    target = f"s3://{base}/one/checkpoint_1.ckpt"
+    zckpt.transform_checkpoint_by_rank(1, files, target, src_strategy, dst_strategy)
+    assert s3.cat_file(target[5:]) == (job["out"] / "rank_1" / "checkpoint_1.ckpt").read_bytes()
+    assert s3.ls(f"{base}/one") == [target[5:]], "only the file, no temporary store"
+    local = tmp_path / "r1.ckpt"
+    zckpt.transform_checkpoint_by_rank(1, files, str(local), src_strategy, dst_strategy)
+    assert local.read_bytes() == s3.cat_file(target[5:])
+    with pytest.raises(UsageError, match="does not exist") as err:
+        zckpt.transform_checkpoint_by_rank(1, {**files, 9: f"{src}/rank_9/nothing.ckpt"}, target, src_strategy,
+                                           dst_strategy)
+    assert f"{src}/rank_9/nothing.ckpt" in str(err.value)
+    s3.pipe(f"{base}/dir.ckpt/inside", b"x")
+    with pytest.raises(OutputError, match="is a directory") as err:
+        zckpt.transform_checkpoint_by_rank(1, files, f"s3://{base}/dir.ckpt", src_strategy, dst_strategy)
+    assert f"s3://{base}/dir.ckpt" in str(err.value)
+
+
 # --- failures become zckpt errors naming the URL ------------------------------------------
 
 def test_missing_bucket_and_store(s3: Any, job: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

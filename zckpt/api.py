@@ -3,6 +3,12 @@
 Signatures, defaults and the TypeError/ValueError cases follow MindSpore's API reference;
 the work goes through a temporary zckpt store next to the destination (same filesystem),
 so memory stays bounded and any M -> N works.
+
+Beyond MindSpore, every path may be an fsspec URL (``s3://bucket/ckpts``, ``memory://...``)
+with the filesystem's options in the keyword-only ``storage_options``: sources and
+strategies are read where they are (shards spooled one at a time), and for a URL
+destination the temporary store lives in the local temporary directory and each file is
+uploaded once complete.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from zckpt import remote
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, export, export_rank, plan_export
 from zckpt.formats.strategy import StrategyMap
@@ -22,11 +29,25 @@ from zckpt.segmented import load_segmented_checkpoints as load_segmented_checkpo
 from zckpt.store import Store
 
 
-def _check_strategy_arg(value: object, what: str) -> None:
+def _exists(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
+    if isinstance(path, str) and remote.is_remote(path):
+        return remote.exists(remote.locate(path, storage_options, UsageError), UsageError)
+    return remote.local_path(path).exists()
+
+
+def _check_strategy_arg(value: object, what: str, storage_options: remote.StorageOptions = None) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"The {what} should be a str, but got {type(value).__name__}.")
-    if isinstance(value, (str, os.PathLike)) and not Path(value).exists():
+    if isinstance(value, (str, os.PathLike)) and not _exists(value, storage_options):
         raise UsageError(f"{what} does not exist", path=str(value))
+
+
+def _scratch(dst: str, storage_options: remote.StorageOptions) -> tempfile.TemporaryDirectory[str]:
+    """Where the temporary store goes: beside a local destination (same filesystem), in the
+    local temporary directory for a URL destination."""
+    if remote.is_remote(dst):
+        return tempfile.TemporaryDirectory(prefix="zckpt-api-")
+    return tempfile.TemporaryDirectory(prefix=".zckpt-", dir=remote.local_path(dst))
 
 
 def _check_rank_id(rank_id: object) -> None:
@@ -44,31 +65,49 @@ def transform_checkpoints(
     dst_strategy_file: str | None = None,
     process_num: int = 1,
     output_format: str = "ckpt",
+    *,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Convert a whole job: ``dst_checkpoints_dir/rank_<r>/<ckpt_prefix><r>.ckpt`` for every rank.
 
     Unlike MindSpore there is no divisibility requirement between the device counts.
+    Directories and strategy files may be URLs (``storage_options``: see the module).
     """
     if not isinstance(ckpt_prefix, str):
         raise TypeError("The ckpt_prefix should be a str.")
-    _check_strategy_arg(src_strategy_file, "src_strategy_file")
-    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
-    if not os.path.isdir(src_checkpoints_dir):
+    _check_strategy_arg(src_strategy_file, "src_strategy_file", storage_options)
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file", storage_options)
+    if not _is_dir(src_checkpoints_dir, storage_options):
         raise NotADirectoryError(f"src_checkpoints_dir {src_checkpoints_dir} is not a directory.")
     if output_format != "ckpt":
         raise UsageError(f"output_format {output_format!r} is not supported yet (only 'ckpt')")
     if not isinstance(process_num, int) or process_num < 1:
         raise UsageError(f"process_num must be a positive int, got {process_num!r}")
-    dst = Path(dst_checkpoints_dir)
-    if dst.exists() and not dst.is_dir():
-        raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
-    dst.mkdir(parents=True, exist_ok=True)
-    src_map, dst_map = load_strategy(src_strategy_file), load_strategy(dst_strategy_file)
-    with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=dst) as tmp:
+    dst = os.fspath(dst_checkpoints_dir)
+    if remote.is_remote(dst):
+        if remote.isfile(remote.locate(dst, storage_options, OutputError), OutputError):
+            raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
+    else:
+        local = remote.local_path(dst)
+        if local.exists() and not local.is_dir():
+            raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
+        local.mkdir(parents=True, exist_ok=True)
+        dst = str(local)
+    src_map = load_strategy(src_strategy_file, storage_options)
+    dst_map = load_strategy(dst_strategy_file, storage_options)
+    with _scratch(dst, storage_options) as tmp:
         store = Path(tmp) / "store.zarr"
-        ingest(src_checkpoints_dir, store, src_map)
-        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map))
-        export(store, dst, dst_map, options=opts)
+        ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options))
+        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map),
+                             storage_options=storage_options)
+        export(store, dst if remote.is_remote(dst) else Path(dst), dst_map, options=opts)
+
+
+def _is_dir(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
+    text = os.fspath(path)
+    if remote.is_remote(text):
+        return remote.isdir(remote.locate(text, storage_options, SourceError), SourceError)
+    return remote.local_path(text).is_dir()
 
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
@@ -91,11 +130,14 @@ def transform_checkpoint_by_rank(
     save_checkpoint_file_name: str,
     src_strategy_file: str | None = None,
     dst_strategy_file: str | None = None,
+    *,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Convert one destination rank from the source files given in ``{rank: file}``.
 
     The map needs only the ranks :func:`rank_list_for_transform` names; a missing region is
-    reported with the parameter it belongs to.
+    reported with the parameter it belongs to. Files may be URLs (``storage_options``: see
+    the module); a URL destination is written locally and uploaded once complete.
     """
     if not isinstance(checkpoint_files_map, dict):
         raise TypeError("The checkpoint_files_map should be a dict.")
@@ -104,27 +146,42 @@ def transform_checkpoint_by_rank(
         raise TypeError("The save_checkpoint_file_name should be a str.")
     if not save_checkpoint_file_name.endswith(".ckpt"):
         raise UsageError(f"The save_checkpoint_file_name {save_checkpoint_file_name} should end with .ckpt")
-    _check_strategy_arg(src_strategy_file, "src_strategy_file")
-    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
+    _check_strategy_arg(src_strategy_file, "src_strategy_file", storage_options)
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file", storage_options)
     for rank, path in checkpoint_files_map.items():
-        if not os.path.exists(path):
+        if not _exists(path, storage_options):
             raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
-    target = Path(save_checkpoint_file_name)
-    if target.is_dir():
-        raise OutputError("save_checkpoint_file_name is a directory", path=target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent) as tmp:
+    src_map = load_strategy(src_strategy_file, storage_options)
+    dst_map = load_strategy(dst_strategy_file, storage_options)
+    if remote.is_remote(save_checkpoint_file_name):
+        loc = remote.locate(save_checkpoint_file_name, storage_options, OutputError)
+        if remote.isdir(loc, OutputError):
+            raise OutputError("save_checkpoint_file_name is a directory", path=save_checkpoint_file_name)
+        scratch = tempfile.TemporaryDirectory(prefix="zckpt-api-")
+    else:
+        target = remote.local_path(save_checkpoint_file_name)
+        if target.is_dir():
+            raise OutputError("save_checkpoint_file_name is a directory", path=target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent)
+    with scratch as tmp:
         store = Path(tmp) / "store.zarr"
-        report = ingest(checkpoint_files_map, store, src_strategy_file, IngestOptions(require_complete=False))
-        _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_strategy_file)
-        export_rank(Store.open(store), rank_id, target, dst_strategy_file, options=ExportOptions(overwrite=True))
+        report = ingest(checkpoint_files_map, store, src_map,
+                        IngestOptions(require_complete=False, storage_options=storage_options))
+        _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_map)
+        if remote.is_remote(save_checkpoint_file_name):
+            local = Path(tmp) / Path(save_checkpoint_file_name.rstrip("/")).name
+            export_rank(Store.open(store), rank_id, local, dst_map, options=ExportOptions(overwrite=True))
+            remote.upload(local, loc, OutputError)
+        else:
+            export_rank(Store.open(store), rank_id, target, dst_map, options=ExportOptions(overwrite=True))
 
 
 def _refuse_holes(
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]],
     store: Store,
     rank_id: int,
-    dst_strategy_file: str | None,
+    dst_strategy_file: StrategyMap | None,
 ) -> None:
     """Name the missing source ranks (not the temporary store) when the map lacks data."""
     if not uncovered:
@@ -140,18 +197,23 @@ def _refuse_holes(
 
 
 def rank_list_for_transform(
-    rank_id: int, src_strategy_file: str | None = None, dst_strategy_file: str | None = None
+    rank_id: int,
+    src_strategy_file: str | None = None,
+    dst_strategy_file: str | None = None,
+    *,
+    storage_options: remote.StorageOptions = None,
 ) -> list[int]:
-    """Source ranks whose checkpoints destination ``rank_id`` needs (MindSpore's order: descending)."""
+    """Source ranks whose checkpoints destination ``rank_id`` needs (MindSpore's order: descending).
+    Strategy files may be URLs."""
     from zckpt.ranklist import rank_list_for_transform_maps
 
     _check_rank_id(rank_id)
-    _check_strategy_arg(src_strategy_file, "src_strategy_file")
-    _check_strategy_arg(dst_strategy_file, "dst_strategy_file")
+    _check_strategy_arg(src_strategy_file, "src_strategy_file", storage_options)
+    _check_strategy_arg(dst_strategy_file, "dst_strategy_file", storage_options)
     if src_strategy_file is None:
         return [0]
     ranks: list[int] = rank_list_for_transform_maps(
-        rank_id, load_strategy(src_strategy_file), load_strategy(dst_strategy_file)
+        rank_id, load_strategy(src_strategy_file, storage_options), load_strategy(dst_strategy_file, storage_options)
     )
     return ranks
 

@@ -11,10 +11,8 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from zckpt import remote
 from zckpt.errors import UsageError, ZckptError
 from zckpt.runner import memory_budget
 
@@ -65,14 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     _storage_args(exp)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
-    pl.add_argument("--src-strategy", required=True)
-    pl.add_argument("--dst-strategy")
+    pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")
+    pl.add_argument("--dst-strategy", help="destination strategy file or directory (local or URL; omit: one rank)")
     pl.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
     pl.add_argument("--json", action="store_true")
+    _storage_args(pl)
 
     inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
-    inf.add_argument("path")
+    inf.add_argument("path", help="file or store (a local path or a URL: s3://..., memory://...)")
     inf.add_argument("--json", action="store_true")
+    _storage_args(inf)
 
     mrg = sub.add_parser("merge-strategies", help="merge per-rank pipeline strategy files into one (as MindSpore)")
     mrg.add_argument("src_strategy_dir", help="directory with every rank's strategy file (*.ckpt or *.json)")
@@ -89,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
 
     con = sub.add_parser("consolidate", help="add zarr's consolidated metadata to a complete store (for other "
                                              "Zarr readers; zckpt does not need it)")
-    con.add_argument("store")
+    con.add_argument("store", help="complete zckpt store (a directory or a URL)")
     con.add_argument("--json", action="store_true", help="print the report as JSON")
+    _storage_args(con)
     _verify_args(sub)
     return p
 
@@ -213,8 +214,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ingest import load_strategy
     from zckpt.ranklist import rank_list_for_transform_maps
 
-    src = load_strategy(a.src_strategy)
-    dst = load_strategy(a.dst_strategy)
+    opts = parse_storage_options(a.storage_option) or None
+    src = load_strategy(a.src_strategy, opts)
+    dst = load_strategy(a.dst_strategy, opts)
     n = dst.device_num() if dst is not None else 1
     ranks = a.rank if a.rank else list(range(n))
     table = {r: rank_list_for_transform_maps(r, src, dst) for r in ranks}
@@ -226,8 +228,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _cmd_info(a: argparse.Namespace) -> int:
     from zckpt.info import describe
 
-    remote.require_local("zckpt info", path=a.path)
-    doc, lines = describe(Path(a.path))
+    doc, lines = describe(a.path, parse_storage_options(a.storage_option) or None)
     _emit(doc, a.json, lines)
     return 0
 
@@ -261,7 +262,7 @@ def _cmd_load(a: argparse.Namespace) -> int:
 def _cmd_consolidate(a: argparse.Namespace) -> int:
     from zckpt.store_tools import consolidate
 
-    r = consolidate(a.store)
+    r = consolidate(a.store, parse_storage_options(a.storage_option) or None)
     _emit({"store": r.store, "nodes": r.nodes, "root_bytes": r.root_bytes, "seconds": r.seconds}, a.json,
           [f"consolidated the metadata of {r.nodes} nodes into {r.store}/zarr.json "
            f"({human_bytes(r.root_bytes)}) in {r.seconds:.2f} s"])
@@ -270,14 +271,17 @@ def _cmd_consolidate(a: argparse.Namespace) -> int:
 
 def _verify_args(sub: Any) -> None:
     ver = sub.add_parser("verify", help="re-read a store (and its sources / an export) and report every mismatch")
-    ver.add_argument("store")
-    ver.add_argument("src_dir", nargs="?", help="also compare these source shards (rank_<r>/*.ckpt) with the store")
+    ver.add_argument("store", help="zckpt store (a directory or a URL)")
+    ver.add_argument("src_dir", nargs="?", help="also compare these local source shards (rank_<r>/*.ckpt) with "
+                                                "the store")
     ver.add_argument("--strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
-    ver.add_argument("--against", metavar="DST_DIR", help="also compare an export's rank files with the store")
+    ver.add_argument("--against", metavar="DST_DIR",
+                     help="also compare a local export's rank files with the store")
     ver.add_argument("--dst-strategy", help="destination strategy of DST_DIR (omit: one rank, whole tensors)")
     ver.add_argument("--prefix", default="checkpoint_", help="file name prefix of DST_DIR (default: checkpoint_)")
     ver.add_argument("--block-mb", type=int, default=64, help="tensor data compared per step (MiB)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
+    _storage_args(ver)
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
@@ -288,7 +292,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if a.dst_strategy and not a.against:
         raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
     r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
-               block_bytes=max(1, a.block_mb) * MiB)
+               block_bytes=max(1, a.block_mb) * MiB, storage_options=parse_storage_options(a.storage_option) or None)
     _emit(r.to_json(), a.json, summary_lines(r))
     return 0 if r.ok else 1
 

@@ -1,11 +1,16 @@
-"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file or a store."""
+"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file or a store,
+on a local disk or at a URL (``s3://...``, ``memory://...``: a store is read through zarr, a
+file is copied to a temporary local file first, as ingest does with remote shards)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import UsageError
+from zckpt import remote
+from zckpt.errors import UsageError, ZckptError
 from zckpt.formats.shards import open_shard, shard_format
 from zckpt.formats.strategy import read_strategy
 
@@ -17,17 +22,50 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def describe(path: Path) -> tuple[dict[str, Any], list[str]]:
+Described = tuple[dict[str, Any], list[str]]
+
+
+def describe(path: str | os.PathLike[str], storage_options: remote.StorageOptions = None) -> Described:
     """A JSON-able description and the aligned text lines that show it."""
-    if (path / "zarr.json").is_file():
-        return _describe_store(path)
-    if not path.is_file():
-        raise UsageError("no such file or store", path=path)
+    if isinstance(path, str) and remote.is_remote(path):
+        return _describe_remote(path, storage_options)
+    local = remote.local_path(path)
+    if (local / "zarr.json").is_file():
+        return _describe_store(local)
+    if not local.is_file():
+        raise UsageError("no such file or store", path=local)
+    return _describe_file(local, str(local))
+
+
+def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Described:
+    """A store at a URL is opened where it is; a file is spooled to a temporary copy, and
+    errors about the copy name the URL."""
+    from zckpt.sources import spool
+
+    loc = remote.locate(url, storage_options, UsageError)
+    if remote.isfile(loc.child("zarr.json"), UsageError):
+        return _describe_store(url, storage_options)
+    if not remote.isfile(loc, UsageError):
+        raise UsageError("no such file or store", path=url)
+    with spool(url, storage_options) as local:
+        return _naming(url, str(local.parent), lambda: _describe_file(local, url))
+
+
+def _naming(url: str, tmp: str, run: Callable[[], Described]) -> Described:
+    try:
+        return run()
+    except ZckptError as err:
+        if err.path is None or not err.path.startswith(tmp):
+            raise
+        raise type(err)(err.message, path=url, param=err.param) from None
+
+
+def _describe_file(path: Path, shown: str) -> Described:
     if shard_format(path) != "ckpt":  # a .safetensors file or a split checkpoint's index
-        return _describe_ckpt(path)
+        return _describe_ckpt(path, shown)
     if path.suffix == ".json" or _looks_like_strategy(path):
-        return _describe_strategy(path)
-    return _describe_ckpt(path)
+        return _describe_strategy(path, shown)
+    return _describe_ckpt(path, shown)
 
 
 def _looks_like_strategy(path: Path) -> bool:
@@ -38,7 +76,7 @@ def _looks_like_strategy(path: Path) -> bool:
     return bool(smap.layouts)
 
 
-def _describe_ckpt(path: Path) -> tuple[dict[str, Any], list[str]]:
+def _describe_ckpt(path: Path, shown: str) -> Described:
     kind = "ckpt" if shard_format(path) == "ckpt" else "safetensors"
     with open_shard(path) as r:
         infos = list(r.entries.values())
@@ -50,11 +88,11 @@ def _describe_ckpt(path: Path) -> tuple[dict[str, Any], list[str]]:
     ]
     rows = [["name", "dtype", "shape", "bytes"]] + [[e.name, e.ms_type, str(e.shape), str(e.nbytes)] for e in infos]
     total = sum(e.nbytes for e in infos)
-    lines = [f"checkpoint {path}: {len(entries)} entries, {total} bytes, crc trailer: {crc}", *_table(rows)]
-    return {"type": kind, "path": str(path), "crc": crc, "entries": entries}, lines
+    lines = [f"checkpoint {shown}: {len(entries)} entries, {total} bytes, crc trailer: {crc}", *_table(rows)]
+    return {"type": kind, "path": shown, "crc": crc, "entries": entries}, lines
 
 
-def _describe_strategy(path: Path) -> tuple[dict[str, Any], list[str]]:
+def _describe_strategy(path: Path, shown: str) -> Described:
     smap = read_strategy(path)
     params: list[dict[str, Any]] = []
     for name, per in smap.layouts.items():
@@ -66,19 +104,19 @@ def _describe_strategy(path: Path) -> tuple[dict[str, Any], list[str]]:
         [str(p["name"]), str(p["stage"]), str(p["dev_matrix"]), str(p["tensor_map"]), str(p["opt_shard_size"])]
         for p in params
     ]
-    head = f"strategy {path}: {len(smap.layouts)} parameters, stages {list(smap.stages)}"
-    doc = {"type": "strategy", "path": str(path), "stages": list(smap.stages), "layouts": params}
+    head = f"strategy {shown}: {len(smap.layouts)} parameters, stages {list(smap.stages)}"
+    doc = {"type": "strategy", "path": shown, "stages": list(smap.stages), "layouts": params}
     return doc, [head, *_table(rows)]
 
 
-def _describe_store(path: Path) -> tuple[dict[str, Any], list[str]]:
+def _describe_store(path: str | Path, storage_options: remote.StorageOptions = None) -> Described:
     from zckpt.store import Store
 
-    st = Store.open(path)
+    st = Store.open(path, storage_options=storage_options)
     entries = [e.to_json() for e in st.entries()]
     rows = [["name", "kind", "dtype", "shape"]] + [
         [e["name"], e["kind"], e["ms_type"], str(tuple(e["shape"]))] for e in entries
     ]
     ranks = sorted(st.ingested_ranks())
-    head = f"store {path}: {len(entries)} entries, complete: {st.complete}, ingested ranks {ranks}"
-    return {"type": "store", "path": str(path), "complete": st.complete, "entries": entries}, [head, *_table(rows)]
+    head = f"store {st.url}: {len(entries)} entries, complete: {st.complete}, ingested ranks {ranks}"
+    return {"type": "store", "path": st.url, "complete": st.complete, "entries": entries}, [head, *_table(rows)]

@@ -236,5 +236,5 @@ def require_local(command: str, **paths: str | os.PathLike[str] | None) -> None:
     report about paths that do not exist)."""
     for what, p in paths.items():
         if p is not None and is_remote(p):
-            raise UsageError(f"{command} works on local paths; {what} {str(p)!r} is a URL "
+            raise UsageError(f"{command} reads {what} from local paths only; {str(p)!r} is a URL "
                              "(copy it locally first, e.g. with fsspec or the aws CLI)")

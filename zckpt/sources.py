@@ -101,7 +101,7 @@ def open_source(
         with open_shard(path, verify_crc=verify_crc) as reader:
             yield reader
         return
-    with _spooled(path, storage_options) as local:
+    with spool(path, storage_options) as local:
         try:
             with open_shard(local, verify_crc=verify_crc) as reader:
                 yield reader
@@ -112,7 +112,9 @@ def open_source(
 
 
 @contextlib.contextmanager
-def _spooled(url: str, storage_options: remote.StorageOptions) -> Iterator[Path]:
+def spool(url: str, storage_options: remote.StorageOptions) -> Iterator[Path]:
+    """A remote shard (with the parts its index lists, for a split safetensors checkpoint) as a
+    temporary local file, for readers that map files."""
     with remote.local_copy(url, storage_options, SourceError) as local:
         if local.name.endswith(INDEX_SUFFIX):
             for part in _index_parts(local, url):

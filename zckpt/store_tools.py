@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import zarr
 
@@ -38,24 +37,32 @@ class ConsolidateReport:
     seconds: float
 
 
-def consolidate(store_path: str | os.PathLike[str]) -> ConsolidateReport:
-    """Write zarr's consolidated metadata into the root of a complete zckpt store.
+def consolidate(store_path: str | os.PathLike[str], storage_options: remote.StorageOptions = None) -> ConsolidateReport:
+    """Write zarr's consolidated metadata into the root of a complete zckpt store (a local
+    directory or a URL such as ``s3://bucket/store.zarr``).
 
     Refuses a store that is not complete (it would still change, and the consolidated
     copy would go stale). Running it again refreshes the consolidated copy.
     """
-    remote.require_local("zckpt consolidate", store=store_path)
     t0 = time.perf_counter()
-    path = Path(store_path)
-    store = Store.open(path)
+    store = Store.open(store_path, mode="r+", storage_options=storage_options)
     if not store.complete:
-        raise StoreError("store is not complete; consolidate it once ingest has finished", path=path)
+        raise StoreError("store is not complete; consolidate it once ingest has finished", path=store.url)
     with warnings.catch_warnings():
         # zarr warns that consolidated metadata is not part of the Zarr v3 specification yet;
         # that is the documented trade-off of this opt-in step.
         warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(str(path))
-    root = path / "zarr.json"
-    doc = json.loads(root.read_text(encoding="utf-8"))
-    nodes = len((doc.get("consolidated_metadata") or {}).get("metadata") or {})
-    return ConsolidateReport(str(path), nodes, root.stat().st_size, time.perf_counter() - t0)
+        if store.location is None:
+            zarr.consolidate_metadata(str(store.path))
+        else:
+            with remote.remote_errors(StoreError, store.url, "cannot consolidate metadata"):
+                zarr.consolidate_metadata(store.group.store)
+    raw = _root_json(store)
+    nodes = len((json.loads(raw).get("consolidated_metadata") or {}).get("metadata") or {})
+    return ConsolidateReport(store.url, nodes, len(raw), time.perf_counter() - t0)
+
+
+def _root_json(store: Store) -> bytes:
+    if store.location is None:
+        return (store.path / "zarr.json").read_bytes()
+    return remote.read_bytes(store.location.child("zarr.json"), StoreError)

@@ -112,15 +112,19 @@ def verify(
     dst_strategy: str | Path | StrategyMap | None = None,
     prefix: str = "checkpoint_",
     block_bytes: int = 64 * MiB,
+    storage_options: remote.StorageOptions = None,
 ) -> VerifyReport:
     """Check the store, then (``src``) the sources against it, then (``against``) an export.
 
+    The store may be a URL (``s3://...``; ``storage_options`` configure its filesystem): its
+    chunks are fetched through zarr's store API. ``src`` and ``against`` are compared as
+    local files only.
     A store that cannot be opened at all raises its :class:`~zckpt.errors.StoreError`;
     everything else found is collected in the report.
     """
-    remote.require_local("zckpt verify", store=store_path, sources=src, export=against)
-    store = Store.open(store_path)
-    report = VerifyReport(str(store.path))
+    remote.require_local("zckpt verify", sources=src, exports=against)
+    store = Store.open(store_path, storage_options=storage_options)
+    report = VerifyReport(store.url)
     check_store(store, report, block_bytes=block_bytes)
     if src is not None:
         check_sources(store, src, src_strategy, report, block_bytes=block_bytes)
@@ -140,7 +144,7 @@ def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * M
     for e in entries:
         if e.kind == "str":
             if not isinstance(e.value, str):
-                report.add("store", "string entry has no value in the manifest", file=store.path, param=e.name)
+                report.add("store", "string entry has no value in the manifest", file=store.url, param=e.name)
             continue
         try:  # a broken array is reported and the next one checked
             arr = store.array(e.name)
@@ -149,7 +153,7 @@ def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * M
                 continue
             if store.complete:
                 for problem in store.coverage_problems([e.name]):
-                    report.add("store", f"marked complete, but {problem}", file=store.path, param=e.name)
+                    report.add("store", f"marked complete, but {problem}", file=store.url, param=e.name)
             _check_chunks(store, e, arr, crcs.get(e.name, {}), report, block_bytes)
         except ZckptError as err:
             report.add_error("store", err)
@@ -164,24 +168,24 @@ def _manifest_entries(store: Store, report: VerifyReport) -> list[EntryRecord]:
         try:
             e = EntryRecord.from_json(doc)
         except (KeyError, TypeError, ValueError) as err:
-            report.add("store", f"manifest entry {doc!r:.200} is malformed ({err})", file=store.path)
+            report.add("store", f"manifest entry {doc!r:.200} is malformed ({err})", file=store.url)
             continue
         if e.name in seen_names:
-            report.add("store", "listed twice in the manifest", file=store.path, param=e.name)
+            report.add("store", "listed twice in the manifest", file=store.url, param=e.name)
             continue
         seen_names.add(e.name)
         if e.kind not in ("tensor", "map", "str"):
-            report.add("store", f"manifest gives unknown kind {e.kind!r}", file=store.path, param=e.name)
+            report.add("store", f"manifest gives unknown kind {e.kind!r}", file=store.url, param=e.name)
             continue
         if e.kind != "str":
             problem = _key_problem(e, seen_keys)
             if problem:
-                report.add("store", f"manifest key {e.key!r} {problem}", file=store.path, param=e.name)
+                report.add("store", f"manifest key {e.key!r} {problem}", file=store.url, param=e.name)
                 continue
             seen_keys.add(e.key)
         out.append(e)
     if not isinstance(raw, list):
-        report.add("store", "manifest has no entry list", file=store.path)
+        report.add("store", "manifest has no entry list", file=store.url)
     return out
 
 
@@ -212,12 +216,12 @@ def _orphan_arrays(store: Store, entries: Sequence[EntryRecord], report: VerifyR
             continue
         for k in sorted(keys):
             if f"{folder}/{k}" not in known:
-                report.add("store", "array is not in the manifest", file=store.path / folder / k)
+                report.add("store", "array is not in the manifest", file=store.where(folder, k))
 
 
 def _array_matches_entry(store: Store, e: EntryRecord, arr: Any, report: VerifyReport) -> bool:
     ok = True
-    where = store.path / e.key
+    where = store.where(e.key)
 
     def bad(message: str) -> None:
         nonlocal ok
@@ -257,7 +261,7 @@ def _recorded_checksums(store: Store, report: VerifyReport) -> dict[str, dict[st
     try:
         return store.checksums()
     except (ZckptError, KeyError, TypeError, ValueError, AttributeError) as err:
-        report.add("store", f"recorded chunk checksums cannot be read ({err})", file=store.path)
+        report.add("store", f"recorded chunk checksums cannot be read ({err})", file=store.url)
         return {}
 
 
@@ -304,7 +308,7 @@ def _check_chunks(
         got = _gather([zstore.get(f"{prefix}/{k}", prototype=default_buffer_prototype()) for k in keys])
         for (_, box), key, buf in zip(batch, keys, got, strict=True):
             region = f"chunk {key} (elements {box.to_json()})"
-            where = store.path / prefix / key
+            where = store.where(prefix, key)
             if buf is None:
                 if required is None or any(box.intersect(b) is not None for b in required):
                     report.add("store", "chunk is missing" + (" from a complete store" if required is None else
@@ -465,12 +469,12 @@ def check_sources(
     for t in plan.tensors:
         e = entries.get(t.name)
         if e is None:
-            report.add("source", "in the source checkpoints but not in the store", file=store.path, param=t.name)
+            report.add("source", "in the source checkpoints but not in the store", file=store.url, param=t.name)
         elif t.kind != e.kind or (t.kind == "tensor" and (t.ms_type, t.shape) != (e.ms_type, e.shape)):
             report.add("source", f"source gives {t.kind} {t.ms_type}{list(t.shape)}, the store holds "
-                                 f"{e.kind} {e.ms_type}{list(e.shape)}", file=store.path, param=t.name)
+                                 f"{e.kind} {e.ms_type}{list(e.shape)}", file=store.url, param=t.name)
     for name in sorted(set(entries) - {t.name for t in plan.tensors}):
-        report.add("source", "in the store but in no source checkpoint", file=store.path, param=name)
+        report.add("source", "in the store but in no source checkpoint", file=store.url, param=name)
     todo: dict[int, list[tuple[str, Box]]] = {}
     for w in plan.writes:
         todo.setdefault(w.rank, []).append((w.name, w.box))
