@@ -29,11 +29,26 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.ckpt"))}
 
 
-def test_local_cluster_matches_in_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_local_cluster_matches_in_process(tmp_path: Path, processes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import distributed
+
+    started: list[dict[str, object]] = []
+    real = distributed.LocalCluster
+
+    def spy(**kwargs: object) -> object:
+        started.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(distributed, "LocalCluster", spy)
     zckpt.ingest(SRC, tmp_path / "a.zarr", SRC_S)
     zckpt.export(tmp_path / "a.zarr", tmp_path / "a", DST_S)
-    zckpt.ingest(SRC, tmp_path / "b.zarr", SRC_S, zckpt.IngestOptions(workers=2, verify_replicas=True))
-    zckpt.export(tmp_path / "b.zarr", tmp_path / "b", DST_S, options=zckpt.ExportOptions(workers=2))
+    assert started == []
+    zckpt.ingest(SRC, tmp_path / "b.zarr", SRC_S,
+                 zckpt.IngestOptions(workers=2, processes=processes, verify_replicas=True))
+    zckpt.export(tmp_path / "b.zarr", tmp_path / "b", DST_S,
+                 options=zckpt.ExportOptions(workers=2, processes=processes))
+    assert [(k["n_workers"], k["processes"]) for k in started] == [(2, processes)] * 2
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "b") == []
     assert zckpt.open_store(tmp_path / "b.zarr").complete

@@ -98,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
-                   help="run on a Dask LocalCluster of this many worker processes (default: in this process)")
+                   help="run on a Dask LocalCluster of this many workers (default: in this process); they are "
+                        "threads of this process unless --processes")
+    p.add_argument("--processes", action="store_true",
+                   help="LocalCluster workers as separate processes (slower to start; isolates the workers)")
     p.add_argument("--scheduler", help="run on an existing Dask cluster (scheduler address, e.g. tcp://host:8786)")
     p.add_argument("--max-mem", default="1GiB",
                    help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
@@ -174,7 +177,8 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, a.chunk_mb)
     opts = IngestOptions(
         chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
-        overwrite=a.overwrite, workers=a.workers, scheduler=a.scheduler, progress=_progress(a),
+        overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
+        progress=_progress(a),
         storage_options=parse_storage_options(a.storage_option) or None,
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
@@ -196,7 +200,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
-                         reader=a.reader, workers=a.workers, scheduler=a.scheduler, per_stage=a.per_stage,
+                         reader=a.reader, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
+                         per_stage=a.per_stage,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
     opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
                    storage_options=parse_storage_options(a.storage_option) or None)

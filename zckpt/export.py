@@ -54,6 +54,8 @@ class ExportOptions:
     verify_checksums: bool = True
     """Check each chunk's recorded CRC-32 before its bytes are used (once per chunk and process)."""
     workers: int = 1
+    processes: bool = False
+    """Local workers (``workers`` > 1) as processes instead of threads of this process."""
     scheduler: str | None = None
     progress: bool = False
     per_stage: bool = False
@@ -170,7 +172,7 @@ def export(
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
-    engine = Engine(options.workers, options.scheduler, options.progress)
+    engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
     with dask_client(engine) as client:
         results = run_all(write_file, units, store.url, options, client=client, label="export",
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),

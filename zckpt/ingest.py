@@ -51,6 +51,8 @@ class IngestOptions:
     require_complete: bool = True
     verify_crc: bool = True
     workers: int = 1
+    processes: bool = False
+    """Local workers (``workers`` > 1) as processes instead of threads of this process."""
     scheduler: str | None = None
     progress: bool = False
     storage_options: Mapping[str, Any] | None = None
@@ -441,7 +443,7 @@ def _run(
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
-    engine = Engine(options.workers, options.scheduler, options.progress)
+    engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
     with dask_client(engine) as client:
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)

@@ -22,12 +22,18 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Engine:
-    """How to run tasks: ``workers`` > 1 starts a LocalCluster of that many processes;
-    ``scheduler`` connects to a running Dask scheduler (``tcp://host:8786``) instead."""
+    """How to run tasks: ``workers`` > 1 starts a LocalCluster of that many workers;
+    ``scheduler`` connects to a running Dask scheduler (``tcp://host:8786``) instead.
+
+    Local workers are threads of this process unless ``processes``: zckpt's tasks spend
+    their time in system calls (``copy_file_range``, ``pread``/``write``) that release the
+    GIL, and thread workers start in a fraction of the ~2 s a cluster of worker processes
+    takes, which is a third of a 1 GiB job (bench/RESULTS.md)."""
 
     workers: int = 1
     scheduler: str | None = None
     progress: bool = False
+    processes: bool = False
 
     def check(self) -> None:
         if self.workers < 1:
@@ -81,7 +87,8 @@ def dask_client(engine: Engine) -> Iterator[Any]:
             client.close()
         return
     cluster = LocalCluster(
-        n_workers=engine.workers, threads_per_worker=1, processes=True, dashboard_address=None, memory_limit=0
+        n_workers=engine.workers, threads_per_worker=1, processes=engine.processes, dashboard_address=None,
+        memory_limit=0,
     )
     client = Client(cluster)
     try:
