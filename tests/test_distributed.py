@@ -116,3 +116,28 @@ def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None
     assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "o"),
                      "--scheduler", scheduler]) == 0
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []
+
+
+def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread workers live in one process: each task gets 1/N of --max-mem's batch size;
+    worker processes and remote workers each get the whole."""
+    from zckpt.export import StoreReader
+    from zckpt.runner import Engine
+
+    assert Engine(workers=2).share(1 << 20) == 1 << 19
+    assert Engine(workers=2, processes=True).share(1 << 20) == 1 << 20
+    assert Engine(workers=1).share(1 << 20) == 1 << 20
+    assert Engine(scheduler="tcp://127.0.0.1:1").share(1 << 20) == 1 << 20
+    seen: list[int] = []
+    real_init = StoreReader.__init__
+
+    def spy(self: StoreReader, store: object, options: zckpt.ExportOptions) -> None:
+        seen.append(options.block_bytes)
+        real_init(self, store, options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StoreReader, "__init__", spy)
+    zckpt.ingest(SRC, tmp_path / "s.zarr", SRC_S)
+    opts = zckpt.ExportOptions(workers=2, block_bytes=1 << 22)
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "o", DST_S, options=opts)
+    assert seen and set(seen) == {1 << 21}
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []

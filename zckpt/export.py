@@ -173,6 +173,7 @@ def export(
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
+    options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         results = run_all(write_file, units, store.url, options, client=client, label="export",
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),

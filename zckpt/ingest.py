@@ -444,6 +444,7 @@ def _run(
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
     engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
+    options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)

@@ -35,6 +35,13 @@ class Engine:
     progress: bool = False
     processes: bool = False
 
+    def share(self, nbytes: int) -> int:
+        """Each task's part of a per-process memory bound: local thread workers share one
+        process, so ``N`` of them get ``1/N`` each; worker processes each get the whole."""
+        if self.scheduler is None and self.workers > 1 and not self.processes:
+            return max(1, nbytes // self.workers)
+        return nbytes
+
     def check(self) -> None:
         if self.workers < 1:
             raise UsageError(f"workers must be at least 1, got {self.workers}")
