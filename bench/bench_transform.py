@@ -2,7 +2,8 @@
 
 Generates a transformer-like model (hundreds of 2-D weights plus biases and norms) as real
 MindSpore-format shards on ``--src-ranks`` ranks, a destination strategy on
-``--dst-ranks`` ranks (optimizer parallel by default), then runs every phase in its own
+``--dst-ranks`` ranks (``dev_matrix (dp, mp)`` with ``mp = --dst-model-parallel``, the
+optimizer sharding every weight over ``dp`` by default), then runs every phase in its own
 process and prints wall time, throughput, peak RSS and read amplification side by side.
 
     python bench/bench_transform.py --size-gib 1 --src-ranks 8 --dst-ranks 4 --work /tmp/zckpt-bench
@@ -42,22 +43,26 @@ def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dtype: str) -> tuple[Path, Path, Path]:
+def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dtype: str,
+            dst_mp: int | None = None) -> tuple[Path, Path, Path]:
+    """Source shards (generated once, reused) and the destination strategy: ``dst_ranks``
+    devices as ``dev_matrix (dp, mp)`` with ``mp = dst_mp`` (default: the generator's), the
+    optimizer sharding every weight over ``dp`` when ``opt``."""
     tag = f"{size}-{src_ranks}-{dst_ranks}-{int(opt)}-{dtype}"
     root = work / f"model-{tag}"
-    src, src_strategy, dst_strategy = root / "src", root / "src" / "strategy.ckpt", root / "dst_strategy.ckpt"
-    if (root / "ready").is_file():
-        return src, src_strategy, dst_strategy
-    shutil.rmtree(root, ignore_errors=True)
+    src, src_strategy = root / "src", root / "src" / "strategy.ckpt"
+    dst_strategy = root / f"dst_strategy_mp{dst_mp or 0}_opt{int(opt)}.ckpt"
     tensors = transformer_like(size, device_num=src_ranks, opt_parallel=False, weight_type=dtype)
-    write_model(src, tensors, device_num=src_ranks)
-    dst = transformer_like(size, device_num=dst_ranks, opt_parallel=opt, weight_type=dtype)
+    if not (root / "ready").is_file():
+        shutil.rmtree(root, ignore_errors=True)
+        write_model(src, tensors, device_num=src_ranks)
+        (root / "ready").write_text("ok")
+    dst = transformer_like(size, device_num=dst_ranks, model_parallel=dst_mp, opt_parallel=opt, weight_type=dtype)
     src_shapes = {t.name: t.shape for t in tensors}
     if any(src_shapes[t.name] != t.shape for t in dst):
         raise SystemExit("source and destination models differ in shape; pick ranks with a common hidden size")
     smap = StrategyMap(layouts={t.name: {0: t.layout} for t in dst if t.layout is not None})
     dst_strategy.write_bytes(encode_strategy(smap))
-    (root / "ready").write_text("ok")
     return src, src_strategy, dst_strategy
 
 
@@ -101,6 +106,9 @@ def main() -> None:
     ap.add_argument("--src-ranks", type=int, default=8)
     ap.add_argument("--dst-ranks", type=int, default=4)
     ap.add_argument("--no-opt-parallel", action="store_true")
+    ap.add_argument("--dst-model-parallel", type=int, default=2,
+                    help="tensor parallel degree of the destination (the rest is data parallel, over which the "
+                         "optimizer shards; default 2: 4 ranks = dp 2 x mp 2)")
     ap.add_argument("--dtype", default="Float32", choices=["Float32", "BFloat16", "Float16"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"), help="generated sources (reused)")
     ap.add_argument("--scratch", type=Path, default=None,
@@ -125,7 +133,8 @@ def main() -> None:
         return
     size = int(a.size_gib * GiB)
     a.work.mkdir(parents=True, exist_ok=True)
-    src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype)
+    src, src_strategy, dst_strategy = prepare(a.work, size, a.src_ranks, a.dst_ranks, not a.no_opt_parallel, a.dtype,
+                                                a.dst_model_parallel)
     src_bytes = _tree_bytes(src)
     logical = sum(t.nbytes for t in transformer_like(size, device_num=a.src_ranks, weight_type=a.dtype))
     runs = a.scratch if a.scratch is not None else a.work / "runs"
@@ -191,7 +200,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "scratch": str(runs)},
         "model": {"logical_bytes": logical, "source_bytes": src_bytes, "src_ranks": a.src_ranks,
-                  "dst_ranks": a.dst_ranks, "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype},
+                  "dst_ranks": a.dst_ranks, "opt_parallel": not a.no_opt_parallel, "dtype": a.dtype,
+                  "dst_model_parallel": a.dst_model_parallel},
         "phases": rows,
     }
     if a.json_out is not None:
@@ -207,8 +217,9 @@ def render(report: dict[str, Any]) -> None:
     model, rows = report["model"], report["phases"]
     print(f"model: {model['logical_bytes'] / GiB:.2f} GiB {model['dtype']} "
           f"({model['source_bytes'] / GiB:.2f} GiB of source shards incl. replicas), "
-          f"{model['src_ranks']} -> {model['dst_ranks']} ranks, "
-          f"optimizer parallel on destination: {model['opt_parallel']}; {report['machine']['cpus']} cpus")
+          f"{model['src_ranks']} -> {model['dst_ranks']} ranks (destination tensor parallel "
+          f"{model.get('dst_model_parallel', '?')}), optimizer parallel on destination: {model['opt_parallel']}; "
+          f"{report['machine']['cpus']} cpus")
     print(f"| {'phase':<36} | {'wall s':>7} | {'all runs s':<20} | {'MiB/s':>7} | {'peak RSS MiB':>12} | "
           f"{'read MiB':>9} | {'written MiB':>11} | {'read amp':>8} | {'to host MiB':>11} |")
     print(f"|{'-' * 38}|{'-' * 9}|{'-' * 22}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 13}|")

@@ -169,6 +169,10 @@ def test_column_blocks_are_copied_file_to_file_and_checked(
             want = value[rows * 4 : rows * 4 + 4, cols * 3 : cols * 3 + 3]
             assert r.array("w").tobytes() == want.tobytes(), rank
     assert sum(r.read_bytes for r in report.ranks) == value.nbytes
+    if chunk_bytes == 48:  # every chunk copied whole: checked in the copy pass, nothing read twice
+        assert sum(r.checked_bytes for r in report.ranks) == 0
+    else:  # each rank copies half of a chunk: the whole chunk is read once more to check it
+        assert sum(r.checked_bytes for r in report.ranks) == 2 * value.nbytes
     chunk = store / "tensors" / "w" / "c.0.0"  # rank 0's first rows: the first file written
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0x01

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import google_crc32c
+import numpy as np
 import pytest
 
 from zckpt import fileio
@@ -64,3 +65,38 @@ def test_copy_returns_the_digest_of_the_bytes_copied(tmp_path: Path, kernel: boo
         os.close(dst)
     assert got == google_crc32c.value(data[123:40_123])
     assert (tmp_path / "dst").read_bytes() == data[123:40_123]
+
+
+class _Damaged(Exception):
+    pass
+
+
+@pytest.mark.parametrize("crc_trailer", [False, True])  # buffered copy, or pread + the writer's own CRC
+def test_a_checked_range_is_summed_in_the_copy_across_parts(tmp_path: Path, crc_trailer: bool) -> None:
+    """A range split over two Values (MindSpore's slice size) is still checked once, whole."""
+    from zckpt.formats import ckpt as ckpt_mod
+
+    data = np.arange(64, dtype=np.float32)
+    src = tmp_path / "chunk"
+    src.write_bytes(data.tobytes())
+    want = checksum_bytes(data.tobytes())
+
+    def write(expected: int) -> Path:
+        check = fileio.RangeCheck(0, data.nbytes, expected, checksum_bytes, lambda got: _Damaged(hex(got)))
+        blocks = [ckpt_mod.FileRange(src, 0, 40, check), ckpt_mod.FileRange(src, 40, data.nbytes - 40, check)]
+        out = tmp_path / f"out-{expected}.ckpt"
+        with ckpt_mod.CkptWriter(out, crc=crc_trailer) as w:
+            w.write_blocks("w", "Float32", (64,), iter(blocks))
+        return out
+
+    with ckpt_mod.CkptReader(write(want)) as r:
+        assert r.array("w").tobytes() == data.tobytes()
+    with pytest.raises(_Damaged, match=hex(want)):
+        write(want ^ 1)
+    assert not list(tmp_path.glob("out-*.tmp-zckpt"))
+
+
+def test_a_checked_range_fed_out_of_order_is_a_bug() -> None:
+    check = fileio.RangeCheck(100, 10, 0, checksum_bytes, lambda got: _Damaged())
+    with pytest.raises(AssertionError, match="out of order"):
+        check.advance(104, 6, 0)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from zckpt import remote
+from zckpt import fileio, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
 from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
@@ -530,11 +530,31 @@ class StoreReader:
             if size != chunk_bytes:
                 raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
                                  "the store is damaged", path=path, param=name)
-            out.append(FileRange(path, offset, length))
-        if self.options.verify_checksums:
-            self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
+            out.append(FileRange(path, offset, length, self._copy_check(name, coords, key, path, offset, length,
+                                                                        chunk_bytes)))
         self.read_bytes += sum(r.length for r in out)
         return out
+
+    def _copy_check(self, name: str, coords: tuple[int, ...], key: str, path: Path, offset: int, length: int,
+                    chunk_bytes: int) -> fileio.RangeCheck | None:
+        """How a chunk copied (in part) into a file is checked: a chunk copied whole is
+        summed in the copy pass itself (read once); a chunk copied in part is read whole
+        first (its checksum covers all of it)."""
+        if not self.options.verify_checksums or (name, key) in self._verified:
+            return None
+        want = self.store.checksums().get(name, {}).get(key)
+        if want is None:
+            return None
+        if offset or length != chunk_bytes:
+            self.checked_bytes += self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
+            return None
+        self._verified.add((name, key))  # checked by the copy: a failure aborts this file
+
+        def fail(got: int) -> StoreError:
+            return StoreError(f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
+                              path=path, param=name)
+
+        return fileio.RangeCheck(0, length, want.value, want.of, fail)
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0

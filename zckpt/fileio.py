@@ -31,6 +31,29 @@ Digest = Callable[[memoryview, int], int]
 """A running checksum: ``digest(data, previous) -> next`` (e.g. CRC-32C)."""
 
 
+class RangeCheck:
+    """A digest expected over a whole byte range of a file, fed in order by whoever copies
+    the range (possibly in several parts): the bytes are checked in the pass that copies
+    them, instead of being read a second time. ``fail(got)`` makes the error raised when
+    the last byte is fed and the digest differs."""
+
+    def __init__(self, origin: int, length: int, expected: int, digest: Digest,
+                 fail: Callable[[int], Exception]) -> None:
+        self.origin, self.length, self.expected = origin, length, expected
+        self.digest, self.fail = digest, fail
+        self.seen = 0
+        self.value = 0
+
+    def advance(self, offset: int, length: int, value: int) -> None:
+        """Record that the ``length`` bytes at file ``offset`` were summed into ``value``."""
+        if offset - self.origin != self.seen:
+            raise AssertionError(f"checked range fed out of order: at {offset - self.origin}, expected {self.seen}")
+        self.seen += length
+        self.value = value
+        if self.seen == self.length and value != self.expected:
+            raise self.fail(value)
+
+
 def _no_digest(data: memoryview, value: int) -> int:
     return value
 

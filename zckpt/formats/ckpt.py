@@ -50,14 +50,16 @@ another dim is 0, the array is empty), so the reader refuses such dims at index 
 @dataclass(frozen=True)
 class FileRange:
     """``length`` bytes at ``offset`` of the file ``path``: a block a writer copies file to
-    file (``copy_file_range``) instead of through memory."""
+    file (``copy_file_range``) instead of through memory. With ``check``, the writer copies
+    it through a buffer and sums the bytes on the way (parts share the check)."""
 
     path: Path
     offset: int
     length: int
+    check: fileio.RangeCheck | None = None
 
     def part(self, skip: int, take: int) -> FileRange:
-        return FileRange(self.path, self.offset + skip, take)
+        return FileRange(self.path, self.offset + skip, take, self.check)
 
 
 Block = np.ndarray | FileRange
@@ -524,6 +526,7 @@ class CkptWriter:
         self._fsync = fsync
         self._crc = 0
         self.bytes_written = 0
+        self._buffer: bytearray | None = None
         self._names: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f: BinaryIO | None = open(self.tmp_path, "wb")  # noqa: SIM115
@@ -618,14 +621,25 @@ class CkptWriter:
                     f"block {block.offset}+{block.length} lies past the end of the file", path=block.path
                 )
             done = 0
+            check = block.check
             if not self._crc_enabled:
                 self._f.flush()
-                done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                if check is None:
+                    done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                else:
+                    if self._buffer is None:
+                        self._buffer = bytearray(fileio.BLOCK)
+                    value = fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer,
+                                                 check.digest, check.value)
+                    check.advance(block.offset, block.length, value)
+                    done = block.length
                 self.bytes_written += done
             while done < block.length:
                 data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
                 if not data:
                     raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
+                if check is not None:
+                    check.advance(block.offset + done, len(data), check.digest(memoryview(data), check.value))
                 self._write(data)
                 done += len(data)
         finally:
