@@ -435,14 +435,22 @@ class StoreReader:
                 if size != chunk_bytes:
                     raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
                                      "the store is damaged", path=path, param=name)
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    self._check_bytes(name, key, path, m, extra_read=True)
-                    chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
-                    origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
-                    local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
-                    out[t.relative_to(box).slices()] = chunk[local]
-                    del chunk
+                self._copy_tile(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), out, box, t, coords, key, path,
+                                name, dtype)
         return out
+
+    def _copy_tile(self, m: mmap.mmap, out: np.ndarray, box: Box, t: Box, coords: tuple[int, ...], key: str,
+                   path: Path, name: str, dtype: np.dtype) -> None:
+        """Check a mapped chunk and copy its part of the slice into ``out``. The mapping is
+        never closed explicitly: it is unmapped when its last view goes, so a view kept
+        alive elsewhere (a traceback's frame) cannot turn into a ``BufferError`` that
+        would hide the real error."""
+        info = self.store.chunk_info(name)
+        self._check_bytes(name, key, path, m, extra_read=True)
+        chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
+        origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
+        local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
+        out[t.relative_to(box).slices()] = chunk[local]
 
     def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: bool) -> None:
         """Check a whole chunk's bytes against its recorded checksum (once per chunk).
