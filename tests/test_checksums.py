@@ -181,3 +181,27 @@ def test_column_blocks_are_copied_file_to_file_and_checked(
     code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "bad"), "--quiet"])
     assert code == 1 and chunk.name in capsys.readouterr().err
     assert not list((tmp_path / "bad").rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 48])  # chunks of all rows, or of each rank's rows
+def test_a_chunk_mapped_for_a_slice_is_counted_once(tmp_path: Path, chunk_bytes: int) -> None:
+    """A slice spanning two chunk columns is cut out of mapped chunks (the array path):
+    each chunk it touches is fetched once, checked and sliced from the same bytes, so the
+    rank reads exactly those chunks: the whole tensor with all-row chunks, its own rows with
+    chunks that match them."""
+    write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32", make_layout((2,), [[], [0]]))],
+                device_num=2, scalars=False)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(tmp_path / "src" / "strategy.ckpt"),
+                 IngestOptions(chunk_bytes=chunk_bytes))
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout(
+        (2,), [[], []], opt_shard_step=1, opt_shard_size=-1)}})))
+    report = zckpt.export(store, tmp_path / "o", str(dst))
+    value = global_value("w", (8, 6), "Float32")
+    for rank in range(2):
+        with CkptReader(tmp_path / "o" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            assert r.array("w").tobytes() == value[rank * 4 : rank * 4 + 4].tobytes()
+    assert sum(r.read_bytes for r in report.ranks) == value.nbytes
+    fetched = sum(r.checked_bytes for r in report.ranks) + value.nbytes
+    assert fetched == (2 * value.nbytes if chunk_bytes > 48 else value.nbytes)

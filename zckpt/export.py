@@ -446,22 +446,22 @@ class StoreReader:
         alive elsewhere (a traceback's frame) cannot turn into a ``BufferError`` that
         would hide the real error."""
         info = self.store.chunk_info(name)
-        self._check_bytes(name, key, path, m, extra_read=True)
+        self._check_bytes(name, key, path, m, extra_read=len(m) - t.size * dtype.itemsize)
         chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
         origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
         local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
         out[t.relative_to(box).slices()] = chunk[local]
 
-    def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: bool) -> None:
+    def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: int) -> None:
         """Check a whole chunk's bytes against its recorded checksum (once per chunk).
-        ``extra_read``: the bytes were read only for this check (counted as such)."""
+        ``extra_read``: how many of the bytes were read only for this check (the rest are
+        the slice's own, copied from the same bytes), counted as such."""
         if not self.options.verify_checksums or (name, key) in self._verified:
             return
         want = self.store.checksums().get(name, {}).get(key)
         if want is not None:
             view = np.frombuffer(data, dtype=np.uint8)
-            if extra_read:
-                self.checked_bytes += view.size
+            self.checked_bytes += extra_read
             value = want.of(view)
             if value != want.value:
                 raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
@@ -500,7 +500,7 @@ class StoreReader:
                              f"{'chunk' if whole else 'rows'} need: the store is damaged",
                              path=path, param=name)
         if want is not None:
-            self._check_bytes(name, key, path, dest, extra_read=False)
+            self._check_bytes(name, key, path, dest, extra_read=0)
         return True
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
