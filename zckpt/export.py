@@ -172,7 +172,7 @@ def export(
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
-    engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
+    engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         results = run_all(write_file, units, store.url, options, client=client, label="export",
@@ -435,22 +435,16 @@ class StoreReader:
                 if size != chunk_bytes:
                     raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
                                      "the store is damaged", path=path, param=name)
-                self._copy_tile(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), out, box, t, coords, key, path,
-                                name, dtype)
+                # never closed explicitly: unmapped with its last view, so a view a traceback keeps
+                # alive cannot raise BufferError over the real error
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._check_bytes(name, key, path, m, extra_read=chunk_bytes - t.size * dtype.itemsize)
+            chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
+            origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
+            local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
+            out[t.relative_to(box).slices()] = chunk[local]
+            del chunk, m
         return out
-
-    def _copy_tile(self, m: mmap.mmap, out: np.ndarray, box: Box, t: Box, coords: tuple[int, ...], key: str,
-                   path: Path, name: str, dtype: np.dtype) -> None:
-        """Check a mapped chunk and copy its part of the slice into ``out``. The mapping is
-        never closed explicitly: it is unmapped when its last view goes, so a view kept
-        alive elsewhere (a traceback's frame) cannot turn into a ``BufferError`` that
-        would hide the real error."""
-        info = self.store.chunk_info(name)
-        self._check_bytes(name, key, path, m, extra_read=len(m) - t.size * dtype.itemsize)
-        chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
-        origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
-        local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
-        out[t.relative_to(box).slices()] = chunk[local]
 
     def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: int) -> None:
         """Check a whole chunk's bytes against its recorded checksum (once per chunk).
@@ -460,9 +454,8 @@ class StoreReader:
             return
         want = self.store.checksums().get(name, {}).get(key)
         if want is not None:
-            view = np.frombuffer(data, dtype=np.uint8)
             self.checked_bytes += extra_read
-            value = want.of(view)
+            value = want.of(data)
             if value != want.value:
                 raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
                                  path=path, param=name)
@@ -562,7 +555,7 @@ class StoreReader:
             return StoreError(f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
                               path=path, param=name)
 
-        return fileio.RangeCheck(0, length, want.value, want.of, fail)
+        return fileio.RangeCheck(offset, length, want.value, want.of, fail)
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0

@@ -144,7 +144,7 @@ def export_safetensors(
             raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
-    engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
+    engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         results = run_all(write_safetensors_file, units, store.url, options, client=client,

@@ -5,12 +5,11 @@ file is copied to a temporary local file first, as ingest does with remote shard
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from zckpt import remote
-from zckpt.errors import UsageError, ZckptError
+from zckpt.errors import UsageError
 from zckpt.formats.shards import open_shard, shard_format
 from zckpt.formats.strategy import read_strategy
 
@@ -47,17 +46,8 @@ def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Descri
         return _describe_store(url, storage_options)
     if not remote.isfile(loc, UsageError):
         raise UsageError("no such file or store", path=url)
-    with spool(url, storage_options) as local:
-        return _naming(url, str(local.parent), lambda: _describe_file(local, url))
-
-
-def _naming(url: str, tmp: str, run: Callable[[], Described]) -> Described:
-    try:
-        return run()
-    except ZckptError as err:
-        if err.path is None or not err.path.startswith(tmp):
-            raise
-        raise type(err)(err.message, path=url, param=err.param) from None
+    with spool(url, storage_options) as local, remote.named_by_url(local.parent, url):
+        return _describe_file(local, url)
 
 
 def _describe_file(path: Path, shown: str) -> Described:

@@ -100,26 +100,15 @@ def _load_remote_strategy(url: str, storage_options: remote.StorageOptions) -> S
         picked = sorted(n for n in names if n.endswith(".ckpt")) or sorted(n for n in names if n.endswith(".json"))
         if not picked:
             raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=url)
-        with remote.local_dir_copy(url, picked, storage_options, StrategyError) as tmp:
-            smap = _renamed(lambda: read_strategies([tmp / n for n in picked]), str(tmp), url)
+        with (remote.local_dir_copy(url, picked, storage_options, StrategyError) as tmp,
+              remote.named_by_url(tmp, url, children=True)):
+            smap = read_strategies([tmp / n for n in picked])
         return replace(smap, sources=tuple(loc.child(n).url for n in picked))
     if not remote.isfile(loc, StrategyError):
         raise StrategyError("no such strategy file", path=url)
-    with remote.local_copy(url, storage_options, StrategyError) as local:
-        smap = _renamed(lambda: read_strategy(local), str(local), url)
+    with remote.local_copy(url, storage_options, StrategyError) as local, remote.named_by_url(local, url):
+        smap = read_strategy(local)
     return replace(smap, sources=(url,))
-
-
-def _renamed(read: Any, tmp: str, url: str) -> StrategyMap:
-    """Errors about the temporary copy name the URL instead."""
-    try:
-        result: StrategyMap = read()
-    except ZckptError as err:
-        if err.path is None or not err.path.startswith(tmp):
-            raise
-        where = url if err.path == tmp else url.rstrip("/") + "/" + Path(err.path).name
-        raise type(err)(err.message, path=where, param=err.param) from None
-    return result
 
 
 def resolve_sources(
@@ -443,7 +432,7 @@ def _run(
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
-    engine = Engine(options.workers, options.scheduler, options.progress, options.processes)
+    engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,

@@ -231,6 +231,21 @@ def local_dir_copy(
         yield Path(tmp)
 
 
+@contextlib.contextmanager
+def named_by_url(tmp: str | os.PathLike[str], url: str, *, children: bool = False) -> Iterator[None]:
+    """Errors about a temporary local copy (any path under ``tmp``) name the URL it came from
+    instead; with ``children`` the copy is a directory and a file in it is named as the
+    URL's file of that name."""
+    root = os.fspath(tmp)
+    try:
+        yield
+    except ZckptError as err:
+        if err.path is None or not err.path.startswith(root):
+            raise
+        where = url.rstrip("/") + "/" + Path(err.path).name if children and err.path != root else url
+        raise type(err)(err.message, path=where, param=err.param) from None
+
+
 def require_local(command: str, **paths: str | os.PathLike[str] | None) -> None:
     """Refuse URLs where a command reads local files only (a clear error rather than a
     report about paths that do not exist)."""

@@ -12,12 +12,25 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from zckpt.errors import UsageError
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class RunOptions(Protocol):
+    """What :class:`Engine` reads from ``IngestOptions`` and ``ExportOptions``."""
+
+    @property
+    def workers(self) -> int: ...
+    @property
+    def scheduler(self) -> str | None: ...
+    @property
+    def progress(self) -> bool: ...
+    @property
+    def processes(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,11 @@ class Engine:
     scheduler: str | None = None
     progress: bool = False
     processes: bool = False
+
+    @classmethod
+    def of(cls, options: RunOptions) -> Engine:
+        """The engine an ingest's or an export's options ask for."""
+        return cls(options.workers, options.scheduler, options.progress, options.processes)
 
     def share(self, nbytes: int) -> int:
         """Each task's part of a per-process memory bound: local thread workers share one

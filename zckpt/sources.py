@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from zckpt import remote
-from zckpt.errors import SourceError, ZckptError
+from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import INDEX_SUFFIX, check_single_format, open_shard, pick_rank_file, pick_rank_name
 
@@ -101,14 +101,9 @@ def open_source(
         with open_shard(path, verify_crc=verify_crc) as reader:
             yield reader
         return
-    with spool(path, storage_options) as local:
-        try:
-            with open_shard(local, verify_crc=verify_crc) as reader:
-                yield reader
-        except ZckptError as err:
-            if err.path is None or not err.path.startswith(str(local.parent)):
-                raise
-            raise type(err)(err.message, path=path, param=err.param) from None
+    with (spool(path, storage_options) as local, remote.named_by_url(local.parent, path),
+          open_shard(local, verify_crc=verify_crc) as reader):
+        yield reader
 
 
 @contextlib.contextmanager
