@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import google_crc32c
@@ -11,6 +12,7 @@ import pytest
 import zarr
 
 import zckpt
+from zckpt.checksums import BLOCK_BYTES
 from zckpt.cli import main as cli_main
 from zckpt.export import ExportOptions, StoreReader
 from zckpt.formats.ckpt import CkptReader
@@ -59,67 +61,122 @@ def test_missing_chunk_is_named(tmp_path: Path) -> None:
     assert chunk.name in str(err.value)
 
 
+@pytest.mark.parametrize("sum_block", [BLOCK_BYTES, 40])  # one block per chunk; several per chunk
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 96])  # whole-shard chunks (copied file to file), small zarr-written
-def test_recorded_checksums_are_crc32c_of_the_stored_bytes(tmp_path: Path, chunk_bytes: int) -> None:
-    """Chunks copied file to file are summed from the source's mapped bytes, the others
-    read back: either way the record must be the CRC-32C of what the chunk file holds."""
+def test_recorded_checksums_are_crc32c_of_each_block_of_the_stored_bytes(
+    tmp_path: Path, chunk_bytes: int, sum_block: int
+) -> None:
+    """Chunks copied file to file are summed in the copy, the others read back: either way
+    the record must be the CRC-32C of each block of what the chunk file holds."""
     store = tmp_path / "s.zarr"
-    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S, IngestOptions(chunk_bytes=chunk_bytes))
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S,
+                 IngestOptions(chunk_bytes=chunk_bytes, checksum_block_bytes=sum_block))
     st = zckpt.open_store(store)
-    checked = 0
+    checked = several = 0
     for name, per in st.checksums().items():
         key = st.entry(name).key
         for chunk, want in per.items():
-            assert want.algo == "crc32c"
-            assert want.value == google_crc32c.value((store / key / chunk).read_bytes()), (name, chunk)
+            data = (store / key / chunk).read_bytes()
+            assert want.algo == "crc32c" and want.block_bytes == sum_block
+            assert list(want.values) == [google_crc32c.value(data[i : i + sum_block])
+                                         for i in range(0, max(1, len(data)), sum_block)], (name, chunk)
             checked += 1
-    assert checked > 0
+            several += len(want.values) > 1
+    assert checked > 0 and (several > 0) == (sum_block == 40)
 
 
-def test_stores_with_zlib_crc32_records_still_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Stores from before CRC-32C recorded zlib CRC-32 under ``crc32``: still checked."""
-    store = tmp_path / "s.zarr"
-    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
+def _rewrite_records(store: Path, algo: str, of: Callable[[bytes], int]) -> None:
+    """Replace the per-block records by one ``algo`` sum per chunk, as stores written by
+    older versions hold them."""
     group = zarr.open_group(str(store), mode="r+")
+    st = zckpt.open_store(store)
     for _, child in group["progress"].groups():  # type: ignore[union-attr]
         attrs = dict(child.attrs)
-        per = attrs.pop("crc32c")
-        st = zckpt.open_store(store)
-        attrs["crc32"] = {n: {k: zlib.crc32((store / st.entry(n).key / k).read_bytes()) for k in keys}
-                          for n, keys in per.items()}
+        per = attrs.pop("crc32c_blocks")["chunks"]
+        attrs[algo] = {n: {k: of((store / st.entry(n).key / k).read_bytes()) for k in keys}
+                       for n, keys in per.items()}
         child.attrs.clear()
         child.attrs.update(attrs)
-    assert all(c.algo == "crc32" for per in zckpt.open_store(store).checksums().values() for c in per.values())
+
+
+@pytest.mark.parametrize(("algo", "of", "named"), [("crc32", zlib.crc32, "CRC-32 "),
+                                                   ("crc32c", google_crc32c.value, "CRC-32C ")])
+def test_stores_with_one_sum_per_chunk_still_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], algo: str, of: Callable[[bytes], int], named: str
+) -> None:
+    """Stores from before block sums recorded one sum per chunk: zlib CRC-32 under ``crc32``
+    (before CRC-32C), CRC-32C under ``crc32c`` (store version 2). Both are still checked."""
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
+    _rewrite_records(store, algo, of)
+    sums = [c for per in zckpt.open_store(store).checksums().values() for c in per.values()]
+    assert sums and all(c.algo == algo and c.block_bytes is None and len(c.values) == 1 for c in sums)
     assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "ok"), "--quiet"]) == 0
     chunk = sorted((store / "tensors" / "layer2.weight").glob("c.*"))[0]
     data = bytearray(chunk.read_bytes())
     data[1] ^= 1
     chunk.write_bytes(bytes(data))
     assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "bad"), "--quiet"]) == 1
-    assert "CRC-32 " in capsys.readouterr().err
+    assert named in capsys.readouterr().err
 
 
-def test_a_chunk_read_in_part_is_still_checked_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Rank 0 of a 2-way row split reads only the first half of each whole-tensor chunk;
-    damage in the second half must still stop it (checksums cover whole chunks)."""
+def _row_split_store(tmp_path: Path, sum_block: int) -> tuple[Path, Path]:
+    """``w`` (8, 6) float32 in one chunk of 192 bytes, and a destination splitting its rows in two."""
     write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32"), TensorDef("b", (), "Float32")],
                 device_num=1, strategy_format=None, scalars=False)
     store = tmp_path / "s.zarr"
-    zckpt.ingest(str(tmp_path / "src"), store, None)
+    zckpt.ingest(str(tmp_path / "src"), store, None, IngestOptions(checksum_block_bytes=sum_block))
     dst = tmp_path / "dst.ckpt"
     dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout((2,), [[0], [-1]])}})))
-    assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "ok"), "--quiet"]) == 0
+    return store, dst
+
+
+def test_a_chunk_read_in_part_is_checked_on_the_blocks_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 of a 2-way row split reads the first half of a chunk of 4 blocks: it checks
+    blocks 0 and 1 only, so damage in block 3 (rank 1's half) stops rank 1 and not rank 0,
+    and damage in block 1 stops rank 0."""
+    store, dst = _row_split_store(tmp_path, 48)
+    value = global_value("w", (8, 6), "Float32")
+    chunk = store / "tensors" / "w" / "c.0.0"
+    good = chunk.read_bytes()
+    report = zckpt.export(store, tmp_path / "ok", str(dst))
+    assert sum(r.read_bytes for r in report.ranks) == value.nbytes + 8  # w, and b on both ranks
+    assert sum(r.checked_bytes for r in report.ranks) == 0  # the halves fall on block borders
     with CkptReader(tmp_path / "ok" / "rank_0" / "checkpoint_0.ckpt") as r:
-        assert r.array("w").tobytes() == global_value("w", (8, 6), "Float32")[:4].tobytes()
+        assert r.array("w").tobytes() == value[:4].tobytes()
         assert r.array("b").tobytes() == global_value("b", (), "Float32").tobytes()
+    for byte, failing in ((191, 1), (95, 0)):
+        data = bytearray(good)
+        data[byte] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        for rank in (0, 1):
+            out = tmp_path / f"r{rank}-{byte}"
+            if rank == failing:
+                with pytest.raises(zckpt.StoreError, match=f"c.0.0 fails its checksum \\(block {byte // 48} of 4"):
+                    zckpt.export(store, out, str(dst), ranks=[rank])
+                assert not list(out.rglob("*.ckpt"))
+            else:
+                zckpt.export(store, out, str(dst), ranks=[rank])
+        capsys.readouterr()
+        code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / f"bad{byte}"),
+                         "--quiet"])
+        assert code == 1 and "c.0.0" in capsys.readouterr().err
+
+
+def test_a_range_inside_a_block_reads_the_rest_of_it_to_check(tmp_path: Path) -> None:
+    """With one block per chunk (the default for small chunks), each rank reads the other
+    half of the chunk only to check it: counted as checked bytes, and damage there stops it."""
+    store, dst = _row_split_store(tmp_path, BLOCK_BYTES)
+    report = zckpt.export(store, tmp_path / "ok", str(dst))
+    assert sum(r.checked_bytes for r in report.ranks) == 192  # 96 bytes on each rank
     chunk = store / "tensors" / "w" / "c.0.0"
     data = bytearray(chunk.read_bytes())
-    data[-1] ^= 0x01  # last row: rank 1's half
+    data[-1] ^= 0x01  # rank 1's half
     chunk.write_bytes(bytes(data))
-    capsys.readouterr()
-    code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "bad"), "--quiet"])
-    assert code == 1 and "c.0.0" in capsys.readouterr().err
-    assert not list((tmp_path / "bad").rglob("*.ckpt"))
+    with pytest.raises(zckpt.StoreError, match="c.0.0 fails its checksum"):
+        zckpt.export(store, tmp_path / "r0", str(dst), ranks=[0])
 
 
 def test_export_counts_the_store_bytes_it_reads(tmp_path: Path) -> None:
@@ -171,8 +228,8 @@ def test_column_blocks_are_copied_file_to_file_and_checked(
     assert sum(r.read_bytes for r in report.ranks) == value.nbytes
     if chunk_bytes == 48:  # every chunk copied whole: checked in the copy pass, nothing read twice
         assert sum(r.checked_bytes for r in report.ranks) == 0
-    else:  # each rank copies half of a chunk: the whole chunk is read once more to check it
-        assert sum(r.checked_bytes for r in report.ranks) == 2 * value.nbytes
+    else:  # each rank copies half of a one-block chunk: the other half is read to check the block
+        assert sum(r.checked_bytes for r in report.ranks) == value.nbytes
     chunk = store / "tensors" / "w" / "c.0.0"  # rank 0's first rows: the first file written
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0x01
@@ -183,17 +240,17 @@ def test_column_blocks_are_copied_file_to_file_and_checked(
     assert not list((tmp_path / "bad").rglob("*.ckpt"))
 
 
+@pytest.mark.parametrize("sum_block", [BLOCK_BYTES, 48])  # one block per chunk, or one per rank's rows
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 48])  # chunks of all rows, or of each rank's rows
-def test_a_chunk_mapped_for_a_slice_is_counted_once(tmp_path: Path, chunk_bytes: int) -> None:
-    """A slice spanning two chunk columns is cut out of mapped chunks (the array path):
-    each chunk it touches is fetched once, checked and sliced from the same bytes, so the
-    rank reads exactly those chunks: the whole tensor with all-row chunks, its own rows with
-    chunks that match them."""
+def test_a_slice_across_chunk_columns_reads_its_rows_once(tmp_path: Path, chunk_bytes: int, sum_block: int) -> None:
+    """A slice spanning two chunk columns is cut out of the chunks' rows (the array path):
+    each rank reads exactly its rows of each chunk, checked on the bytes read, plus the rest
+    of a checksum block it covers in part (all-row chunks with one block per chunk)."""
     write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32", make_layout((2,), [[], [0]]))],
                 device_num=2, scalars=False)
     store = tmp_path / "s.zarr"
     zckpt.ingest(str(tmp_path / "src"), store, str(tmp_path / "src" / "strategy.ckpt"),
-                 IngestOptions(chunk_bytes=chunk_bytes))
+                 IngestOptions(chunk_bytes=chunk_bytes, checksum_block_bytes=sum_block))
     dst = tmp_path / "dst.ckpt"
     dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout(
         (2,), [[], []], opt_shard_step=1, opt_shard_size=-1)}})))
@@ -204,4 +261,4 @@ def test_a_chunk_mapped_for_a_slice_is_counted_once(tmp_path: Path, chunk_bytes:
             assert r.array("w").tobytes() == value[rank * 4 : rank * 4 + 4].tobytes()
     assert sum(r.read_bytes for r in report.ranks) == value.nbytes
     fetched = sum(r.checked_bytes for r in report.ranks) + value.nbytes
-    assert fetched == (2 * value.nbytes if chunk_bytes > 48 else value.nbytes)
+    assert fetched == (2 * value.nbytes if chunk_bytes > 48 and sum_block > 48 else value.nbytes)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zckpt import fileio
-from zckpt.store import checksum_bytes
+from zckpt.checksums import BlockSummer, ChunkSums, SpanCheck, block_sums
 
 
 @pytest.mark.parametrize("how", ["kernel-or-buffer", "buffer"])
@@ -48,22 +48,23 @@ def test_a_range_past_the_end_of_the_source_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_copy_returns_the_digest_of_the_bytes_copied(tmp_path: Path, kernel: bool,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The checksum comes from the same pass as the copy (buffered) or one read after the
-    kernel copied (kernel), and equals the checksum of the bytes themselves."""
+def test_copy_passes_the_bytes_copied_to_its_sink(tmp_path: Path, kernel: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sink sees the bytes from the same pass as the copy (buffered) or one read after
+    the kernel copied (kernel): per-block sums of them equal those of the bytes themselves."""
     data = os.urandom(50_000)
     (tmp_path / "src").write_bytes(data)
     if not kernel:
         monkeypatch.setattr(fileio, "kernel_copy", lambda *a: 0)
+    summer = BlockSummer(1000, 123)
     src = os.open(tmp_path / "src", os.O_RDONLY)
     dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        got = fileio.copy_range(src, dst, 123, 40_000, bytearray(4096), checksum_bytes)
+        fileio.copy_range(src, dst, 123, 40_000, bytearray(4096), summer.feed)
     finally:
         os.close(src)
         os.close(dst)
-    assert got == google_crc32c.value(data[123:40_123])
+    assert summer.result() == [google_crc32c.value(data[i : i + 1000]) for i in range(123, 40_123, 1000)]
     assert (tmp_path / "dst").read_bytes() == data[123:40_123]
 
 
@@ -72,31 +73,45 @@ class _Damaged(Exception):
 
 
 @pytest.mark.parametrize("crc_trailer", [False, True])  # buffered copy, or pread + the writer's own CRC
-def test_a_checked_range_is_summed_in_the_copy_across_parts(tmp_path: Path, crc_trailer: bool) -> None:
-    """A range split over two Values (MindSpore's slice size) is still checked once, whole."""
+@pytest.mark.parametrize(("offset", "length"), [(0, 256), (40, 180), (100, 10)])
+def test_a_checked_range_is_checked_in_the_copy_across_parts(
+    tmp_path: Path, crc_trailer: bool, offset: int, length: int
+) -> None:
+    """A range split over two Values (MindSpore's slice size) is still checked once, on the
+    blocks it covers; a damaged block it covers stops the writer, one outside does not."""
     from zckpt.formats import ckpt as ckpt_mod
 
-    data = np.arange(64, dtype=np.float32)
+    data = np.arange(64, dtype=np.float32).tobytes()
     src = tmp_path / "chunk"
-    src.write_bytes(data.tobytes())
-    want = checksum_bytes(data.tobytes())
+    src.write_bytes(data)
+    sums = ChunkSums("crc32c", tuple(block_sums(data, 32)), 32)
 
-    def write(expected: int) -> Path:
-        check = fileio.RangeCheck(0, data.nbytes, expected, checksum_bytes, lambda got: _Damaged(hex(got)))
-        blocks = [ckpt_mod.FileRange(src, 0, 40, check), ckpt_mod.FileRange(src, 40, data.nbytes - 40, check)]
-        out = tmp_path / f"out-{expected}.ckpt"
+    def write(record: ChunkSums, tag: str) -> Path:
+        check = SpanCheck(src, record, len(data), offset, length, lambda bad: _Damaged(str(bad)))
+        cut = length // 2
+        blocks = [ckpt_mod.FileRange(src, offset, cut, check.feed),
+                  ckpt_mod.FileRange(src, offset + cut, length - cut, check.feed)]
+        out = tmp_path / f"out-{tag}.ckpt"
         with ckpt_mod.CkptWriter(out, crc=crc_trailer) as w:
-            w.write_blocks("w", "Float32", (64,), iter(blocks))
+            w.write_blocks("w", "UInt8", (length,), iter(blocks))
         return out
 
-    with ckpt_mod.CkptReader(write(want)) as r:
-        assert r.array("w").tobytes() == data.tobytes()
-    with pytest.raises(_Damaged, match=hex(want)):
-        write(want ^ 1)
+    with ckpt_mod.CkptReader(write(sums, "ok")) as r:
+        assert r.array("w").tobytes() == data[offset : offset + length]
+    covered = range(offset // 32, -(-(offset + length) // 32))
+    for block in range(len(sums.values)):
+        bad = ChunkSums("crc32c", tuple(v ^ (i == block) for i, v in enumerate(sums.values)), 32)
+        if block in covered:
+            with pytest.raises(_Damaged, match=f"block {block} of 8"):
+                write(bad, f"bad{block}")
+        else:
+            write(bad, f"bad{block}")
     assert not list(tmp_path.glob("out-*.tmp-zckpt"))
 
 
-def test_a_checked_range_fed_out_of_order_is_a_bug() -> None:
-    check = fileio.RangeCheck(100, 10, 0, checksum_bytes, lambda got: _Damaged())
+def test_a_checked_range_fed_out_of_order_is_a_bug(tmp_path: Path) -> None:
+    (tmp_path / "chunk").write_bytes(bytes(200))
+    check = SpanCheck(tmp_path / "chunk", ChunkSums("crc32c", tuple(block_sums(bytes(200), 64)), 64), 200, 100, 10,
+                      lambda bad: _Damaged())
     with pytest.raises(AssertionError, match="out of order"):
-        check.advance(104, 6, 0)
+        check.feed(104, b"\0" * 6)

@@ -16,18 +16,18 @@ import collections
 import hashlib
 import json
 import math
-import mmap
 import os
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from zckpt import fileio, remote
+from zckpt import remote
+from zckpt.checksums import Mismatch, SpanCheck
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
 from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
@@ -36,7 +36,7 @@ from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.runner import Engine, dask_client, run_all
-from zckpt.store import Store
+from zckpt.store import Checked, Store
 
 MiB = 1024 * 1024
 
@@ -342,7 +342,7 @@ class StoreReader:
         self.options = options
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
-        self._verified: set[tuple[str, str]] = set()
+        self._checked: Checked = set()
         self.read_bytes = 0
         self.checked_bytes = 0
 
@@ -371,14 +371,14 @@ class StoreReader:
             rest = [(name, box) for (name, box), got in zip(items, direct, strict=True) if got is None]
             if verify:
                 for name, box in rest:
-                    self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
+                    self.checked_bytes += self.store.verify_chunks(name, box, self._checked)
             fetched = iter(self.store.read_many([(name, box.slices()) for name, box in rest]))
             result = [got if got is not None else next(fetched) for got in direct]
             self.read_bytes += sum(a.nbytes for a in result)
             return result
         if verify:
             for name, box in items:
-                self.checked_bytes += self.store.verify_chunks(name, box, self._verified)
+                self.checked_bytes += self.store.verify_chunks(name, box, self._checked)
         lazy = [self.lazy(name)[box.slices()] if box.ndim else self.lazy(name) for name, box in items]
         import dask
 
@@ -415,93 +415,100 @@ class StoreReader:
         return np.ascontiguousarray(out[(slice(None),) + box.slices()[1:]])
 
     def _read_tiles(self, name: str, box: Box, dtype: np.dtype) -> np.ndarray | None:
-        """Read a slice from raw chunks of any shape: each chunk file is mapped as an array
-        of the chunk's shape, checked (on the mapped bytes) and its part of the slice copied."""
+        """Read a slice from raw chunks of any shape: from each chunk, the rows the slice
+        touches are read (one range) and checked, and the slice's part of them copied."""
         info = self.store.chunk_info(name)
         out = np.empty(box.shape, dtype=dtype)
         chunk_bytes = math.prod(info.chunks) * dtype.itemsize
+        row_bytes = math.prod(info.chunks[1:]) * dtype.itemsize
         for t in tiles(box, info.chunks):
             coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
             path = self.store.raw_chunk_file(name, coords)
             if path is None:
                 return None
             key = info.chunk_key(coords)
-            try:
-                f = open(path, "rb", buffering=0)  # noqa: SIM115
-            except FileNotFoundError:
-                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
-            with f:
-                size = os.fstat(f.fileno()).st_size
-                if size != chunk_bytes:
-                    raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
-                                     "the store is damaged", path=path, param=name)
-                # never closed explicitly: unmapped with its last view, so a view a traceback keeps
-                # alive cannot raise BufferError over the real error
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._check_bytes(name, key, path, m, extra_read=chunk_bytes - t.size * dtype.itemsize)
-            chunk = np.frombuffer(m, dtype=dtype).reshape(info.chunks)
             origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
-            local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start, t.stop, origin, strict=True))
-            out[t.relative_to(box).slices()] = chunk[local]
-            del chunk, m
+            r0, r1 = t.start[0] - origin[0], t.stop[0] - origin[0]
+            rows = np.empty((r1 - r0, *info.chunks[1:]), dtype=dtype)
+            with self._open_chunk(name, key, path, chunk_bytes) as f:
+                got = os.preadv(f.fileno(), [rows.reshape(-1).view(np.uint8).data], r0 * row_bytes)
+            if got != rows.nbytes:
+                raise StoreError(f"chunk {key} ended early: the store is damaged", path=path, param=name)
+            check = self._span_check(name, key, path, chunk_bytes, r0 * row_bytes, rows.nbytes)
+            if check is not None:
+                check.feed(r0 * row_bytes, rows)
+            self.checked_bytes += rows.nbytes - t.size * dtype.itemsize
+            local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start[1:], t.stop[1:], origin[1:], strict=True))
+            out[t.relative_to(box).slices()] = rows[(slice(None), *local)]
         return out
 
-    def _check_bytes(self, name: str, key: str, path: Path, data: Any, *, extra_read: int) -> None:
-        """Check a whole chunk's bytes against its recorded checksum (once per chunk).
-        ``extra_read``: how many of the bytes were read only for this check (the rest are
-        the slice's own, copied from the same bytes), counted as such."""
-        if not self.options.verify_checksums or (name, key) in self._verified:
-            return
-        want = self.store.checksums().get(name, {}).get(key)
-        if want is not None:
-            self.checked_bytes += extra_read
-            value = want.of(data)
-            if value != want.value:
-                raise StoreError(f"chunk {key} fails its checksum ({want.describe(value)}): the store is damaged",
-                                 path=path, param=name)
-        self._verified.add((name, key))
+    @staticmethod
+    def _open_chunk(name: str, key: str, path: Path, chunk_bytes: int) -> BinaryIO:
+        """A raw chunk file, open for reading, refused by name when missing or of the wrong size."""
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115
+        except FileNotFoundError:
+            raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+        size = os.fstat(f.fileno()).st_size
+        if size != chunk_bytes:
+            f.close()
+            raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
+                             "the store is damaged", path=path, param=name)
+        return f
 
-    def _chunk_box(self, name: str, coords: tuple[int, ...]) -> Box:
-        info = self.store.chunk_info(name)
-        start = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
-        return Box(start, tuple(min(a + k, s) for a, k, s in zip(start, info.chunks, info.shape, strict=True)))
+    def _span_check(self, name: str, key: str, path: Path, chunk_bytes: int, offset: int,
+                    length: int) -> SpanCheck | None:
+        """How the bytes ``[offset, offset + length)`` of a chunk are checked as they are
+        read or copied: a :class:`SpanCheck` over the recorded blocks they touch (``None``
+        when checks are off, the chunk has no record or those blocks were checked already).
+        The parts of edge blocks outside the range count as read only to check."""
+        if not self.options.verify_checksums:
+            return None
+        want = self.store.checksums().get(name, {}).get(key)
+        if want is None:
+            return None
+        blocks = want.blocks_in(offset, offset + length, chunk_bytes)
+        if all((name, key, i) in self._checked for i in blocks):
+            return None
+        self._checked.update((name, key, i) for i in blocks)  # a failure aborts this file
+
+        def fail(bad: Mismatch) -> StoreError:
+            return StoreError(f"chunk {key} fails its checksum ({bad}): the store is damaged", path=path, param=name)
+
+        check = SpanCheck(path, want, chunk_bytes, offset, length, fail)
+        self.checked_bytes += check.extra
+        return check
 
     def _read_chunk_rows(
         self, name: str, coords: tuple[int, ...], dest: np.ndarray, offset: int, whole: bool
     ) -> bool:
-        """Fill ``dest`` from a raw chunk file at ``offset``, verifying the chunk first (or,
-        when ``dest`` is the whole chunk, on the bytes read: one read instead of two)."""
+        """Fill ``dest`` from a raw chunk file at ``offset``, checking the blocks it covers
+        on the bytes read (plus the parts of its edge blocks outside it)."""
         path = self.store.raw_chunk_file(name, coords)
         if path is None:
             return False
         key = self.store.chunk_info(name).chunk_key(coords)
-        verify = self.options.verify_checksums and (name, key) not in self._verified
-        want = self.store.checksums().get(name, {}).get(key) if verify else None
-        if want is not None and not whole:
-            self.checked_bytes += self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
-            want = None
         try:
             with open(path, "rb", buffering=0) as f:
-                if offset:
-                    f.seek(offset)
-                got = f.readinto(dest.data)
-                extra = f.read(1) if whole else b""
+                size = os.fstat(f.fileno()).st_size
+                got = os.preadv(f.fileno(), [dest.data], offset)
         except FileNotFoundError:
             raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
-        if got != len(dest) or extra:
-            raise StoreError(f"chunk {key} holds {'more' if extra else 'fewer'} bytes than its "
+        if got != len(dest) or (whole and size != len(dest)):
+            raise StoreError(f"chunk {key} holds {'more' if got == len(dest) else 'fewer'} bytes than its "
                              f"{'chunk' if whole else 'rows'} need: the store is damaged",
                              path=path, param=name)
-        if want is not None:
-            self._check_bytes(name, key, path, dest, extra_read=0)
+        check = self._span_check(name, key, path, size, offset, len(dest))
+        if check is not None:
+            check.feed(offset, dest)
         return True
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         """The slice as byte ranges of raw chunk files, when it is one: its trailing
         dimensions are exactly one chunk's (whole rows of the array, or one column block of
         a tensor-parallel split stored as its own chunks), so its rows are contiguous in
-        each chunk. The writer then copies them file to file in the kernel, as ``cp``
-        does. Chunks are verified first."""
+        each chunk. The writer then copies them file to file, checking the blocks they
+        cover in the same pass."""
         if self.options.reader != "zarr" or box.size == 0:
             return None
         arr = self.store.chunk_info(name)
@@ -524,38 +531,11 @@ class StoreReader:
             if path is None:
                 return None
             key = self.store.chunk_info(name).chunk_key(coords)
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
-            if size != chunk_bytes:
-                raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
-                                 "the store is damaged", path=path, param=name)
-            out.append(FileRange(path, offset, length, self._copy_check(name, coords, key, path, offset, length,
-                                                                        chunk_bytes)))
+            self._open_chunk(name, key, path, chunk_bytes).close()
+            check = self._span_check(name, key, path, chunk_bytes, offset, length)
+            out.append(FileRange(path, offset, length, check.feed if check is not None else None))
         self.read_bytes += sum(r.length for r in out)
         return out
-
-    def _copy_check(self, name: str, coords: tuple[int, ...], key: str, path: Path, offset: int, length: int,
-                    chunk_bytes: int) -> fileio.RangeCheck | None:
-        """How a chunk copied (in part) into a file is checked: a chunk copied whole is
-        summed in the copy pass itself (read once); a chunk copied in part is read whole
-        first (its checksum covers all of it)."""
-        if not self.options.verify_checksums or (name, key) in self._verified:
-            return None
-        want = self.store.checksums().get(name, {}).get(key)
-        if want is None:
-            return None
-        if offset or length != chunk_bytes:
-            self.checked_bytes += self.store.verify_chunks(name, self._chunk_box(name, coords), self._verified)
-            return None
-        self._verified.add((name, key))  # checked by the copy: a failure aborts this file
-
-        def fail(got: int) -> StoreError:
-            return StoreError(f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
-                              path=path, param=name)
-
-        return fileio.RangeCheck(offset, length, want.value, want.of, fail)
 
     def write_rank(self, rank: RankExport, target: Path) -> RankResult:
         tensors = 0

@@ -19,13 +19,14 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zckpt import fileio, remote
+from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError, StoreError, StrategyError, ZckptError
 from zckpt.fileio import copy_range
@@ -35,7 +36,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
-from zckpt.store import Store, checksum_bytes, chunk_shape, file_checksum
+from zckpt.store import Store, chunk_shape
 
 MiB = 1024 * 1024
 
@@ -57,6 +58,20 @@ class IngestOptions:
     progress: bool = False
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
+    checksum_block_bytes: int = BLOCK_BYTES
+    """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
+
+
+@dataclass
+class _RankSums:
+    """Per-block CRC-32C of the chunks one source rank writes, gathered while it writes
+    them (``{entry: {chunk key: [sum per block]}}``)."""
+
+    block_bytes: int
+    chunks: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def of(self, name: str) -> dict[str, list[int]]:
+        return self.chunks.setdefault(name, {})
 
 
 @dataclass(frozen=True)
@@ -460,7 +475,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
     store.prefetch(w.name for w in job.writes)
     written = 0
-    known: dict[str, dict[str, int]] = {}
+    known = _RankSums(options.checksum_block_bytes)
     with open_source(job.path, options.storage_options, verify_crc=False) as reader:
         batch = _WriteBatch(store, options.block_bytes, reader)
         for w in job.writes:
@@ -468,31 +483,35 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
         batch.flush()
         if store.is_remote:
             _source_checksums(store, reader, job.writes, known)
-    store.mark_ingested(job.rank, bytes=written, crc32c=_written_checksums(store, job.writes, known))
+    store.mark_ingested(job.rank, bytes=written, crc32c_blocks={
+        "block_bytes": known.block_bytes, "chunks": _written_checksums(store, job.writes, known)})
     return written
 
 
 def _written_checksums(
-    store: Store, writes: tuple[Write, ...], known: Mapping[str, Mapping[str, int]]
-) -> dict[str, dict[str, int]]:
-    """CRC-32C of every chunk this rank wrote, recorded with the rank's progress so that
-    export and ``zckpt verify`` can prove the bytes unchanged. Chunks copied file to file
-    were summed from the source's mapped bytes; the others are read back (page cache)."""
-    out: dict[str, dict[str, int]] = {}
+    store: Store, writes: tuple[Write, ...], known: _RankSums
+) -> dict[str, dict[str, list[int]]]:
+    """Per-block CRC-32C of every chunk this rank wrote, recorded with the rank's progress
+    so that export and ``zckpt verify`` can prove the bytes unchanged. Chunks copied file
+    to file were summed from the source bytes in the copy; the others are read back (page
+    cache)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    buffer = bytearray(fileio.BLOCK)
     for w in writes:
         if store.entry(w.name).kind != "tensor":
             continue  # MapParameter bytes are passed through as one opaque array
-        done = known.get(w.name, {})
+        done = known.chunks.get(w.name, {})
         if store.is_remote:  # summed from the source (_source_checksums): nothing to read back
             out[w.name] = {k: done[k] for k in store.chunk_keys(w.name, w.box) if k in done}
             continue
         for key, path in store.chunk_files(w.name, w.box):
-            out.setdefault(w.name, {})[key] = done[key] if key in done else file_checksum(path)[0]
+            out.setdefault(w.name, {})[key] = (done[key] if key in done
+                                               else file_sums(path, known.block_bytes, buffer=buffer)[0])
     return out
 
 
 def _source_checksums(
-    store: Store, reader: CkptReader, writes: tuple[Write, ...], known: dict[str, dict[str, int]]
+    store: Store, reader: CkptReader, writes: tuple[Write, ...], known: _RankSums
 ) -> None:
     """Remote stores: CRC-32C of every raw chunk this rank wrote, summed from the source's
     C-order bytes of the chunk (what the ``bytes`` codec stored) instead of downloading the
@@ -503,9 +522,10 @@ def _source_checksums(
         info = store.chunk_info(w.name)
         if not info.raw:
             continue
-        sums = known.setdefault(w.name, {})
+        sums = known.of(w.name)
         if w.box.ndim == 0:
-            sums.setdefault(info.chunk_key(()), checksum_bytes(np.ascontiguousarray(reader.array(w.name))))
+            sums.setdefault(info.chunk_key(()), block_sums(np.ascontiguousarray(reader.array(w.name)),
+                                                           known.block_bytes))
             continue
         for t in tiles(w.box, info.chunks):
             key = info.chunk_key(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
@@ -513,7 +533,7 @@ def _source_checksums(
                 continue
             local = t.relative_to(w.box)
             view = reader.rows(w.name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
-            sums[key] = checksum_bytes(np.ascontiguousarray(view))
+            sums[key] = block_sums(np.ascontiguousarray(view), known.block_bytes)
         reader.release_pages()
 
 
@@ -571,13 +591,13 @@ def _copy_chunks(
     reader: CkptReader,
     w: Write,
     chunks: tuple[int, ...],
-    known: dict[str, dict[str, int]],
+    known: _RankSums,
     buf: bytearray,
 ) -> bool:
     """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
     copies, no byte passes through Python) when chunks are stored raw and span the shard's
     full width, so that each chunk is one contiguous byte range of the shard; each chunk's
-    CRC-32C (into ``known``) is summed from the source bytes as they are copied (read
+    block sums (into ``known``) are summed from the source bytes as they are copied (read
     through ``buf``, never through the mapping, so resident memory stays flat). Returns ``False``
     (nothing written) when that does not hold, and zarr writes the box instead. ``buf``
     carries the bytes when the kernel cannot copy (across filesystems)."""
@@ -586,7 +606,7 @@ def _copy_chunks(
         return False
     rows = chunks[0]
     plan: list[tuple[Path, int, int, str]] = []
-    sums = known.setdefault(w.name, {})
+    sums = known.of(w.name)
     for r0 in range(0, box.shape[0], rows):
         span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
         if span is None:
@@ -602,7 +622,9 @@ def _copy_chunks(
             made.add(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            sums[key] = copy_range(reader.fileno(), fd, offset, length, buf, checksum_bytes)
+            summer = BlockSummer(known.block_bytes, offset)
+            copy_range(reader.fileno(), fd, offset, length, buf, summer.feed)
+            sums[key] = summer.result()
         finally:
             os.close(fd)
     return True
@@ -650,7 +672,7 @@ def _write(
     w: Write,
     chunks: tuple[int, ...],
     block_bytes: int,
-    known: dict[str, dict[str, int]],
+    known: _RankSums,
 ) -> int:
     entry = reader.entries[w.name]
     if entry.kind == "map":

@@ -7,7 +7,7 @@ Layout (readable without zckpt, see docs/store-format.md)::
     STORE.zarr/maps/<key>/            MapParameter entries: their encoded bytes (uint8)
 
 Array keys are the entry names percent-encoded so that no name can escape the store.
-BFloat16 arrays have Zarr's extension data type ``bfloat16`` (format version 2; version 1
+BFloat16 arrays have Zarr's extension data type ``bfloat16`` (format version 2 and later; version 1
 stored them as ``uint16``); importing this module registers that type with zarr-python
 (:mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them as their ``uint16`` bit
 patterns (:func:`bits_view`), as it does every other bf16 value.
@@ -23,17 +23,14 @@ import contextlib
 import hashlib
 import json
 import math
-import mmap
 import os
 import shutil
 import sys
-import zlib
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import google_crc32c
 import numpy as np
 import zarr
 from zarr.core.array import AsyncArray
@@ -43,6 +40,7 @@ from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, LocalStore
 
 from zckpt import remote, zarr_bfloat16
+from zckpt.checksums import ChunkSums, Mismatch, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
@@ -50,8 +48,12 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 2
-"""2: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16`` (still read)."""
+VERSION = 3
+"""3: chunk checksums per 1 MiB block (``crc32c_blocks``); 2: one per chunk; 2 and 3:
+BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older versions are still read."""
+
+Checked = set[tuple[str, str, int]]
+"""Chunk blocks already checked in this process: ``(entry name, chunk key, block index)``."""
 
 zarr_bfloat16.register()
 
@@ -242,45 +244,8 @@ class ChunkInfo:
         return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
 
 
-@dataclass(frozen=True)
-class ChunkChecksum:
-    """A chunk's recorded checksum: CRC-32C (Castagnoli, the checksum of Zarr v3's ``crc32c``
-    codec; hardware-accelerated by google-crc32c, a zarr dependency, ~10 GB/s) or, in stores
-    written by zckpt before it, zlib's CRC-32 (~1 GB/s)."""
-
-    algo: Literal["crc32c", "crc32"]
-    value: int
-
-    def of(self, data: Any, start: int = 0) -> int:
-        return checksum_bytes(data, start) if self.algo == "crc32c" else zlib.crc32(data, start)
-
-    def describe(self, got: int) -> str:
-        name = "CRC-32C" if self.algo == "crc32c" else "CRC-32"
-        return f"recorded {name} {self.value:#010x}, stored bytes give {got:#010x}"
-
-
-def checksum_bytes(data: Any, start: int = 0) -> int:
-    """CRC-32C of any buffer (bytes, memoryview, mapped file range, numpy array)."""
-    return int(google_crc32c.extend(start, np.frombuffer(data, dtype=np.uint8)))
-
-
-def file_checksum(path: Path, algo: Literal["crc32c", "crc32"] = "crc32c") -> tuple[int, int]:
-    """Checksum and size of a file, summed over its mapped pages in 16 MiB steps (no buffer
-    to allocate or copy into: export checks thousands of chunks)."""
-    step = ChunkChecksum(algo, 0)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return step.of(b""), 0
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
-                crc = 0
-                for lo in range(0, size, 16 * 1024 * 1024):
-                    with view[lo : lo + 16 * 1024 * 1024] as part:
-                        crc = step.of(part, crc)
-    except FileNotFoundError:
-        raise StoreError("chunk file is missing: the store is damaged", path=path) from None
-    return crc, size
+def _all_checked(done: Checked | None, name: str, key: str, sums: ChunkSums) -> bool:
+    return done is not None and all((name, key, i) in done for i in range(len(sums.values)))
 
 
 def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -358,7 +323,7 @@ class Store:
         self._data_types: dict[str, str] = {}
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
-        self._crcs: dict[str, dict[str, ChunkChecksum]] | None = None
+        self._crcs: dict[str, dict[str, ChunkSums]] | None = None
 
     # --- creation -----------------------------------------------------------------
     @property
@@ -709,51 +674,61 @@ class Store:
         return [info.chunk_key(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
                 for t in tiles(box, info.chunks)]
 
-    def checksums(self) -> dict[str, dict[str, ChunkChecksum]]:
-        """Checksum of every chunk, as recorded by the source rank that wrote it."""
+    def checksums(self) -> dict[str, dict[str, ChunkSums]]:
+        """Checksums of every chunk, as recorded by the source rank that wrote it: per block
+        (``crc32c_blocks``), or one per chunk in stores of version 2 and older."""
         if self._crcs is None:
-            crcs: dict[str, dict[str, ChunkChecksum]] = {}
+            crcs: dict[str, dict[str, ChunkSums]] = {}
             try:
                 node = self.group["progress"]
             except KeyError:
                 node = None
             if isinstance(node, zarr.Group):
                 for _, child in node.groups():
+                    blocks: Any = child.attrs.get("crc32c_blocks", {})
+                    if blocks:
+                        size = int(blocks["block_bytes"])
+                        for name, per in blocks["chunks"].items():
+                            crcs.setdefault(name, {}).update(
+                                {k: ChunkSums("crc32c", tuple(int(x) for x in v), size) for k, v in per.items()})
                     for algo in ("crc32c", "crc32"):
                         recorded: Any = child.attrs.get(algo, {})
                         for name, per in recorded.items():
-                            crcs.setdefault(name, {}).update({k: ChunkChecksum(algo, int(v)) for k, v in per.items()})
+                            crcs.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
             self._crcs = crcs
         return self._crcs
 
-    def verify_chunks(self, name: str, box: Box, done: set[tuple[str, str]] | None = None) -> int:
-        """Check the recorded checksum of every chunk ``box`` touches; raise naming parameter
-        and chunk. Returns the bytes checked. ``done`` (chunks already verified) avoids re-reading.
-        """
+    def verify_chunks(self, name: str, box: Box, done: Checked | None = None) -> int:
+        """Check every recorded block of every chunk ``box`` touches; raise naming parameter
+        and chunk. Returns the bytes checked. ``done`` (blocks already checked) avoids
+        re-reading a chunk, and receives the blocks checked here."""
         expected = self.checksums().get(name, {})
         if self.location is not None:
             return self._verify_remote_chunks(name, box, expected, done)
         checked = 0
+        buffer: bytearray | None = None
         for key, path in self.chunk_files(name, box):
-            if done is not None and (name, key) in done:
-                continue
             want = expected.get(key)
-            if want is None:
+            if want is None or _all_checked(done, name, key, want):
                 continue
-            got, size = file_checksum(path, want.algo)
-            if got != want.value:
-                raise StoreError(
-                    f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
-                    path=path,
-                    param=name,
-                )
+            buffer = buffer if buffer is not None else bytearray(1024 * 1024)
+            try:
+                got, size = file_sums(path, want.block_bytes, want.algo, buffer)
+            except FileNotFoundError:
+                raise StoreError("chunk file is missing: the store is damaged", path=path, param=name) from None
+            self._raise_on(want.compare(got, 0, size, whole=True), key, str(path), name)
             checked += size
             if done is not None:
-                done.add((name, key))
+                done.update((name, key, i) for i in range(len(want.values)))
         return checked
 
+    @staticmethod
+    def _raise_on(bad: Mismatch | None, key: str, where: str, name: str) -> None:
+        if bad is not None:
+            raise StoreError(f"chunk {key} fails its checksum ({bad}): the store is damaged", path=where, param=name)
+
     def _verify_remote_chunks(
-        self, name: str, box: Box, expected: Mapping[str, ChunkChecksum], done: set[tuple[str, str]] | None
+        self, name: str, box: Box, expected: Mapping[str, ChunkSums], done: Checked | None
     ) -> int:
         """:meth:`verify_chunks` on a remote store: each chunk's stored bytes are fetched through
         zarr's store API, a few at a time (concurrent requests, at most ~64 MiB in flight)."""
@@ -761,7 +736,7 @@ class Store:
         chunk_bytes = max(1, math.prod(info.chunks) * ms_dtype(self.entry(name).ms_type).storage.itemsize)
         per_batch = max(1, (64 * 1024 * 1024) // chunk_bytes)
         todo = [k for k in self.chunk_keys(name, box)
-                if k in expected and (done is None or (name, k) not in done)]
+                if k in expected and not _all_checked(done, name, k, expected[k])]
         prefix = self.entry(name).key
         checked = 0
         for i in range(0, len(todo), per_batch):
@@ -775,13 +750,10 @@ class Store:
                     raise StoreError("chunk is missing: the store is damaged", path=where, param=name)
                 data = buf.as_numpy_array()
                 want = expected[key]
-                got = want.of(data)
-                if got != want.value:
-                    raise StoreError(f"chunk {key} fails its checksum ({want.describe(got)}): the store is damaged",
-                                     path=where, param=name)
+                self._raise_on(want.check_whole(data), key, where, name)
                 checked += int(data.nbytes)
                 if done is not None:
-                    done.add((name, key))
+                    done.update((name, key, i) for i in range(len(want.values)))
         return checked
 
     def writers(self, name: str) -> list[tuple[int, Box]]:

@@ -31,6 +31,7 @@ from typing import BinaryIO
 import numpy as np
 
 from zckpt import fileio
+from zckpt.checksums import Sink
 from zckpt.dtypes import STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
@@ -51,12 +52,12 @@ another dim is 0, the array is empty), so the reader refuses such dims at index 
 class FileRange:
     """``length`` bytes at ``offset`` of the file ``path``: a block a writer copies file to
     file (``copy_file_range``) instead of through memory. With ``check``, the writer copies
-    it through a buffer and sums the bytes on the way (parts share the check)."""
+    it through a buffer and passes the bytes to ``check`` on the way (parts share it)."""
 
     path: Path
     offset: int
     length: int
-    check: fileio.RangeCheck | None = None
+    check: Sink | None = None
 
     def part(self, skip: int, take: int) -> FileRange:
         return FileRange(self.path, self.offset + skip, take, self.check)
@@ -629,9 +630,7 @@ class CkptWriter:
                 else:
                     if self._buffer is None:
                         self._buffer = bytearray(fileio.BLOCK)
-                    value = fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer,
-                                                 check.digest, check.value)
-                    check.advance(block.offset, block.length, value)
+                    fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer, check)
                     done = block.length
                 self.bytes_written += done
             while done < block.length:
@@ -639,7 +638,7 @@ class CkptWriter:
                 if not data:
                     raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
                 if check is not None:
-                    check.advance(block.offset + done, len(data), check.digest(memoryview(data), check.value))
+                    check(block.offset + done, memoryview(data))
                 self._write(data)
                 done += len(data)
         finally:
