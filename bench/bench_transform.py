@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path, default=None, help="also save the run as JSON")
     ap.add_argument("--render", type=Path, default=None, help="print the table of a saved JSON run and exit")
     ap.add_argument("--dask-reader", action="store_true", help="also time export with the dask.array reader")
+    ap.add_argument("--no-serial", action="store_true",
+                    help="skip the 1-worker phases without overlap (one thread per task, --no-overlap)")
     a = ap.parse_args()
     if a.render is not None:
         render(json.loads(a.render.read_text(encoding="utf-8")))
@@ -189,6 +191,13 @@ def main() -> None:
         out = runs / f"dst-w{workers}"
         measure(f"zckpt export, {workers} worker(s)", sys.executable,
                 ["export", str(store), str(dst_strategy), str(out), str(workers)], out, None, keep=workers == 1)
+    if not a.no_serial:
+        measure("zckpt export, 1 worker(s), no overlap", sys.executable,
+                ["export", str(store), str(dst_strategy), str(runs / "dst-serial"), "1", "--no-overlap"],
+                runs / "dst-serial", None)
+        measure("zckpt ingest, 1 worker(s), no overlap", sys.executable,
+                ["ingest", str(src), str(src_strategy), str(runs / "store-serial"), "1", "--no-overlap"],
+                runs / "store-serial", src_bytes)
     if a.dask_reader:
         measure("zckpt export, dask.array reader", sys.executable,
                 ["export", str(store), str(dst_strategy), str(runs / "dst-dask"), "1", "dask"], runs / "dst-dask",
@@ -246,9 +255,17 @@ def render(report: dict[str, Any]) -> None:
                   f"{(i['seconds'] + e['seconds']) / ms_r['seconds']:.3f}")
     if exp[1] and cp:
         print(f"zckpt export / cp of its output = {exp[1]['seconds'] / cp['seconds']:.2f}")
+    serial = {"ingest": by.get("zckpt ingest, 1 worker(s), no overlap"),
+              "export": by.get("zckpt export, 1 worker(s), no overlap")}
     for what, d in (("ingest", ing), ("export", exp)):
         if d[1] and d[2] and d[1] is not d[2]:
             print(f"{what} speed-up with 2 workers = {d[1]['seconds'] / d[2]['seconds']:.2f}")
+        one = serial[what]
+        if one and d[1]:
+            print(f"{what} speed-up of 1 worker with overlap (2 threads) over 1 thread (--no-overlap) = "
+                  f"{one['seconds'] / d[1]['seconds']:.2f}")
+        if one and d[2]:
+            print(f"{what} speed-up of 2 workers over 1 thread (--no-overlap) = {one['seconds'] / d[2]['seconds']:.2f}")
 
 
 if __name__ == "__main__":

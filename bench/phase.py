@@ -3,8 +3,8 @@
 Each phase runs in its own process so that peak RSS (ru_maxrss) and I/O counters
 (/proc/self/io rchar/wchar) belong to that phase alone.
 
-usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE]
-       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE]
+usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE] [--no-overlap]
+       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE] [--no-overlap]
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
 """
@@ -42,6 +42,8 @@ def _max_mem(args: list[str]) -> tuple[list[str], int]:
 
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
+    overlap = "--no-overlap" not in args
+    args = [x for x in args if x != "--no-overlap"]
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
     io0 = _io()
@@ -53,7 +55,8 @@ def main(argv: list[str]) -> None:
         b = memory_budget(max_mem)
         workers = int(args[3]) if len(args) > 3 else 1
         rep = ingest(args[0], args[2], args[1] or None,
-                     IngestOptions(block_bytes=b.block_bytes, chunk_bytes=b.chunk_bytes, workers=workers))
+                     IngestOptions(block_bytes=b.block_bytes, chunk_bytes=b.chunk_bytes, workers=workers,
+                                   overlap=overlap))
         counted = rep.bytes_written + rep.bytes_compared  # each source byte of a written box, read once
     elif phase == "export":
         from zckpt.export import ExportOptions, export
@@ -61,7 +64,8 @@ def main(argv: list[str]) -> None:
 
         workers = int(args[3]) if len(args) > 3 else 1
         reader = args[4] if len(args) > 4 else "zarr"
-        opts = ExportOptions(workers=workers, reader=reader, block_bytes=memory_budget(max_mem).block_bytes)
+        opts = ExportOptions(workers=workers, reader=reader, block_bytes=memory_budget(max_mem).block_bytes,
+                             overlap=overlap)
         counted = export(args[0], args[2], args[1] or None, options=opts).bytes_read
     elif phase == "mindspore":
         import mindspore as ms

@@ -21,7 +21,8 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     report = json.loads(out.read_text(encoding="utf-8"))
     labels = [r["label"] for r in report["phases"]]
     assert labels == ["zckpt ingest, 2 worker(s)", "zckpt ingest, 1 worker(s)", "zckpt export, 1 worker(s)",
-                      "zckpt export, 2 worker(s)", "cp -r of the export output"]
+                      "zckpt export, 2 worker(s)", "zckpt export, 1 worker(s), no overlap",
+                      "zckpt ingest, 1 worker(s), no overlap", "cp -r of the export output"]
     for r in report["phases"]:
         assert "error" not in r, r
         assert len(r["runs_seconds"]) == 2 and r["seconds"] in r["runs_seconds"]
@@ -29,3 +30,4 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     exported = report["phases"][2]
     assert exported["read_chars"] >= exported["bytes_out"] * 0.9  # zckpt's own read counter, not rchar
     assert "export / cp of its output" in proc.stdout and "speed-up with 2 workers" in proc.stdout
+    assert "export speed-up of 2 workers over 1 thread (--no-overlap)" in proc.stdout

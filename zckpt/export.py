@@ -13,6 +13,7 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -52,10 +54,15 @@ class ExportOptions:
     fsync: bool = True
     reader: str = "zarr"
     verify_checksums: bool = True
-    """Check each chunk's recorded CRC-32 before its bytes are used (once per chunk and process)."""
+    """Check the recorded CRC-32C of every chunk block a slice uses, on the bytes read for it
+    (once per block and task)."""
     workers: int = 1
     processes: bool = False
     """Local workers (``workers`` > 1) as processes instead of threads of this process."""
+    overlap: bool = True
+    """Each task reads and checks on a second thread while it writes: the next band of
+    slices is read ahead (each band then at most half of ``block_bytes``), and ranges the
+    kernel copies are read for their checks meanwhile."""
     scheduler: str | None = None
     progress: bool = False
     per_stage: bool = False
@@ -80,8 +87,9 @@ class RankResult:
     """Store bytes read for the file's data (slices only: exact slicing makes this ``bytes``
     minus the file's framing)."""
     checked_bytes: int = 0
-    """Store bytes read only to check chunk checksums (the parts of chunks not in a slice,
-    or whole chunks when the data are copied in the kernel)."""
+    """Store bytes read only to check chunk checksums: the parts of checksum blocks outside a
+    slice's range, columns of chunk rows a slice does not take, and whole chunks read
+    through zarr (encoded chunks, remote stores)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +351,8 @@ class StoreReader:
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
         self._checked: Checked = set()
+        self.band_bytes = max(1, options.block_bytes // (2 if options.overlap else 1))
+        """Largest batch of slices read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0
 
@@ -355,11 +365,11 @@ class StoreReader:
         return self._lazy[name]
 
     def bands(self, name: str, box: Box) -> list[Box]:
-        """The slice cut into C-order pieces of at most ``block_bytes`` (rows, or parts of a row)."""
+        """The slice cut into C-order pieces of at most ``band_bytes`` (rows, or parts of a row)."""
         if box.ndim == 0 or box.size == 0:
             return [box]
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
-        return c_order_pieces(box, max(1, self.options.block_bytes // itemsize))
+        return c_order_pieces(box, max(1, self.band_bytes // itemsize))
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: raw chunk files directly, else concurrent Zarr reads, or
@@ -549,9 +559,12 @@ class StoreReader:
                 direct[s.name] = ranges
             else:
                 plan.append((s.name, self.bands(s.name, s.box)))
-        source = _BandSource(self, [(name, b) for name, bands in plan for b in bands], self.options.block_bytes)
         band_counts = {name: len(bands) for name, bands in plan}
-        with CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync) as w:
+        with contextlib.ExitStack() as stack:
+            helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
+                      if self.options.overlap else None)
+            source = _BandSource(self, [(name, b) for name, bands in plan for b in bands], self.band_bytes, helper)
+            w = stack.enter_context(CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync, checks=helper))
             for s in rank.slices:
                 e = self._entries[s.name]
                 if e.kind == "str":
@@ -577,22 +590,48 @@ def _one_chunk_column(box: Box, chunks: tuple[int, ...]) -> bool:
 
 
 class _BandSource:
-    """Hands out band arrays in plan order, computing them batch by batch (bounded memory)."""
+    """Hands out band arrays in plan order, reading them in batches of at most ``limit``
+    bytes (bounded memory): with a ``helper`` thread, the next batch is read while the
+    current one is written."""
 
-    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int) -> None:
+    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int,
+                 helper: Executor | None = None) -> None:
         self.reader = reader
-        self.todo = collections.deque(bands)
+        self.helper = helper
+        self.batches = collections.deque(self._batches(bands, limit))
         self.ready: collections.deque[tuple[str, np.ndarray]] = collections.deque()
-        self.limit = limit
+        self.ahead: Future[list[np.ndarray]] | None = None
+        self.ahead_batch: list[tuple[str, Box]] = []
+
+    def _batches(self, bands: list[tuple[str, Box]], limit: int) -> list[list[tuple[str, Box]]]:
+        out: list[list[tuple[str, Box]]] = []
+        size = 0
+        for name, box in bands:
+            nbytes = box.size * ms_dtype(self.reader._entries[name].ms_type).storage.itemsize
+            if not out or size + nbytes > limit:
+                out.append([])
+                size = 0
+            out[-1].append((name, box))
+            size += nbytes
+        return out
+
+    def _read_ahead(self) -> None:
+        if self.helper is not None and self.batches:
+            self.ahead_batch = self.batches.popleft()
+            self.ahead = self.helper.submit(self.reader.materialise, self.ahead_batch)
 
     def _fill(self) -> None:
-        batch: list[tuple[str, Box]] = []
-        size = 0
-        while self.todo and (not batch or size + self.todo[0][1].size * 8 <= self.limit):
-            name, box = self.todo.popleft()
-            batch.append((name, box))
-            size += box.size * ms_dtype(self.reader._entries[name].ms_type).storage.itemsize
-        for (name, _), arr in zip(batch, self.reader.materialise(batch), strict=True):
+        if self.helper is None:
+            batch = self.batches.popleft()
+            arrays = self.reader.materialise(batch)
+        else:
+            if self.ahead is None:
+                self._read_ahead()
+            assert self.ahead is not None
+            batch, arrays = self.ahead_batch, self.ahead.result()
+            self.ahead = None
+            self._read_ahead()
+        for (name, _), arr in zip(batch, arrays, strict=True):
             self.ready.append((name, arr))
 
     def next(self, name: str) -> np.ndarray:

@@ -16,8 +16,10 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,6 +62,9 @@ class IngestOptions:
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
+    overlap: bool = True
+    """Each task copies chunk files on two threads, so that one chunk is read while another
+    is written."""
 
 
 @dataclass
@@ -476,11 +481,14 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     store.prefetch(w.name for w in job.writes)
     written = 0
     known = _RankSums(options.checksum_block_bytes)
-    with open_source(job.path, options.storage_options, verify_crc=False) as reader:
-        batch = _WriteBatch(store, options.block_bytes, reader)
+    with open_source(job.path, options.storage_options, verify_crc=False) as reader, \
+            _ChunkCopier(reader, 2 if options.overlap else 1) as copier:
+        batch = _WriteBatch(store, options.block_bytes, reader, copier)
         for w in job.writes:
             written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
         batch.flush()
+        for name, key, sums in copier.finish():
+            known.of(name)[key] = sums
         if store.is_remote:
             _source_checksums(store, reader, job.writes, known)
     store.mark_ingested(job.rank, bytes=written, crc32c_blocks={
@@ -586,27 +594,19 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _copy_chunks(
-    store: Store,
-    reader: CkptReader,
-    w: Write,
-    chunks: tuple[int, ...],
-    known: _RankSums,
-    buf: bytearray,
-) -> bool:
+def _copy_chunks(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], copier: _ChunkCopier,
+                 sum_block: int) -> bool:
     """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
     copies, no byte passes through Python) when chunks are stored raw and span the shard's
     full width, so that each chunk is one contiguous byte range of the shard; each chunk's
-    block sums (into ``known``) are summed from the source bytes as they are copied (read
-    through ``buf``, never through the mapping, so resident memory stays flat). Returns ``False``
-    (nothing written) when that does not hold, and zarr writes the box instead. ``buf``
-    carries the bytes when the kernel cannot copy (across filesystems)."""
+    block sums are summed from the source bytes in the copy (read through a buffer, never
+    through the mapping, so resident memory stays flat). Returns ``False`` (nothing
+    written) when that does not hold, and zarr writes the box instead."""
     box = w.box
     if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
         return False
     rows = chunks[0]
     plan: list[tuple[Path, int, int, str]] = []
-    sums = known.of(w.name)
     for r0 in range(0, box.shape[0], rows):
         span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
         if span is None:
@@ -620,14 +620,58 @@ def _copy_chunks(
         if path.parent not in made:
             path.parent.mkdir(parents=True, exist_ok=True)
             made.add(path.parent)
+        copier.copy(w.name, key, path, offset, length, sum_block)
+    return True
+
+
+_ChunkSumsOf = tuple[str, str, list[int]]
+"""``(entry name, chunk key, block sums)`` of a chunk written."""
+
+
+class _ChunkCopier:
+    """Copies byte ranges of one source file into chunk files, summing each chunk's blocks
+    on the way: on ``threads`` threads (each with its own buffer) so that one chunk is read
+    while another is written, or inline with one. :meth:`finish` waits for every copy and
+    returns the sums; leaving the context waits too, so that no copy outlives the source."""
+
+    def __init__(self, reader: CkptReader, threads: int) -> None:
+        self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zckpt-copy") if threads > 1 else None
+        self.local = threading.local()
+        self.done: list[_ChunkSumsOf] = []
+        self.futures: list[Future[_ChunkSumsOf]] = []
+
+    def __enter__(self) -> _ChunkCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.futures:
+            f.cancel()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def copy(self, name: str, key: str, path: Path, offset: int, length: int, sum_block: int) -> None:
+        if self.pool is None:
+            self.done.append(self._run(name, key, path, offset, length, sum_block))
+        else:
+            self.futures.append(self.pool.submit(self._run, name, key, path, offset, length, sum_block))
+
+    def _run(self, name: str, key: str, path: Path, offset: int, length: int, sum_block: int) -> _ChunkSumsOf:
+        buf = getattr(self.local, "buffer", None)
+        if buf is None:
+            buf = self.local.buffer = bytearray(fileio.BLOCK)
+        summer = BlockSummer(sum_block, offset)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            summer = BlockSummer(known.block_bytes, offset)
-            copy_range(reader.fileno(), fd, offset, length, buf, summer.feed)
-            sums[key] = summer.result()
+            copy_range(self.reader.fileno(), fd, offset, length, buf, summer.feed)
         finally:
             os.close(fd)
-    return True
+        return name, key, summer.result()
+
+    def finish(self) -> list[_ChunkSumsOf]:
+        futures, self.futures = self.futures, []
+        done, self.done = self.done + [f.result() for f in futures], []
+        return done
 
 
 class _WriteBatch:
@@ -637,25 +681,20 @@ class _WriteBatch:
     zarr encodes them; the limit bounds what is in flight.
     """
 
-    def __init__(self, store: Store, limit: int, reader: CkptReader | None = None) -> None:
+    def __init__(self, store: Store, limit: int, reader: CkptReader | None = None,
+                 copier: _ChunkCopier | None = None) -> None:
         self.store = store
         self.reader = reader
+        self.copier = copier
         self.limit = limit
         self.items: list[tuple[str, tuple[slice, ...], np.ndarray]] = []
         self.pending = 0
-        self._copy_buffer: bytearray | None = None
 
     def add(self, name: str, sel: tuple[slice, ...], data: np.ndarray) -> None:
         if self.items and self.pending + data.nbytes > self.limit:
             self.flush()
         self.items.append((name, sel, data))
         self.pending += data.nbytes
-
-    def copy_buffer(self) -> bytearray:
-        """One block-sized buffer for this rank's file-to-file copies, made on first use."""
-        if self._copy_buffer is None:
-            self._copy_buffer = bytearray(fileio.BLOCK)
-        return self._copy_buffer
 
     def flush(self) -> None:
         if self.items:
@@ -690,7 +729,7 @@ def _write(
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if _copy_chunks(batch.store, reader, w, chunks, known, batch.copy_buffer()):
+    if batch.copier is not None and _copy_chunks(batch.store, reader, w, chunks, batch.copier, known.block_bytes):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:

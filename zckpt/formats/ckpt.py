@@ -23,6 +23,7 @@ import os
 import stat
 import zlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -518,10 +519,18 @@ class CkptWriter:
     """Writes a ``.ckpt`` entry by entry to ``<path>.tmp-zckpt`` and renames on :meth:`commit`.
 
     Leaving the context without committing (an exception) removes the temporary file.
+    With ``checks`` (an executor of one thread), a file range that carries a check is copied
+    by the kernel and its bytes are read for the check on that thread meanwhile; the file
+    is renamed only once every check has passed, so a failed check still leaves nothing
+    under the final name.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, fsync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, fsync: bool = True,
+                 checks: Executor | None = None) -> None:
         self.path = Path(path)
+        self._checks = checks
+        self._pending: list[Future[None]] = []
+        self._check_buffer: bytearray | None = None
         self.tmp_path = self.path.with_name(self.path.name + ".tmp-zckpt")
         self._crc_enabled = crc
         self._fsync = fsync
@@ -537,7 +546,11 @@ class CkptWriter:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if et is None and self._f is not None:
-            self.commit()
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
         else:
             self.abort()
 
@@ -625,8 +638,12 @@ class CkptWriter:
             check = block.check
             if not self._crc_enabled:
                 self._f.flush()
-                if check is None:
+                if check is None or self._checks is not None:
                     done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                    if check is not None and done:
+                        self._check_later(block.part(0, done), check)
+                    if check is not None and done < block.length:
+                        self._wait_checks()  # the rest is checked here, after the parts before it
                 else:
                     if self._buffer is None:
                         self._buffer = bytearray(fileio.BLOCK)
@@ -644,6 +661,34 @@ class CkptWriter:
         finally:
             os.close(src)
 
+    def _check_later(self, block: FileRange, check: Sink) -> None:
+        """Read a range copied by the kernel for its check, on the checks thread (in order)."""
+        assert self._checks is not None
+        if self._check_buffer is None:
+            self._check_buffer = bytearray(fileio.BLOCK)
+        buf = self._check_buffer  # only the checks thread reads into it
+
+        def run() -> None:
+            fd = os.open(block.path, os.O_RDONLY)
+            try:
+                fileio.read_through(fd, block.offset, block.length, buf, check)
+            finally:
+                os.close(fd)
+
+        self._pending.append(self._checks.submit(run))
+
+    def _wait_checks(self) -> None:
+        """Wait for every check handed to the checks thread; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for i, future in enumerate(pending):
+            try:
+                future.result()
+            except BaseException:
+                for rest in pending[i + 1 :]:
+                    rest.cancel()
+                wait(pending)
+                raise
+
     def write_string(self, name: str, value: str) -> None:
         """Write an ``append_dict`` string entry the way MindSpore does (dims [0], type "str")."""
         self._claim(name)
@@ -660,6 +705,7 @@ class CkptWriter:
     def commit(self) -> Path:
         """Finish the file: trailer, flush, fsync, atomic rename to the final name."""
         assert self._f is not None, "writer already closed"
+        self._wait_checks()
         if self._crc_enabled:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
         self._f.flush()
@@ -671,6 +717,10 @@ class CkptWriter:
         return self.path
 
     def abort(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.cancel()
+        wait(pending)
         if self._f is not None:
             self._f.close()
             self._f = None

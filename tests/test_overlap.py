@@ -1,0 +1,137 @@
+"""Reads overlapped with writes (``overlap``, CLI ``--no-overlap``): same bytes either way,
+and a damaged chunk found on the helper thread still stops the file it feeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zckpt
+from zckpt.cli import main as cli_main
+from zckpt.export import ExportOptions
+from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.generate import TensorDef, global_value, random_layout, write_model
+from zckpt.ingest import IngestOptions
+from zckpt.layout import Box, rank_box, resolve
+
+
+def _chunks(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("c*")) if p.is_file()}
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.ckpt"))}
+
+
+@pytest.mark.parametrize(("seed", "src_n", "dst_n"), [(1, 4, 2), (2, 2, 4), (3, 8, 3)])
+def test_overlapped_and_serial_runs_write_the_same_bytes(tmp_path: Path, seed: int, src_n: int, dst_n: int) -> None:
+    """Random layouts, chunks and bands far smaller than the tensors (many chunk copies on
+    the copy threads, many read-ahead batches, several checksum blocks per chunk)."""
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for i in range(8):
+        shape = tuple(int(rng.choice([24, 48])) for _ in range(int(rng.integers(1, 3))))
+        tensors.append(TensorDef(f"p{i}", shape, ["Float32", "BFloat16", "Int8"][i % 3],
+                                 random_layout(rng, shape, src_n)))
+    model = write_model(tmp_path / "src", tensors, device_num=src_n)
+    layouts = {}
+    for t in tensors:
+        lay = random_layout(rng, t.shape, dst_n)
+        if lay is not None:
+            layouts[t.name] = {0: lay}
+    smap = StrategyMap(layouts=layouts)
+    (tmp_path / "dst.ckpt").write_bytes(encode_strategy(smap))
+    stores = {}
+    for overlap in (False, True):
+        stores[overlap] = tmp_path / f"s{int(overlap)}.zarr"
+        zckpt.ingest(str(tmp_path / "src"), stores[overlap], str(model.strategy_path),
+                     IngestOptions(chunk_bytes=256, checksum_block_bytes=64, overlap=overlap))
+    assert _chunks(stores[False]) == _chunks(stores[True])
+    assert zckpt.open_store(stores[False]).checksums() == zckpt.open_store(stores[True]).checksums()
+    outs = {}
+    for overlap in (False, True):
+        outs[overlap] = tmp_path / f"o{int(overlap)}"
+        zckpt.export(stores[True], outs[overlap], str(tmp_path / "dst.ckpt"),
+                     options=ExportOptions(block_bytes=512, overlap=overlap))
+    files = _files(outs[True])
+    assert files == _files(outs[False]) and len(files) == dst_n
+    for r in range(dst_n):
+        with CkptReader(outs[True] / f"rank_{r}" / f"checkpoint_{r}.ckpt") as got:
+            for t in tensors:
+                lay = smap.layout(t.name)
+                box = Box.full(t.shape) if lay is None else rank_box(resolve(lay, t.shape), r)
+                want = np.ascontiguousarray(global_value(t.name, t.shape, t.ms_type)[box.slices()])
+                assert got.array(t.name).tobytes() == want.tobytes(), (r, t.name)
+
+
+def _column_split(tmp_path: Path, chunk_bytes: int) -> tuple[Path, Path]:
+    """``w`` (8, 6) split on columns over 2 source ranks; the destination keeps the split and
+    shards rows over 2 (optimizer), so each slice is one chunk column's rows."""
+    write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32", make_layout((2,), [[], [0]]))],
+                device_num=2, scalars=False)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(tmp_path / "src" / "strategy.ckpt"),
+                 IngestOptions(chunk_bytes=chunk_bytes))
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout(
+        (2, 2), [[], [0]], opt_shard_step=2, opt_shard_size=-1)}})))
+    return store, dst
+
+
+def _damage(chunk: Path) -> None:
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01
+    chunk.write_bytes(bytes(data))
+
+
+def test_a_range_the_kernel_copied_is_checked_on_the_helper_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole chunks are copied by the kernel and read for their checks on the helper; a
+    damaged one fails the file at commit: no file under its final name, no temporary left."""
+    store, dst = _column_split(tmp_path, 48)
+    later: list[Any] = []
+    original = CkptWriter._check_later
+
+    def spy(self: CkptWriter, block: Any, check: Any) -> None:
+        later.append(block)
+        original(self, block, check)
+
+    monkeypatch.setattr(CkptWriter, "_check_later", spy)
+    zckpt.export(store, tmp_path / "ok", str(dst))
+    assert len(later) == 4  # one chunk per rank, each checked after its kernel copy
+    _damage(store / "tensors" / "w" / "c.0.0")
+    with pytest.raises(zckpt.StoreError, match="c.0.0 fails its checksum"):
+        zckpt.export(store, tmp_path / "bad", str(dst))
+    assert not list((tmp_path / "bad").rglob("*.ckpt")) and not list((tmp_path / "bad").rglob("*.tmp-zckpt"))
+
+
+def test_a_damaged_chunk_read_ahead_stops_the_file(tmp_path: Path) -> None:
+    """Slices across two chunk columns are read ahead on the helper (the array path); the
+    error raised there reaches the writer, which leaves nothing behind."""
+    write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32", make_layout((2,), [[], [0]]))],
+                device_num=2, scalars=False)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(tmp_path / "src" / "strategy.ckpt"))
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout(
+        (2,), [[], []], opt_shard_step=1, opt_shard_size=-1)}})))
+    _damage(store / "tensors" / "w" / "c.0.1")
+    with pytest.raises(zckpt.StoreError, match="c.0.1 fails its checksum"):
+        zckpt.export(store, tmp_path / "bad", str(dst), options=ExportOptions(block_bytes=64))
+    assert not list((tmp_path / "bad").rglob("*.ckpt")) and not list((tmp_path / "bad").rglob("*.tmp-zckpt"))
+
+
+def test_cli_no_overlap(tmp_path: Path) -> None:
+    store, dst = _column_split(tmp_path, 64 << 20)
+    for flag in ([], ["--no-overlap"]):
+        out = tmp_path / f"o{len(flag)}"
+        assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(out), "--quiet", *flag]) == 0
+    assert _files(tmp_path / "o0") == _files(tmp_path / "o1") != {}
+    assert cli_main(["ingest", str(tmp_path / "src"), "--store", str(tmp_path / "n.zarr"), "--strategy",
+                     str(tmp_path / "src" / "strategy.ckpt"), "--quiet", "--no-overlap"]) == 0
+    assert _chunks(tmp_path / "n.zarr") == _chunks(store)
