@@ -15,6 +15,7 @@ import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,32 @@ def _max_mem(args: list[str]) -> tuple[list[str], int]:
     return args, 1024**3
 
 
+class RssWatch:
+    """Samples the process's resident memory by kind (anonymous, file-mapped, shared
+    memory) every 20 ms and keeps the sample of the largest total: what the peak was made of."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            now: dict[str, int] = {}
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    now[key] = int(value.split()[0]) * 1024
+            if now.get("VmRSS", 0) > self.peak.get("VmRSS", 0):
+                self.peak = now
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
     overlap = "--no-overlap" not in args
@@ -47,6 +74,7 @@ def main(argv: list[str]) -> None:
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
     io0 = _io()
+    watch = RssWatch()
     t0 = time.perf_counter()
     if phase == "ingest":
         from zckpt.ingest import IngestOptions, ingest
@@ -76,6 +104,7 @@ def main(argv: list[str]) -> None:
     else:
         raise SystemExit(f"unknown phase {phase}")
     seconds = time.perf_counter() - t0
+    rss_at_peak = watch.stop()
     io1 = _io()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     print(json.dumps({
@@ -85,6 +114,7 @@ def main(argv: list[str]) -> None:
         "max_child_rss_bytes": children,
         "read_chars": io1.get("rchar", 0) - io0.get("rchar", 0) if counted is None else counted,
         "write_chars": io1.get("wchar", 0) - io0.get("wchar", 0),
+        "rss_at_peak": rss_at_peak,
     }))
 
 
