@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
 
 from zckpt.checksums import Sink
 
@@ -75,3 +77,13 @@ def copy_range(
         read_through(src, offset, done, buf if buf is not None else bytearray(BLOCK), sink)
     if done < length:
         buffered_copy(src, dst, offset + done, length - done, buf, sink)
+
+
+def publish(f: BinaryIO, tmp_path: Path, path: Path, fsync: bool) -> None:
+    """Give a completely written temporary file its final name: flush, fsync (when asked),
+    close, then rename atomically, so the final name never shows a partial file."""
+    f.flush()
+    if fsync:
+        os.fsync(f.fileno())
+    f.close()
+    os.replace(tmp_path, path)

@@ -708,12 +708,8 @@ class CkptWriter:
         self._wait_checks()
         if self._crc_enabled:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
-        self._f.flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        os.replace(self.tmp_path, self.path)
+        f, self._f = self._f, None
+        fileio.publish(f, self.tmp_path, self.path, self._fsync)
         return self.path
 
     def abort(self) -> None:

@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from zckpt import fileio
 from zckpt.dtypes import STRING_TYPE, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
@@ -470,11 +471,8 @@ class SafetensorsWriter:
         self._f.flush()
         if self._crc:
             self._fill_crc()
-        if self._fsync:
-            os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        os.replace(self.tmp_path, self.path)
+        f, self._f = self._f, None
+        fileio.publish(f, self.tmp_path, self.path, self._fsync)
         return self.path
 
     def _fill_crc(self) -> None:
