@@ -185,10 +185,6 @@ class SpanCheck:
         if length == 0:
             self._finish()
 
-    @property
-    def blocks(self) -> range:
-        return self.sums.blocks_in(self.start, self.stop, self.chunk_bytes)
-
     def _feed_from_file(self, offset: int, length: int) -> None:
         fd = os.open(self.path, os.O_RDONLY)
         try:

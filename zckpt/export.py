@@ -541,7 +541,13 @@ class StoreReader:
             if path is None:
                 return None
             key = self.store.chunk_info(name).chunk_key(coords)
-            self._open_chunk(name, key, path, chunk_bytes).close()
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+            if size != chunk_bytes:
+                raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
+                                 "the store is damaged", path=path, param=name)
             check = self._span_check(name, key, path, chunk_bytes, offset, length)
             out.append(FileRange(path, offset, length, check.feed if check is not None else None))
         self.read_bytes += sum(r.length for r in out)
