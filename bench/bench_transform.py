@@ -191,6 +191,8 @@ def main() -> None:
         out = runs / f"dst-w{workers}"
         measure(f"zckpt export, {workers} worker(s)", sys.executable,
                 ["export", str(store), str(dst_strategy), str(out), str(workers)], out, None, keep=workers == 1)
+    measure("zckpt export, 2 worker(s), overlap", sys.executable,
+            ["export", str(store), str(dst_strategy), str(runs / "dst-w2o"), "2", "--overlap"], runs / "dst-w2o", None)
     if not a.no_serial:
         measure("zckpt export, 1 worker(s), no overlap", sys.executable,
                 ["export", str(store), str(dst_strategy), str(runs / "dst-serial"), "1", "--no-overlap"],
@@ -205,6 +207,8 @@ def main() -> None:
     exported = _tree_bytes(runs / "dst-w1")
     measure("cp -r of the export output", sys.executable, ["copy", str(runs / "dst-w1"), str(runs / "copy")],
             runs / "copy", exported)
+    measure("cp of the export output, 2 at once", sys.executable, ["copy2", str(runs / "dst-w1"), str(runs / "copy2")],
+            runs / "copy2", exported)
     report = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "scratch": str(runs)},
@@ -248,6 +252,7 @@ def render(report: dict[str, Any]) -> None:
     ing = {w: by.get(f"zckpt ingest, {w} worker(s)") or by.get("zckpt ingest") for w in (1, 2)}
     exp = {w: by.get(f"zckpt export, {w} worker(s)") for w in (1, 2)}
     cp = next((r for label, r in by.items() if label.startswith("cp -r")), None)
+    cp2 = by.get("cp of the export output, 2 at once")
     for w in (1, 2):
         i, e = ing[w], exp[w]
         if ms_r and i and e:
@@ -255,6 +260,16 @@ def render(report: dict[str, Any]) -> None:
                   f"{(i['seconds'] + e['seconds']) / ms_r['seconds']:.3f}")
     if exp[1] and cp:
         print(f"zckpt export / cp of its output = {exp[1]['seconds'] / cp['seconds']:.2f}")
+    if cp and cp2:
+        print(f"speed-up of 2 cp processes over 1 (the machine's bound for 2 workers) = "
+              f"{cp['seconds'] / cp2['seconds']:.2f}")
+    if exp[1] and exp[2] and cp2:
+        print(f"zckpt export / 2 cp processes: 1 worker {exp[1]['seconds'] / cp2['seconds']:.2f}, "
+              f"2 workers {exp[2]['seconds'] / cp2['seconds']:.2f}")
+    forced = by.get("zckpt export, 2 worker(s), overlap")
+    if forced and exp[2]:
+        print(f"export with 2 workers, auto overlap (off: no core to spare) over forced overlap = "
+              f"{forced['seconds'] / exp[2]['seconds']:.2f}")
     serial = {"ingest": by.get("zckpt ingest, 1 worker(s), no overlap"),
               "export": by.get("zckpt export, 1 worker(s), no overlap")}
     for what, d in (("ingest", ing), ("export", exp)):

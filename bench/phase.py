@@ -6,10 +6,11 @@ Each phase runs in its own process so that peak RSS and I/O counters
 also count what the parent held when it forked this process (Linux keeps it across
 ``exec``), which put a floor of 121 MiB under every phase the benchmark started.
 
-usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE] [--no-overlap]
-       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE] [--no-overlap]
+usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE] [--overlap|--no-overlap]
+       python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE] [--overlap|--no-overlap]
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
+       python bench/phase.py copy2 SRC OUT   (two cp processes at once, each on half the bytes)
 """
 
 from __future__ import annotations
@@ -78,10 +79,33 @@ class RssWatch:
         return self.peak
 
 
+def _pairs(files: list[Path], src: Path, out: Path) -> list[str]:
+    return [str(x) for f in files for x in (f, out / f.relative_to(src))]
+
+
+def _copy_in_two(src: Path, out: Path) -> None:
+    """Copy a tree with two ``cp`` processes at once, files dealt largest first to the
+    lighter half: what two cores can copy, the bound for two export workers."""
+    files = sorted((f for f in src.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size, reverse=True)
+    halves: list[list[Path]] = [[], []]
+    sizes = [0, 0]
+    for f in files:
+        i = sizes.index(min(sizes))
+        halves[i].append(f)
+        sizes[i] += f.stat().st_size
+    for f in files:
+        (out / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+    script = 'while [ $# -gt 0 ]; do cp "$1" "$2" || exit 1; shift 2; done'
+    procs = [subprocess.Popen(["sh", "-c", script, "sh", *_pairs(half, src, out)])
+             for half in halves if half]
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("cp failed")
+
+
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
-    overlap = "--no-overlap" not in args
-    args = [x for x in args if x != "--no-overlap"]
+    overlap = False if "--no-overlap" in args else True if "--overlap" in args else None
+    args = [x for x in args if x not in ("--no-overlap", "--overlap")]
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
     io0 = _io()
@@ -112,6 +136,8 @@ def main(argv: list[str]) -> None:
         ms.transform_checkpoints(args[0], args[1], "checkpoint_", args[2], args[3])
     elif phase == "copy":  # the coreutils command itself, as a user would run it
         subprocess.run(["cp", "-r", args[0], args[1]], check=True)  # its I/O counts join ours once reaped
+    elif phase == "copy2":
+        _copy_in_two(Path(args[0]), Path(args[1]))
     else:
         raise SystemExit(f"unknown phase {phase}")
     seconds = time.perf_counter() - t0

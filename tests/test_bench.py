@@ -21,8 +21,9 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     report = json.loads(out.read_text(encoding="utf-8"))
     labels = [r["label"] for r in report["phases"]]
     assert labels == ["zckpt ingest, 2 worker(s)", "zckpt ingest, 1 worker(s)", "zckpt export, 1 worker(s)",
-                      "zckpt export, 2 worker(s)", "zckpt export, 1 worker(s), no overlap",
-                      "zckpt ingest, 1 worker(s), no overlap", "cp -r of the export output"]
+                      "zckpt export, 2 worker(s)", "zckpt export, 2 worker(s), overlap",
+                      "zckpt export, 1 worker(s), no overlap", "zckpt ingest, 1 worker(s), no overlap",
+                      "cp -r of the export output", "cp of the export output, 2 at once"]
     for r in report["phases"]:
         assert "error" not in r, r
         assert len(r["runs_seconds"]) == 2 and r["seconds"] in r["runs_seconds"]
@@ -31,3 +32,6 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     assert exported["read_chars"] >= exported["bytes_out"] * 0.9  # zckpt's own read counter, not rchar
     assert "export / cp of its output" in proc.stdout and "speed-up with 2 workers" in proc.stdout
     assert "export speed-up of 2 workers over 1 thread (--no-overlap)" in proc.stdout
+    assert "speed-up of 2 cp processes over 1" in proc.stdout and "over forced overlap" in proc.stdout
+    copies = [r for r in report["phases"] if r["label"].startswith("cp")]
+    assert len(copies) == 2 and copies[0]["bytes_out"] == copies[1]["bytes_out"] == report["phases"][2]["bytes_out"]

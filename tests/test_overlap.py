@@ -1,8 +1,10 @@
-"""Reads overlapped with writes (``overlap``, CLI ``--no-overlap``): same bytes either way,
-and a damaged chunk found on the helper thread still stops the file it feeds."""
+"""Reads overlapped with writes (``overlap``, CLI ``--overlap``/``--no-overlap``): same bytes
+either way, a damaged chunk found on the helper thread still stops the file it feeds, and
+auto overlap is on only where a core is free for the second thread."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,9 @@ from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, random_layout, write_model
 from zckpt.ingest import IngestOptions
 from zckpt.layout import Box, rank_box, resolve
+from zckpt.runner import cores_to_spare, overlap_for, usable_cpus, wants_overlap
+
+export_module = importlib.import_module("zckpt.export")  # the package's ``export`` is the function
 
 
 def _chunks(store: Path) -> dict[str, bytes]:
@@ -128,10 +133,59 @@ def test_a_damaged_chunk_read_ahead_stops_the_file(tmp_path: Path) -> None:
 
 def test_cli_no_overlap(tmp_path: Path) -> None:
     store, dst = _column_split(tmp_path, 64 << 20)
-    for flag in ([], ["--no-overlap"]):
-        out = tmp_path / f"o{len(flag)}"
+    for i, flag in enumerate(([], ["--no-overlap"], ["--overlap"])):
+        out = tmp_path / f"o{i}"
         assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(out), "--quiet", *flag]) == 0
-    assert _files(tmp_path / "o0") == _files(tmp_path / "o1") != {}
+    assert _files(tmp_path / "o0") == _files(tmp_path / "o1") == _files(tmp_path / "o2") != {}
     assert cli_main(["ingest", str(tmp_path / "src"), "--store", str(tmp_path / "n.zarr"), "--strategy",
                      str(tmp_path / "src" / "strategy.ckpt"), "--quiet", "--no-overlap"]) == 0
     assert _chunks(tmp_path / "n.zarr") == _chunks(store)
+
+
+def _worker(host: str, nthreads: int = 1) -> dict[str, Any]:
+    return {"host": host, "nthreads": nthreads}
+
+
+def test_a_second_thread_needs_a_core_to_spare_on_every_host() -> None:
+    one = {"tcp://a:1": _worker("a")}
+    assert cores_to_spare(one, {"tcp://a:1": 2})
+    assert not cores_to_spare(one, {"tcp://a:1": 1})
+    two = {"tcp://a:1": _worker("a"), "tcp://a:2": _worker("a")}
+    assert not cores_to_spare(two, {"tcp://a:1": 2, "tcp://a:2": 2})
+    assert cores_to_spare(two, {"tcp://a:1": 4, "tcp://a:2": 4})
+    assert not cores_to_spare(two, {"tcp://a:1": 4, "tcp://a:2": 2}), "a worker pinned to fewer cores counts"
+    apart = {"tcp://a:1": _worker("a"), "tcp://b:1": _worker("b")}
+    assert cores_to_spare(apart, {"tcp://a:1": 2, "tcp://b:1": 2})
+    assert not cores_to_spare({"tcp://a:1": _worker("a", 2), "tcp://b:1": _worker("b")},
+                              {"tcp://a:1": 2, "tcp://b:1": 2}), "one busy host is enough to turn it off"
+    assert not cores_to_spare({}, {})
+
+
+def test_auto_overlap_in_this_process_and_as_asked() -> None:
+    assert wants_overlap(None) == (usable_cpus() > 1)
+    assert wants_overlap(True) and not wants_overlap(False)
+    assert overlap_for(None, None) == (usable_cpus() > 1)
+    assert overlap_for(False, object()) is False and overlap_for(True, object()) is True
+
+
+def test_auto_overlap_on_a_local_cluster_counts_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As many thread workers as cores leave none to spare: the tasks get overlap off,
+    resolved before they are shipped; one worker on several cores keeps it."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        assert overlap_for(None, client) == (usable_cpus() > 1)
+    store, dst = _column_split(tmp_path, 48)
+    seen: list[Any] = []
+    original = export_module.run_all
+
+    def spy(fn: Any, units: Any, url: Any, options: ExportOptions, **kw: Any) -> Any:
+        seen.append(options.overlap)
+        return original(fn, units, url, options, **kw)
+
+    monkeypatch.setattr(export_module, "run_all", spy)
+    workers = max(2, usable_cpus())
+    zckpt.export(store, tmp_path / "auto", str(dst), options=ExportOptions(workers=workers))
+    zckpt.export(store, tmp_path / "forced", str(dst), options=ExportOptions(workers=workers, overlap=True))
+    assert seen == [False, True]
+    assert _files(tmp_path / "auto") == _files(tmp_path / "forced") != {}

@@ -103,9 +103,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", action="store_true",
                    help="LocalCluster workers as separate processes (slower to start; isolates the workers)")
     p.add_argument("--scheduler", help="run on an existing Dask cluster (scheduler address, e.g. tcp://host:8786)")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="one thread per task: do not read on a second thread while writing (by default each task "
-                        "overlaps its reads and checks with its writes)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="a second thread per task reads and checks while the task writes; the negative form keeps "
+                        "one thread per task (default: a second thread when every host runs fewer tasks at once "
+                        "than it has cores)")
     p.add_argument("--max-mem", default="1GiB",
                    help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -181,7 +182,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     opts = IngestOptions(
         chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
-        overlap=not a.no_overlap, progress=_progress(a),
+        overlap=a.overlap, progress=_progress(a),
         storage_options=parse_storage_options(a.storage_option) or None,
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
@@ -204,7 +205,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                          reader=a.reader, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
-                         overlap=not a.no_overlap, per_stage=a.per_stage,
+                         overlap=a.overlap, per_stage=a.per_stage,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
     opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
                    storage_options=parse_storage_options(a.storage_option) or None)

@@ -37,7 +37,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
-from zckpt.runner import Engine, dask_client, run_all
+from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.store import Checked, Store
 
 MiB = 1024 * 1024
@@ -59,10 +59,11 @@ class ExportOptions:
     workers: int = 1
     processes: bool = False
     """Local workers (``workers`` > 1) as processes instead of threads of this process."""
-    overlap: bool = True
+    overlap: bool | None = None
     """Each task reads and checks on a second thread while it writes: the next band of
     slices is read ahead (each band then at most half of ``block_bytes``), and ranges the
-    kernel copies are read for their checks meanwhile."""
+    kernel copies are read for their checks meanwhile. ``None`` (auto): only when every
+    host runs fewer tasks at once than it has cores (:func:`zckpt.runner.overlap_for`)."""
     scheduler: str | None = None
     progress: bool = False
     per_stage: bool = False
@@ -183,6 +184,7 @@ def export(
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
+        options = replace(options, overlap=overlap_for(options.overlap, client))
         results = run_all(write_file, units, store.url, options, client=client, label="export",
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
                           progress=options.progress)
@@ -351,7 +353,7 @@ class StoreReader:
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
         self._checked: Checked = set()
-        self.band_bytes = max(1, options.block_bytes // (2 if options.overlap else 1))
+        self.band_bytes = max(1, options.block_bytes // (2 if wants_overlap(options.overlap) else 1))
         """Largest batch of slices read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0
@@ -568,7 +570,7 @@ class StoreReader:
         band_counts = {name: len(bands) for name, bands in plan}
         with contextlib.ExitStack() as stack:
             helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
-                      if self.options.overlap else None)
+                      if wants_overlap(self.options.overlap) else None)
             source = _BandSource(self, [(name, b) for name, bands in plan for b in bands], self.band_bytes, helper)
             w = stack.enter_context(CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync, checks=helper))
             for s in rank.slices:

@@ -36,7 +36,7 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
-from zckpt.runner import Engine, dask_client, run_all
+from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
 from zckpt.store import Store, chunk_shape
 
@@ -62,9 +62,10 @@ class IngestOptions:
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
-    overlap: bool = True
+    overlap: bool | None = None
     """Each task copies chunk files on two threads, so that one chunk is read while another
-    is written."""
+    is written. ``None`` (auto): only when every host runs fewer tasks at once than it has
+    cores (:func:`zckpt.runner.overlap_for`)."""
 
 
 @dataclass
@@ -455,6 +456,7 @@ def _run(
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
+        options = replace(options, overlap=overlap_for(options.overlap, client))
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)
         compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
@@ -482,7 +484,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     written = 0
     known = _RankSums(options.checksum_block_bytes)
     with open_source(job.path, options.storage_options, verify_crc=False) as reader, \
-            _ChunkCopier(reader, 2 if options.overlap else 1) as copier:
+            _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         for w in job.writes:
             written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
