@@ -357,6 +357,9 @@ class StoreReader:
         """Largest batch of slices read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0
+        self._rows = bytearray()
+        """Chunk rows being cut (one band is read at a time): reused, so that each tile does
+        not fault in fresh memory."""
 
     def lazy(self, name: str) -> Any:
         """``name`` as a lazy ``dask.array`` over its Zarr array (Dask is imported only here)."""
@@ -441,7 +444,7 @@ class StoreReader:
             key = info.chunk_key(coords)
             origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
             r0, r1 = t.start[0] - origin[0], t.stop[0] - origin[0]
-            rows = np.empty((r1 - r0, *info.chunks[1:]), dtype=dtype)
+            rows = self._scratch_rows((r1 - r0, *info.chunks[1:]), dtype)
             with self._open_chunk(name, key, path, chunk_bytes) as f:
                 got = os.preadv(f.fileno(), [rows.reshape(-1).view(np.uint8).data], r0 * row_bytes)
             if got != rows.nbytes:
@@ -453,6 +456,12 @@ class StoreReader:
             local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start[1:], t.stop[1:], origin[1:], strict=True))
             out[t.relative_to(box).slices()] = rows[(slice(None), *local)]
         return out
+
+    def _scratch_rows(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if len(self._rows) < nbytes:
+            self._rows = bytearray(nbytes)
+        return np.frombuffer(self._rows, dtype=np.uint8, count=nbytes).view(dtype).reshape(shape)
 
     @staticmethod
     def _open_chunk(name: str, key: str, path: Path, chunk_bytes: int) -> BinaryIO:
