@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
     ing.add_argument("--chunk-mb", type=int, help="largest chunk (MiB; default min(64, max-mem/16))")
     ing.add_argument("--block-mb", type=int, help="tensor data written per step (MiB; default max-mem/4)")
-    ing.add_argument("--json", action="store_true", help="print the report as JSON")
+    ing.add_argument("--json", action="store_true",
+                     help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _engine_args(ing)
     _storage_args(ing)
 
@@ -59,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-file-mb", type=int, default=0,
                      help="safetensors: split a rank larger than this into HF-style parts plus "
                           "<prefix><r>.safetensors.index.json (default: never split)")
-    exp.add_argument("--json", action="store_true", help="print the report as JSON")
+    exp.add_argument("--json", action="store_true",
+                     help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _storage_args(exp)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
@@ -109,7 +111,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "than it has cores)")
     p.add_argument("--max-mem", default="1GiB",
                    help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress (bars, or JSON lines with --json)")
 
 
 def _storage_args(p: argparse.ArgumentParser) -> None:
@@ -132,8 +134,14 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _progress(a: argparse.Namespace) -> bool:
-    return not (a.quiet or a.json) and sys.stderr.isatty()
+def _progress(a: argparse.Namespace) -> str:
+    """Progress on stderr: JSON lines with --json (machine-readable), bars on a terminal,
+    nothing with --quiet."""
+    if a.quiet:
+        return "off"
+    if a.json:
+        return "json"
+    return "bars" if sys.stderr.isatty() else "off"
 
 
 def parse_size(text: str) -> int:

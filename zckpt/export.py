@@ -37,6 +37,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
+from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.store import Checked, Store
 
@@ -65,7 +66,9 @@ class ExportOptions:
     kernel copies are read for their checks meanwhile. ``None`` (auto): only when every
     host runs fewer tasks at once than it has cores (:func:`zckpt.runner.overlap_for`)."""
     scheduler: str | None = None
-    progress: bool = False
+    progress: bool | str = False
+    """Progress on stderr: ``"bars"`` (or ``True``), ``"json"`` (one JSON object per line),
+    ``"off"`` (or ``False``); per task (rank) and parameter, wherever the tasks run."""
     per_stage: bool = False
     """Write one ``<prefix><r>_part<s>.ckpt`` per source pipeline stage ``s`` (MindSpore's per-stage
     conversion): the parts of a rank together hold what the single file would."""
@@ -186,6 +189,7 @@ def export(
     with dask_client(engine) as client:
         options = replace(options, overlap=overlap_for(options.overlap, client))
         results = run_all(write_file, units, store.url, options, client=client, label="export",
+                          name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
                           progress=options.progress)
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
@@ -202,12 +206,19 @@ def output_dir(out_dir: str | Path, storage_options: remote.StorageOptions) -> t
     return None, remote.local_path(out_dir)
 
 
+def task_name(unit: tuple[RankExport, str]) -> str:
+    """How progress names an export task: its rank and file (per-stage parts share a rank)."""
+    return f"rank {unit[0].rank} {unit[1].rstrip('/').rsplit('/', 1)[-1]}"
+
+
 def target_name(out_loc: remote.Location | None, path: Path) -> str:
     """What a task receives: a local path, or the URL of a remote file."""
     return str(path) if out_loc is None else out_loc.url_of(path.as_posix())
 
 
-def write_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
+def write_file(
+    unit: tuple[RankExport, str], store_path: str, options: ExportOptions, report: Report | None = None
+) -> RankResult:
     """Write one destination file from the store (a Dask task: it opens the store itself).
 
     A remote destination is written to a local temporary file first and uploaded when
@@ -215,11 +226,12 @@ def write_file(unit: tuple[RankExport, str], store_path: str, options: ExportOpt
     rank, target = unit
     reader = StoreReader(Store.open(store_path, storage_options=options.storage_options), options)
     reader.store.prefetch(s.name for s in rank.slices)
+    ticker = Ticker(report)
     if not remote.is_remote(target):
-        return reader.write_rank(rank, Path(target))
+        return reader.write_rank(rank, Path(target), ticker)
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
-        result = reader.write_rank(rank, local)
+        result = reader.write_rank(rank, local, ticker)
         remote.upload(local, remote.locate(target, options.storage_options, OutputError), OutputError)
     return replace(result, path=target)
 
@@ -564,7 +576,7 @@ class StoreReader:
         self.read_bytes += sum(r.length for r in out)
         return out
 
-    def write_rank(self, rank: RankExport, target: Path) -> RankResult:
+    def write_rank(self, rank: RankExport, target: Path, ticker: Ticker | None = None) -> RankResult:
         tensors = 0
         direct: dict[str, list[FileRange]] = {}
         plan: list[tuple[str, list[Box]]] = []
@@ -595,6 +607,10 @@ class StoreReader:
                     n = band_counts[s.name]
                     w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))
                     tensors += 1
+                if ticker is not None and e.kind == "tensor":
+                    ticker.add(s.name, s.box.size * ms_dtype(e.ms_type).storage.itemsize)
+        if ticker is not None:
+            ticker.close()
         return RankResult(rank.rank, str(target), tensors, target.stat().st_size, self.read_bytes, self.checked_bytes)
 
 

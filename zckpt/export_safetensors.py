@@ -47,12 +47,14 @@ from zckpt.export import (
     output_jobs,
     plan_export,
     target_name,
+    task_name,
 )
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import INDEX_SUFFIX
 from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
 from zckpt.plan import RankExport
+from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import EntryRecord, Store
 
@@ -148,22 +150,27 @@ def export_safetensors(
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         results = run_all(write_safetensors_file, units, store.url, options, client=client,
-                          label="export", progress=options.progress,
+                          label="export", progress=options.progress, name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 
-def write_safetensors_file(unit: tuple[RankExport, str], store_path: str, options: ExportOptions) -> RankResult:
+def write_safetensors_file(
+    unit: tuple[RankExport, str], store_path: str, options: ExportOptions, report: Report | None = None
+) -> RankResult:
     """Write one destination rank (a Dask task: it opens the store itself)."""
     rank, target = unit
     reader = StoreReader(Store.open(store_path, storage_options=options.storage_options), options)
     reader.store.prefetch(s.name for s in rank.slices)
+    ticker = Ticker(report)
     if not remote.is_remote(target):
-        return write_rank(reader, rank, Path(target), options)
-    return _write_remote_rank(reader, rank, target, options)
+        return write_rank(reader, rank, Path(target), options, ticker)
+    return _write_remote_rank(reader, rank, target, options, ticker)
 
 
-def _write_remote_rank(reader: StoreReader, rank: RankExport, target: str, options: ExportOptions) -> RankResult:
+def _write_remote_rank(
+    reader: StoreReader, rank: RankExport, target: str, options: ExportOptions, ticker: Ticker | None = None
+) -> RankResult:
     """Write the rank's files in a local temporary directory, upload each when complete (the
     parts before the index that names them), then remove what an earlier export of this
     rank left that this one did not write (e.g. parts of another split)."""
@@ -172,7 +179,7 @@ def _write_remote_rank(reader: StoreReader, rank: RankExport, target: str, optio
     stale = set(_remote_outputs(loc, loc.path))
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         name = target.rstrip("/").rsplit("/", 1)[-1]
-        result = write_rank(reader, rank, Path(tmp) / name, options)
+        result = write_rank(reader, rank, Path(tmp) / name, options, ticker)
         made = sorted(p.name for p in Path(tmp).iterdir())
         index = Path(result.path).name if Path(result.path).name.endswith(INDEX_SUFFIX) else None
         for n in [m for m in made if m != index] + ([index] if index else []):
@@ -183,7 +190,9 @@ def _write_remote_rank(reader: StoreReader, rank: RankExport, target: str, optio
     return replace(result, path=folder.child(Path(result.path).name).url)
 
 
-def write_rank(reader: StoreReader, rank: RankExport, target: Path, options: ExportOptions) -> RankResult:
+def write_rank(
+    reader: StoreReader, rank: RankExport, target: Path, options: ExportOptions, ticker: Ticker | None = None
+) -> RankResult:
     """One rank's file, or its parts and index when it exceeds ``max_file_bytes``."""
     entries: dict[str, EntryRecord] = {e.name: e for e in reader.store.entries()}
     tensors = [TensorHeader(s.name, entries[s.name].ms_type, s.box.shape) for s in rank.slices
@@ -208,6 +217,8 @@ def write_rank(reader: StoreReader, rank: RankExport, target: Path, options: Exp
                                 options.block_bytes)
             for t in w.order:
                 w.write_tensor(t.name, bands.take(t.name))
+                if ticker is not None:
+                    ticker.add(t.name, t.nbytes)
         total += path.stat().st_size
     result_path = paths[0]
     if len(parts) > 1:
@@ -219,6 +230,8 @@ def write_rank(reader: StoreReader, rank: RankExport, target: Path, options: Exp
     for p in stale - {*paths, result_path}:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
+    if ticker is not None:
+        ticker.close()
     return RankResult(rank.rank, str(result_path), len(tensors), total)
 
 

@@ -36,6 +36,7 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
+from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
 from zckpt.store import Store, chunk_shape
@@ -57,7 +58,9 @@ class IngestOptions:
     processes: bool = False
     """Local workers (``workers`` > 1) as processes instead of threads of this process."""
     scheduler: str | None = None
-    progress: bool = False
+    progress: bool | str = False
+    """Progress on stderr: ``"bars"`` (or ``True``), ``"json"`` (one JSON object per line),
+    ``"off"`` (or ``False``); per task (rank) and parameter, wherever the tasks run."""
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
     checksum_block_bytes: int = BLOCK_BYTES
@@ -434,6 +437,8 @@ class RankJob:
     checks: tuple[ReplicaCheck, ...]
     chunks: Mapping[str, tuple[int, ...]]
     nbytes: int
+    check_bytes: int = 0
+    """Bytes of the replicas this rank's file is compared on (the size of its verify task)."""
 
 
 def _run(
@@ -452,15 +457,18 @@ def _run(
         cs = plan.checks_of(rank, verify_replicas=options.verify_replicas)
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
-        jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes))
+        check_bytes = sum(c.box.size * itemsizes.get(c.name, 1) for c in cs)
+        jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes, check_bytes))
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
         options = replace(options, overlap=overlap_for(options.overlap, client))
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
-                          client=client, label="ingest", size=lambda j: j.nbytes, progress=options.progress)
+                          client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
+                          progress=options.progress)
         compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
-                           dict(plan.rank_files), client=client, label="verify", progress=options.progress)
+                           dict(plan.rank_files), client=client, label="verify", size=lambda j: j.check_bytes,
+                           name=_rank_name, progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
 
@@ -477,7 +485,11 @@ def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
+def _rank_name(job: RankJob) -> str:
+    return f"rank {job.rank}"
+
+
+def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
     store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
     store.prefetch(w.name for w in job.writes)
@@ -486,9 +498,13 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions) -> int:
     with open_source(job.path, options.storage_options, verify_crc=False) as reader, \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
+        ticker = Ticker(report)
         for w in job.writes:
-            written += _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
+            n = _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
+            written += n
+            ticker.add(w.name, n)
         batch.flush()
+        ticker.close()
         for name, key, sums in copier.finish():
             known.of(name)[key] = sums
         if store.is_remote:
@@ -547,14 +563,20 @@ def _source_checksums(
         reader.release_pages()
 
 
-def check_rank(job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str]) -> int:
+def check_rank(
+    job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str], report: Report | None = None
+) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
     store = Store.open(store_path, mode="r", storage_options=options.storage_options)
     store.prefetch(c.name for c in job.checks)
     compared = 0
     with open_source(job.path, options.storage_options, verify_crc=False) as reader:
+        ticker = Ticker(report)
         for c in job.checks:
-            compared += _compare(store, reader, c, options.block_bytes, files)
+            n = _compare(store, reader, c, options.block_bytes, files)
+            compared += n
+            ticker.add(c.name, n)
+        ticker.close()
         reader.release_pages()
     return compared
 

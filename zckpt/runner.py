@@ -9,13 +9,14 @@ with Dask distributed (never a home-made cluster) and reports progress.
 from __future__ import annotations
 
 import os
-import sys
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from zckpt.errors import UsageError
+from zckpt.progress import OFF, DaskTopic, View, mode_of
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -29,7 +30,7 @@ class RunOptions(Protocol):
     @property
     def scheduler(self) -> str | None: ...
     @property
-    def progress(self) -> bool: ...
+    def progress(self) -> bool | str: ...
     @property
     def processes(self) -> bool: ...
 
@@ -46,7 +47,7 @@ class Engine:
 
     workers: int = 1
     scheduler: str | None = None
-    progress: bool = False
+    progress: bool | str = False
     processes: bool = False
 
     @classmethod
@@ -171,54 +172,52 @@ def run_all(
     client: Any,
     label: str,
     size: Callable[[T], int] = lambda _: 1,
-    progress: bool = False,
+    name: Callable[[T], str] = lambda _: "",
+    progress: bool | str = False,
 ) -> list[R]:
-    """``[fn(unit, *args) for unit in units]``, on the cluster when there is one.
+    """``[fn(unit, *args, report=...) for unit in units]``, on the cluster when there is one.
 
-    Results come back in ``units`` order; the first failure is raised as it was raised in
-    the task (zckpt errors keep their class and message).
+    Each task gets a ``report(param, nbytes)`` callable (``None`` when progress is off)
+    that feeds the view of this phase (:mod:`zckpt.progress`): directly in this process,
+    through Dask's worker events on a cluster. Results come back in ``units`` order; the
+    first failure is raised as it was raised in the task (zckpt errors keep their class
+    and message).
     """
-    bar = _bar(label, sum(size(u) for u in units), progress)
+    if not units:
+        return []
+    mode = mode_of(progress)
+    view = View(mode, label, [(name(u), size(u)) for u in units]) if mode != OFF else None
+    topic: str | None = None
     try:
         if client is None:
             out = []
-            for u in units:
-                out.append(fn(u, *args))
-                bar.update(size(u))
+            for i, u in enumerate(units):
+                out.append(fn(u, *args, report=view.reporter(i) if view is not None else None))
+                if view is not None:
+                    view.finish(i)
             return out
         from distributed import as_completed
 
-        futures = [client.submit(fn, u, *args, pure=False) for u in units]
+        if view is not None:
+            topic = f"zckpt-progress-{uuid.uuid4().hex}"
+            client.subscribe_topic(topic, view.on_event)
+        futures = [client.submit(fn, u, *args, report=DaskTopic(topic, i) if topic else None, pure=False)
+                   for i, u in enumerate(units)]
         index = {f.key: i for i, f in enumerate(futures)}
         results: list[Any] = [None] * len(units)
         try:
             for fut in as_completed(futures):
                 i = index[fut.key]
                 results[i] = fut.result()
-                bar.update(size(units[i]))
+                if view is not None:
+                    view.finish(i)
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
         return results
     finally:
-        bar.close()
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(label: str, total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+        if topic is not None:
+            client.unsubscribe_topic(topic)
+        if view is not None:
+            view.close()
