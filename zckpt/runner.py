@@ -150,7 +150,11 @@ def overlap_for(flag: bool | None, client: Any) -> bool:
         return flag
     if client is None:
         return wants_overlap(None)
-    return cores_to_spare(client.scheduler_info(n_workers=-1).get("workers", {}), client.run(usable_cpus))
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # older distributed: no argument, every worker listed
+        info = client.scheduler_info()
+    return cores_to_spare(info.get("workers", {}), client.run(usable_cpus))
 
 
 def cores_to_spare(workers: Mapping[str, Mapping[str, Any]], cpus: Mapping[str, int]) -> bool:
