@@ -481,12 +481,12 @@ class StoreReader:
         try:
             f = open(path, "rb", buffering=0)  # noqa: SIM115
         except FileNotFoundError:
-            raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
-        size = os.fstat(f.fileno()).st_size
-        if size != chunk_bytes:
+            raise _chunk_missing(name, key, path) from None
+        try:
+            _check_chunk_size(name, key, path, os.fstat(f.fileno()).st_size, chunk_bytes)
+        except StoreError:
             f.close()
-            raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
-                             "the store is damaged", path=path, param=name)
+            raise
         return f
 
     def _span_check(self, name: str, key: str, path: Path, chunk_bytes: int, offset: int,
@@ -526,7 +526,7 @@ class StoreReader:
                 size = os.fstat(f.fileno()).st_size
                 got = os.preadv(f.fileno(), [dest.data], offset)
         except FileNotFoundError:
-            raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
+            raise _chunk_missing(name, key, path) from None
         if got != len(dest) or (whole and size != len(dest)):
             raise StoreError(f"chunk {key} holds {'more' if got == len(dest) else 'fewer'} bytes than its "
                              f"{'chunk' if whole else 'rows'} need: the store is damaged",
@@ -567,10 +567,8 @@ class StoreReader:
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
-                raise StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name) from None
-            if size != chunk_bytes:
-                raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
-                                 "the store is damaged", path=path, param=name)
+                raise _chunk_missing(name, key, path) from None
+            _check_chunk_size(name, key, path, size, chunk_bytes)
             check = self._span_check(name, key, path, chunk_bytes, offset, length)
             out.append(FileRange(path, offset, length, check.feed if check is not None else None))
         self.read_bytes += sum(r.length for r in out)
@@ -612,6 +610,17 @@ class StoreReader:
         if ticker is not None:
             ticker.close()
         return RankResult(rank.rank, str(target), tensors, target.stat().st_size, self.read_bytes, self.checked_bytes)
+
+
+def _chunk_missing(name: str, key: str, path: Path) -> StoreError:
+    return StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name)
+
+
+def _check_chunk_size(name: str, key: str, path: Path, size: int, chunk_bytes: int) -> None:
+    """A raw chunk file holds exactly its chunk's values; any other size means damage."""
+    if size != chunk_bytes:
+        raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
+                         "the store is damaged", path=path, param=name)
 
 
 def _one_chunk_column(box: Box, chunks: tuple[int, ...]) -> bool:

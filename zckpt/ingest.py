@@ -705,8 +705,7 @@ class _WriteBatch:
     zarr encodes them; the limit bounds what is in flight.
     """
 
-    def __init__(self, store: Store, limit: int, reader: CkptReader | None = None,
-                 copier: _ChunkCopier | None = None) -> None:
+    def __init__(self, store: Store, limit: int, reader: CkptReader, copier: _ChunkCopier) -> None:
         self.store = store
         self.reader = reader
         self.copier = copier
@@ -723,8 +722,7 @@ class _WriteBatch:
     def flush(self) -> None:
         if self.items:
             self.store.write_many(self.items)
-            if self.reader is not None:
-                self.reader.release_pages()
+            self.reader.release_pages()
         self.items = []
         self.pending = 0
 
@@ -753,7 +751,7 @@ def _write(
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if batch.copier is not None and _copy_chunks(batch.store, reader, w, chunks, batch.copier, known.block_bytes):
+    if _copy_chunks(batch.store, reader, w, chunks, batch.copier, known.block_bytes):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:

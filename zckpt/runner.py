@@ -30,8 +30,6 @@ class RunOptions(Protocol):
     @property
     def scheduler(self) -> str | None: ...
     @property
-    def progress(self) -> bool | str: ...
-    @property
     def processes(self) -> bool: ...
 
 
@@ -47,13 +45,12 @@ class Engine:
 
     workers: int = 1
     scheduler: str | None = None
-    progress: bool | str = False
     processes: bool = False
 
     @classmethod
     def of(cls, options: RunOptions) -> Engine:
         """The engine an ingest's or an export's options ask for."""
-        return cls(options.workers, options.scheduler, options.progress, options.processes)
+        return cls(options.workers, options.scheduler, options.processes)
 
     def share(self, nbytes: int) -> int:
         """Each task's part of a per-process memory bound: local thread workers share one
