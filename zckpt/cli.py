@@ -69,11 +69,20 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--dst-strategy", help="destination strategy file or directory (local or URL; omit: one rank)")
     pl.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--svg", metavar="FILE", help="draw --param's source and destination boxes (with --rank: that "
+                                                  "rank's box and the source boxes it reads) to an SVG file")
+    pl.add_argument("--param", help="parameter to draw with --svg")
+    pl.add_argument("--shape", help="its global shape for --svg, e.g. 4096,1024 (strategy files hold no shapes)")
     _storage_args(pl)
 
     inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
     inf.add_argument("path", help="file or store (a local path or a URL: s3://..., memory://...)")
     inf.add_argument("--json", action="store_true")
+    inf.add_argument("--svg", metavar="FILE", help="store only: draw --param's source boxes and chunk grid, and the "
+                                                   "boxes of --dst-strategy's ranks, to an SVG file")
+    inf.add_argument("--param", help="parameter to draw with --svg")
+    inf.add_argument("--dst-strategy", help="destination strategy drawn with --svg (omit: one rank, whole tensors)")
+    inf.add_argument("--rank", type=int, help="with --svg: emphasise this destination rank and what it reads")
     _storage_args(inf)
 
     mrg = sub.add_parser("merge-strategies", help="merge per-rank pipeline strategy files into one (as MindSpore)")
@@ -236,6 +245,15 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     dst = load_strategy(a.dst_strategy, opts)
     n = dst.device_num() if dst is not None else 1
     ranks = a.rank if a.rank else list(range(n))
+    if a.svg:
+        from zckpt.draw import plan_picture
+
+        if not a.param:
+            raise UsageError("--svg needs --param NAME")
+        if len(ranks) > 1 and a.rank:
+            raise UsageError("--svg emphasises one destination rank: give --rank once")
+        shape = _shape_arg(a.shape) if a.shape else None
+        _write_svg(a.svg, plan_picture(src, dst, a.param, shape, a.rank[0] if a.rank else None))
     table = {r: rank_list_for_transform_maps(r, src, dst) for r in ranks}
     lines = [f"destination rank {r}: source ranks {sorted(v)}" for r, v in table.items()]
     _emit({"ranks": {str(r): sorted(v) for r, v in table.items()}}, a.json, lines)
@@ -245,9 +263,40 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _cmd_info(a: argparse.Namespace) -> int:
     from zckpt.info import describe
 
-    doc, lines = describe(a.path, parse_storage_options(a.storage_option) or None)
+    opts = parse_storage_options(a.storage_option) or None
+    if a.svg:
+        from zckpt.info import store_svg
+
+        if not a.param:
+            raise UsageError("--svg needs --param NAME")
+        _write_svg(a.svg, store_svg(a.path, a.param, a.dst_strategy, a.rank, opts))
+    elif a.param or a.dst_strategy or a.rank is not None:
+        raise UsageError("--param, --dst-strategy and --rank go with --svg")
+    doc, lines = describe(a.path, opts)
     _emit(doc, a.json, lines)
     return 0
+
+
+def _shape_arg(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--shape {text!r} is not a comma-separated list of sizes") from None
+    if any(d < 1 for d in shape):
+        raise UsageError(f"--shape {text!r} must hold positive sizes")
+    return shape
+
+
+def _write_svg(path: str, text: str) -> None:
+    from pathlib import Path
+
+    from zckpt.fileio import write_atomic
+
+    target = Path(path)
+    if target.suffix.lower() != ".svg":
+        raise UsageError("the picture's file name must end with .svg", path=target)
+    write_atomic(target, text.encode("utf-8"))
+    print(f"wrote {target}", file=sys.stderr)
 
 
 def _cmd_merge_strategies(a: argparse.Namespace) -> int:

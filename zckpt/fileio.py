@@ -5,6 +5,7 @@ pass)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,11 +80,38 @@ def copy_range(
         buffered_copy(src, dst, offset + done, length - done, buf, sink)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new name in ``path`` durable: until its directory is synced, a
+    crash can lose the new name even though the file's own bytes were synced."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(f: BinaryIO, tmp_path: Path, path: Path, fsync: bool) -> None:
     """Give a completely written temporary file its final name: flush, fsync (when asked),
-    close, then rename atomically, so the final name never shows a partial file."""
+    close, rename atomically, then sync the directory, so the final name never shows a
+    partial file and, once this returns, survives a crash."""
     f.flush()
     if fsync:
         os.fsync(f.fileno())
     f.close()
     os.replace(tmp_path, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write a small file whole under a temporary name in its directory, then
+    :func:`publish` it; the temporary file is removed on any failure."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp-zckpt")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            publish(f, tmp, path, fsync)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise

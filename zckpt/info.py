@@ -110,3 +110,27 @@ def _describe_store(path: str | Path, storage_options: remote.StorageOptions = N
     ranks = sorted(st.ingested_ranks())
     head = f"store {st.url}: {len(entries)} entries, complete: {st.complete}, ingested ranks {ranks}"
     return {"type": "store", "path": st.url, "complete": st.complete, "entries": entries}, [head, *_table(rows)]
+
+
+def store_svg(path: str | os.PathLike[str], name: str, dst_strategy: str | None, rank: int | None,
+              storage_options: remote.StorageOptions = None) -> str:
+    """``zckpt info STORE --svg``: a parameter's writers and chunk grid in the store, beside
+    the boxes a destination strategy gives its ranks (real shapes, from the store)."""
+    from zckpt.draw import Panel, held_boxes, store_picture
+    from zckpt.export import plan_export
+    from zckpt.store import Store
+
+    store = Store.open(path, storage_options=storage_options)
+    specs = {s.name: s for s in store.specs()}
+    if name not in specs:
+        raise UsageError("the store holds no such parameter", path=str(path), param=name)
+    spec = specs[name]
+    if spec.kind != "tensor":
+        raise UsageError(f"a {spec.kind} entry has no boxes to draw", path=str(path), param=name)
+    src = Panel("in the store: source boxes and chunks", spec.shape, held_boxes(store.writers(name)),
+                store.chunk_info(name).chunks)
+    plan = plan_export(store, dst_strategy, None, storage_options)
+    held = [(r.rank, s.box) for r in plan.ranks for s in r.slices if s.name == name]
+    if not held:
+        raise UsageError("the destination holds no part of this parameter", param=name)
+    return store_picture(src, held, name, rank)

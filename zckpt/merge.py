@@ -26,7 +26,6 @@ directory. Byte-identical files are read once, as MindSpore does.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from typing import Any, Literal
 from google.protobuf.message import DecodeError
 
 from zckpt.errors import OutputError, StrategyError, UsageError
+from zckpt.fileio import write_atomic
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import ParamLayout, read_strategy
 
@@ -230,21 +230,6 @@ def _encode(fmt: StrategyFormat, chosen: Sequence[_StageFile]) -> bytes:
     return json.dumps(doc).encode("utf-8")  # json.dump's defaults, as MindSpore writes it
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Temporary name in the same directory, fsync, rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp-zckpt")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-
-
 def merge_strategy_files(
     files: Sequence[str | os.PathLike[str]], dst_strategy_file: str | os.PathLike[str], *, where: str | None = None
 ) -> MergeReport:
@@ -312,7 +297,7 @@ def merge_strategy_files(
     chosen = [by_stage[s] for s in stages]
     data = _encode(fmt, chosen)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(dst, data)
+    write_atomic(dst, data)
     return MergeReport(
         out_file=str(dst),
         format=fmt,
