@@ -32,6 +32,7 @@ from zckpt import remote
 from zckpt.checksums import Mismatch, SpanCheck
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
+from zckpt.fileio import write_atomic
 from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
@@ -279,7 +280,7 @@ def resume_or_refuse(
         todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
     out.mkdir(parents=True, exist_ok=True)
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
-        marker.write_text(json.dumps({"fingerprint": fingerprint}), encoding="utf-8")
+        write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
     return todo
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt import remote
+from zckpt import fileio, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
 from zckpt.export import (
@@ -236,14 +235,8 @@ def write_rank(
 
 
 def _write_json(path: Path, doc: object, *, fsync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp-zckpt")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    fileio.write_atomic(path, text.encode("utf-8"), fsync=fsync)
 
 
 class _BandStream:

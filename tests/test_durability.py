@@ -1,0 +1,104 @@
+"""Durability: every finished output is synced before its rename, and its directory after.
+
+A rename is atomic but not durable: after a power cut the new name may be gone (its
+directory was never synced), or present with a file whose bytes never reached the disk (the
+file was never synced). This test records the real ``fsync`` and ``rename`` system calls
+(paths read back from ``/proc/self/fd``) while zckpt writes each kind of output, and fails
+when any of those syncs is removed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from zckpt.cli import main as cli_main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
+
+Event = tuple[str, str, str]
+
+
+@pytest.fixture
+def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Event]]:
+    """``("fsync", path, "")`` and ``("rename", src, dst)`` in the order they happen."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to name synced descriptors")
+    events: list[Event] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), ""))
+        real_fsync(fd)
+
+    def wrap(real: Callable[..., None]) -> Callable[..., None]:
+        def move(src: str | os.PathLike[str], dst: str | os.PathLike[str], *a: object, **k: object) -> None:
+            real(src, dst, *a, **k)
+            events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        return move
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", wrap(real_replace))
+    monkeypatch.setattr(os, "rename", wrap(real_rename))
+    yield events
+
+
+def assert_durable(events: list[Event], final: Path) -> None:
+    """``final`` was synced under its temporary name, renamed, then its directory synced."""
+    final = Path(os.path.realpath(final))
+    renames = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
+    assert renames, f"{final} was not published by a rename"
+    at = renames[-1]
+    tmp = events[at][1]
+    assert any(e == ("fsync", tmp, "") for e in events[:at]), f"{final}: its bytes were not synced before the rename"
+    assert ("fsync", str(final.parent), "") in events[at + 1:], f"{final}: its directory was not synced after the rename"
+
+
+def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
+    store, out = tmp_path / "s.zarr", tmp_path / "out"
+    assert cli_main(["ingest", str(EXAMPLE / "src/checkpoints"), "--strategy", str(EXAMPLE / "src/strategy.ckpt"),
+                     "--store", str(store), "--quiet"]) == 0
+    syscalls.clear()
+    assert cli_main(["export", str(store), "--strategy", str(EXAMPLE / "dst/strategy.ckpt"), "--out", str(out),
+                     "--quiet"]) == 0
+    files = sorted(out.glob("rank_*/*.ckpt"))
+    assert len(files) == 4
+    for f in files:
+        assert_durable(syscalls, f)
+    assert_durable(syscalls, out / ".zckpt-export.json")
+
+
+def test_safetensors_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
+    store, out = tmp_path / "s.zarr", tmp_path / "out"
+    assert cli_main(["ingest", str(EXAMPLE / "src/checkpoints"), "--strategy", str(EXAMPLE / "src/strategy.ckpt"),
+                     "--store", str(store), "--quiet"]) == 0
+    syscalls.clear()
+    assert cli_main(["export", str(store), "--out", str(out), "--format", "safetensors", "--max-file-mb", "0",
+                     "--quiet"]) == 0
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != ".zckpt-export.json")
+    assert files
+    for f in files:
+        assert_durable(syscalls, f)
+
+
+def test_merged_strategy_is_durable(tmp_path: Path, syscalls: list[Event]) -> None:
+    src = tmp_path / "strategies"
+    src.mkdir()
+    (src / "strategy_0.ckpt").write_bytes((EXAMPLE / "src/strategy.ckpt").read_bytes())
+    out = tmp_path / "merged.ckpt"
+    assert cli_main(["merge-strategies", str(src), str(out)]) == 0
+    assert_durable(syscalls, out)
+
+
+def test_a_missing_directory_sync_is_caught(tmp_path: Path, syscalls: list[Event]) -> None:
+    """The check itself can fail: a rename with a synced file but no directory sync."""
+    tmp, final = tmp_path / "a.tmp", tmp_path / "a"
+    with open(tmp, "wb") as f:
+        f.write(b"x")
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    with pytest.raises(AssertionError, match="directory was not synced"):
+        assert_durable(syscalls, final)
