@@ -54,7 +54,8 @@ def assert_durable(events: list[Event], final: Path) -> None:
     at = renames[-1]
     tmp = events[at][1]
     assert any(e == ("fsync", tmp, "") for e in events[:at]), f"{final}: its bytes were not synced before the rename"
-    assert ("fsync", str(final.parent), "") in events[at + 1:], f"{final}: its directory was not synced after the rename"
+    assert ("fsync", str(final.parent), "") in events[at + 1:], \
+        f"{final}: its directory was not synced after the rename"
 
 
 def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
