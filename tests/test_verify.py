@@ -213,7 +213,7 @@ def test_incomplete_store_requires_only_ingested_regions(tmp_path: Path) -> None
 
 def test_usage_errors(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run(["verify", str(work / "s.zarr"), "--strategy", str(SRC_STRATEGY)], capsys)
-    assert code == 1 and "SRC_DIR" in out
+    assert code == 2 and "SRC_DIR" in out
     code, out = _run(["verify", str(work / "nope.zarr")], capsys)
     assert code == 1 and "not a zarr store" in out
 

@@ -1,7 +1,9 @@
 """Command line: ``zckpt ingest | export | plan | info | merge-strategies | load | consolidate``.
 
-Every zckpt error is printed as one line naming the file and parameter, with exit code 1;
-usage errors exit with 2 (argparse's convention).
+Every zckpt error is printed as one line naming the file and parameter, with exit code 1
+(with ``--json`` also as a JSON object on stdout); usage errors exit with 2, argparse's
+and zckpt's alike; a closed stdout (``| head``) ends quietly with 141, Ctrl-C with 130
+after the writers removed their temporary files.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from zckpt.errors import UsageError, ZckptError
+from zckpt.errors import OutputError, UsageError, ZckptError
 from zckpt.runner import memory_budget
 
 MiB = 1024 * 1024
@@ -21,6 +24,7 @@ MiB = 1024 * 1024
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.")
+    p.add_argument("--version", action="version", version=f"zckpt {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
@@ -89,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     mrg.add_argument("src_strategy_dir", help="directory with every rank's strategy file (*.ckpt or *.json)")
     mrg.add_argument("out_file", help="merged strategy file to write (.json for JSON inputs)")
     mrg.add_argument("--json", action="store_true", help="print the report as JSON")
+    mrg.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
 
     ld = sub.add_parser("load", help="read one destination rank's slice of one parameter from a store")
     ld.add_argument("store")
@@ -105,6 +110,17 @@ def _parser() -> argparse.ArgumentParser:
     _storage_args(con)
     _verify_args(sub)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zckpt")
+    except PackageNotFoundError:
+        import zckpt
+
+        return zckpt.__version__
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -288,8 +304,6 @@ def _shape_arg(text: str) -> tuple[int, ...]:
 
 
 def _write_svg(path: str, text: str) -> None:
-    from pathlib import Path
-
     from zckpt.fileio import write_atomic
 
     target = Path(path)
@@ -302,6 +316,8 @@ def _write_svg(path: str, text: str) -> None:
 def _cmd_merge_strategies(a: argparse.Namespace) -> int:
     from zckpt.merge import merge_strategies
 
+    if Path(a.out_file).exists() and not a.overwrite:
+        raise OutputError("output file already exists (use --overwrite to replace it)", path=a.out_file)
     r = merge_strategies(a.src_strategy_dir, a.out_file)
     _emit(
         {"out_file": r.out_file, "format": r.format, "files": list(r.files), "layouts": r.layouts,
@@ -368,16 +384,59 @@ _COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "i
 _COMMANDS["verify"] = _cmd_verify
 
 
+EXIT_ERROR, EXIT_USAGE, EXIT_PIPE, EXIT_INTERRUPT = 1, 2, 141, 130
+"""Exit codes: a refusal; bad arguments (argparse's code); stdout closed by the reader
+(``zckpt info ... | head``: 128 + SIGPIPE, quietly); interrupted (128 + SIGINT)."""
+
+
+def error_doc(err: BaseException, command: str) -> dict[str, Any]:
+    """An error as the JSON that ``--json`` prints, so scripts read failures as they read reports."""
+    doc: dict[str, Any] = {"command": command, "type": type(err).__name__}
+    if isinstance(err, ZckptError):
+        doc.update(message=err.message, file=err.path, param=err.param)
+    else:
+        doc["message"] = str(err)
+    return {"error": doc}
+
+
+def _fail(err: BaseException, args: argparse.Namespace, code: int) -> int:
+    text = str(err) if isinstance(err, ZckptError) else f"{type(err).__name__}: {err}"
+    print(f"zckpt {args.command}: error: {text}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(error_doc(err, args.command), indent=1))
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        code = _COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+        return code
+    except UsageError as err:
+        return _fail(err, args, EXIT_USAGE)
     except ZckptError as err:
-        print(f"zckpt {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return _fail(err, args, EXIT_ERROR)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        print(f"zckpt {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPT
     except (OSError, TypeError, ValueError) as err:
-        print(f"zckpt {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        return _fail(err, args, EXIT_ERROR)
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null so that Python's final flush
+    does not raise a second BrokenPipeError at exit."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

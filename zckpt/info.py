@@ -31,8 +31,10 @@ def describe(path: str | os.PathLike[str], storage_options: remote.StorageOption
     local = remote.local_path(path)
     if (local / "zarr.json").is_file():
         return _describe_store(local)
+    if local.is_dir():
+        return _describe_dir(local)
     if not local.is_file():
-        raise UsageError("no such file or store", path=local)
+        raise UsageError("no such file, directory or store", path=local)
     return _describe_file(local, str(local))
 
 
@@ -56,6 +58,24 @@ def _describe_file(path: Path, shown: str) -> Described:
     if path.suffix == ".json" or _looks_like_strategy(path):
         return _describe_strategy(path, shown)
     return _describe_ckpt(path, shown)
+
+
+def _describe_dir(path: Path) -> Described:
+    """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
+    ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
+    from zckpt.formats.shards import pick_rank_file
+    from zckpt.sources import discover_rank_files
+
+    if any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir()):
+        files = discover_rank_files(path)
+        rows = [["rank", "file", "bytes"]] + [[str(r), str(f), str(Path(f).stat().st_size)] for r, f in files.items()]
+        doc = {"type": "job", "path": str(path), "ranks": {str(r): str(f) for r, f in files.items()}}
+        return doc, [f"job {path}: {len(files)} rank(s)", *_table(rows)]
+    chosen = pick_rank_file(path)
+    if chosen is None:
+        raise UsageError("directory holds no store, no rank_<r>/ folders and no checkpoint file", path=path)
+    doc, lines = _describe_file(chosen, str(chosen))
+    return {**doc, "chosen_from": str(path)}, [f"{path}: checkpoint chosen as ingest would: {chosen.name}", *lines]
 
 
 def _looks_like_strategy(path: Path) -> bool:

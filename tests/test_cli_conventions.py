@@ -1,0 +1,114 @@
+"""The command line behaves as people expect of a Unix tool: ``--version``, exit 2 for usage
+errors, errors as JSON with ``--json``, quiet on a closed pipe and on Ctrl-C (no traceback,
+no temporary file left), no silent overwrite. Signals are sent to real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zckpt
+from zckpt.cli import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE
+from zckpt.cli import main as cli_main
+from zckpt.formats.ckpt import CkptWriter
+from zckpt.generate import TensorDef, write_model
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
+CLI = [sys.executable, "-m", "zckpt.cli"]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zckpt {zckpt.__version__}"
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:  # argparse's own
+        cli_main(["export"])
+    assert done.value.code == EXIT_USAGE
+    assert cli_main(["info", str(EXAMPLE / "src/strategy.ckpt"), "--param", "x"]) == EXIT_USAGE  # zckpt's
+    assert "go with --svg" in capsys.readouterr().err
+
+
+def test_json_errors_are_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan", "--src-strategy", "no/such/file", "--json"]) == 1
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["error"]["type"] == "StrategyError"
+    assert doc["error"]["file"] == "no/such/file"
+    assert doc["error"]["command"] == "plan"
+    assert "no such strategy file" in out.err
+
+
+def test_merge_strategies_does_not_overwrite_silently(tmp_path: Path) -> None:
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "strategy_0.ckpt").write_bytes((EXAMPLE / "src/strategy.ckpt").read_bytes())
+    out = tmp_path / "merged.ckpt"
+    out.write_bytes(b"keep me")
+    assert cli_main(["merge-strategies", str(src), str(out)]) == 1
+    assert out.read_bytes() == b"keep me"
+    assert cli_main(["merge-strategies", str(src), str(out), "--overwrite"]) == 0
+    assert out.read_bytes() != b"keep me"
+
+
+def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    many = tmp_path / "many.ckpt"
+    with CkptWriter(many) as w:
+        for i in range(4000):  # far more than a pipe buffer of listing
+            w.write_array(f"layer.{i}.weight_with_a_long_name", "Float32", np.zeros(1, np.float32))
+    proc = subprocess.Popen([*CLI, "info", str(many)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == EXIT_PIPE
+    assert err == ""
+
+
+def test_ctrl_c_exits_130_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    tensors = [TensorDef(f"w{i}", (2048, 1024), "Float32") for i in range(24)]  # 192 MiB
+    model = write_model(tmp_path / "src", tensors, device_num=1, strategy_format=None, scalars=False)
+    store, out = tmp_path / "s.zarr", tmp_path / "out"
+    assert cli_main(["ingest", str(model.root), "--store", str(store), "--quiet"]) == 0
+    for _ in range(3):
+        proc = subprocess.Popen([*CLI, "export", str(store), "--out", str(out), "--quiet", "--overwrite",
+                                 "--max-mem", "16MiB", "--no-overlap"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not list(out.rglob("*.tmp-zckpt")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == EXIT_INTERRUPT, err
+            assert b"Traceback" not in err and b"interrupted" in err
+            assert list(out.rglob("*.tmp-zckpt")) == []
+            assert list(out.rglob("*.ckpt")) == []
+            return
+        proc.communicate()
+    pytest.fail("export finished before it could be interrupted three times")
+
+
+def test_info_describes_job_and_rank_directories(capsys: pytest.CaptureFixture[str]) -> None:
+    job = EXAMPLE / "src/checkpoints"
+    assert cli_main(["info", str(job), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["type"] == "job"
+    assert doc["ranks"] == {str(r): str(job / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in range(8)}
+    assert cli_main(["info", str(job / "rank_5"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["chosen_from"] == str(job / "rank_5") and doc["path"].endswith("checkpoint_5.ckpt")
+    assert len(doc["entries"]) == 11
+    assert cli_main(["info", str(EXAMPLE)]) == EXIT_USAGE
+    assert "no store, no rank_<r>/ folders" in capsys.readouterr().err
