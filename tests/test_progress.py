@@ -67,11 +67,12 @@ def test_view_draws_a_bar_per_task_in_progress() -> None:
     view.tick(0, "layer0.weight", 1 << 19)
     bar = view.tasks[0].bar
     assert bar is not None and view.tasks[1].bar is None
-    assert (bar.n, bar.postfix) == (1 << 19, "layer0.weight")
+    assert (bar.n, bar.postfix) == (0.5, "layer0.weight")  # bars count MiB, as the summaries do
     view.finish(0)
-    assert view.tasks[0].bar is None and bar.n == 1 << 20
+    assert view.tasks[0].bar is None and bar.n == 1.0
     view.close()
     assert "ingest" in out.getvalue() and "rank 0" in out.getvalue()
+    assert "MiB" in out.getvalue() and "MB/s" not in out.getvalue()
 
 
 def test_progress_modes() -> None:

@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+MIB = 1024 * 1024
+"""Bars count MiB, as every summary does (tqdm's own scaling mixes 1000 and 1024)."""
+
 TICK_SECONDS = 0.2
 """Least time between two ticks of one task."""
 
@@ -172,21 +175,22 @@ class View:
             }) + "\n")
             self.stream.flush()
         elif self.mode == BARS and self._bar is not None:
-            self._bar.update(n)
+            self._bar.update(n / MIB)
             if state.bar is None and not state.finished:
                 state.bar = self._new_bar(f"  {state.label}", state.total,
                                           1 + sum(1 for t in self.tasks if t.bar is not None))
             if state.bar is not None:
                 state.bar.set_postfix_str(state.param, refresh=False)
-                state.bar.update(n)
+                state.bar.update(n / MIB)
 
     def _new_bar(self, label: str, total: int, position: int) -> Any:
         try:
             from tqdm import tqdm
         except ImportError:
             return _NoBar()
-        return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                    leave=False, position=position, dynamic_ncols=True)
+        return tqdm(total=total / MIB, desc=label, unit="MiB", unit_scale=False, file=self.stream,
+                    leave=False, position=position, dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
 
 
 class _NoBar:
