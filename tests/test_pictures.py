@@ -128,16 +128,17 @@ def test_info_svg_draws_store_writers_and_chunks(tmp_path: Path) -> None:
         assert len(ranks) == 1 and box.shape == shard("src", ranks[0], "layer2.weight").shape
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--svg", "x.svg"], "--svg needs --param"),
-    (["--svg", "x.png", "--param", "layer1.weight"], "must end with .svg"),
-    (["--svg", "x.svg", "--param", "nothing"], "neither strategy lists"),
-    (["--svg", "x.svg", "--param", "layer1.weight", "--shape", "32,x"], "comma-separated"),
+@pytest.mark.parametrize("args, message, code", [
+    (["--svg", "x.svg"], "--svg needs --param", 2),
+    (["--svg", "x.png", "--param", "layer1.weight"], "must end with .svg", 2),
+    (["--svg", "x.svg", "--param", "nothing"], "neither strategy lists", 1),
+    (["--svg", "x.svg", "--param", "layer1.weight", "--shape", "32,x"], "comma-separated", 2),
 ])
-def test_plan_svg_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+def test_plan_svg_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str,
+                           code: int) -> None:
     argv = ["plan", "--src-strategy", str(EXAMPLE / "src/strategy.ckpt"), "--dst-strategy",
             str(EXAMPLE / "dst/strategy.ckpt")] + [str(tmp_path / a) if a.startswith("x.") else a for a in args]
-    assert cli_main(argv) == 1
+    assert cli_main(argv) == code
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
