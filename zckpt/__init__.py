@@ -23,8 +23,12 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.export import ExportOptions, ExportReport, export
+from zckpt.file_convert import ckpt_to_safetensors, safetensors_to_ckpt
 from zckpt.ingest import IngestOptions, IngestReport, ingest
+from zckpt.loading import load_distributed_checkpoint
+from zckpt.parallel import convert_checkpoint_by_rank, convert_checkpoints
 from zckpt.segmented import SegmentedCheckpoint, load_slice, open_segmented
+from zckpt.unified import unified_safetensors
 
 __version__ = "0.1.0"
 
@@ -42,14 +46,20 @@ __all__ = [
     "StrategyError",
     "UsageError",
     "ZckptError",
+    "ckpt_to_safetensors",
+    "convert_checkpoint_by_rank",
+    "convert_checkpoints",
     "export",
     "ingest",
+    "load_distributed_checkpoint",
     "load_segmented_checkpoints",
     "load_slice",
     "merge_pipeline_strategys",
     "open_segmented",
     "open_store",
     "rank_list_for_transform",
+    "safetensors_to_ckpt",
     "transform_checkpoint_by_rank",
     "transform_checkpoints",
+    "unified_safetensors",
 ]

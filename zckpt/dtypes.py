@@ -1,14 +1,15 @@
 """MindSpore ``tensor_type`` strings and the numpy dtypes that hold their bytes.
 
-BFloat16 has no numpy dtype in the packages zckpt depends on; it is carried as
-``uint16`` (its exact bit pattern) and the MindSpore name travels alongside, so bytes are
-never widened or rounded.
+Inside zckpt BFloat16 is carried as ``uint16`` (its exact bit pattern) with the MindSpore
+name alongside, so bytes are never widened or rounded; arrays handed to users are viewed
+as ``ml_dtypes.bfloat16`` (:func:`public_array`), the numpy type MindSpore also accepts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from zckpt.errors import CheckpointFormatError
@@ -42,6 +43,16 @@ STRING_TYPE = "str"
 """MindSpore's type tag for string entries (``append_dict`` values); content is UTF-32-LE."""
 
 MS_DTYPES: dict[str, MsDtype] = {k: MsDtype(k, np.dtype(v)) for k, v in _TABLE.items()}
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def public_array(array: np.ndarray, ms_type: str) -> np.ndarray:
+    """An entry's values as users get them: bf16 bits viewed as ``ml_dtypes.bfloat16`` (no copy)."""
+    if ms_type == "BFloat16" and array.dtype != BF16:
+        return array.view(BF16)
+    return array
 
 
 def ms_dtype(name: str, *, path: str | None = None, param: str | None = None) -> MsDtype:

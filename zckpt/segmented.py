@@ -26,10 +26,9 @@ Rules (documented because MindSpore leaves them to chance):
   part; the others are ignored.
 * Dictionary order: first appearance, walking the parts in the order above.
 
-BFloat16 has no numpy dtype here, so bf16 tensors come back as ``uint16`` arrays holding the
-exact bit patterns (as in the store, never widened); :meth:`SegmentedCheckpoint.dtype` and
-:attr:`LoadedCheckpoint.ms_types` give MindSpore's type name to tell them apart. To get
-floats: ``(u16.astype(np.uint32) << 16).view(np.float32)``.
+bf16 tensors come back as ``ml_dtypes.bfloat16`` arrays (the exact bits, never widened;
+MindSpore's ``Tensor`` accepts them); :meth:`SegmentedCheckpoint.dtype` and
+:attr:`LoadedCheckpoint.ms_types` give MindSpore's type name of every entry.
 """
 
 from __future__ import annotations
@@ -45,17 +44,19 @@ from typing import Any
 
 import numpy as np
 
-from zckpt.dtypes import STRING_TYPE, ms_dtype
+from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
 from zckpt.export import check_coverage
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box
+from zckpt.msnet import load_into_network, require_mindspore
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.store import Store
 
 Value = np.ndarray | str
-"""A loaded entry: a tensor (numpy array; bf16 as uint16 bits; MapParameter as its encoded bytes) or a string."""
+"""A loaded entry: a tensor (numpy array; bf16 as ``ml_dtypes.bfloat16``; MapParameter as its encoded bytes) or a
+string."""
 
 _PART = re.compile(r"_part(\d+)")
 
@@ -189,7 +190,7 @@ class SegmentedCheckpoint(Mapping[str, Value]):
             return reader.string(name)
         if loc.entry.kind == "map":
             return self._raw(loc)
-        return reader.array(name)
+        return public_array(reader.array(name), loc.entry.ms_type)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -216,7 +217,7 @@ class SegmentedCheckpoint(Mapping[str, Value]):
         return {k: tuple(v) for k, v in self._duplicates.items()}
 
     def dtype(self, name: str) -> str:
-        """MindSpore's type name: ``"Float32"``, ``"BFloat16"`` (values are uint16), ``"str"`` or ``"map"``."""
+        """MindSpore's type name: ``"Float32"``, ``"BFloat16"``, ``"str"`` or ``"map"``."""
         return self._where(name).entry.ms_type
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -267,7 +268,7 @@ def open_segmented(
 class LoadedCheckpoint(dict[str, Value]):
     """The dict :func:`load_segmented_checkpoints` returns, plus MindSpore's type of each entry.
 
-    ``ms_types[name]`` is ``"Float32"``, ``"BFloat16"`` (the value holds uint16 bits), ``"str"``
+    ``ms_types[name]`` is ``"Float32"``, ``"BFloat16"``, ``"str"``
     or ``"map"``.
     """
 
@@ -332,12 +333,14 @@ def load_segmented_checkpoints(
 ) -> LoadedCheckpoint:
     """MindSpore's ``load_segmented_checkpoints`` without MindSpore: ``{name: ndarray | str}``.
 
-    Tensors are numpy arrays that own their memory (bf16 as uint16 bits, see the module
-    notes; ``result.ms_types`` has MindSpore's type names). Entries the prefixes or
+    Tensors are numpy arrays that own their memory (bf16 as ``ml_dtypes.bfloat16``;
+    ``result.ms_types`` has MindSpore's type names). Entries the prefixes or
     ``choice_func`` leave out are never read. Differences from MindSpore, all deliberate:
 
-    * ``net`` must be ``None``: zckpt has no network objects (load the result into one with
-      ``mindspore.load_param_into_net``); ``dec_key`` (encrypted files) is not supported;
+    * with ``net`` (a MindSpore ``Cell``) the tensors are also loaded into it with
+      ``mindspore.load_param_into_net(net, ..., strict_load)`` (MindSpore is imported only
+      then), and the arrays are returned as without it; ``dec_key`` (encrypted files) is
+      not supported;
     * repeated entries follow the module rules instead of ``glob`` order, and an empty or
       missing set of part files is an error instead of ``{}``;
     * the "nothing selected" ``ValueError`` is raised when the *merged* result is empty
@@ -346,10 +349,7 @@ def load_segmented_checkpoints(
     if not isinstance(ckpt_file_dir, (str, os.PathLike)):
         raise TypeError(f"The ckpt_file_dir should be a str, but got {type(ckpt_file_dir).__name__}.")
     if net is not None:
-        raise UsageError(
-            "net is not supported: zckpt has no MindSpore network objects; call with net=None and load the "
-            "returned arrays with mindspore.load_param_into_net"
-        )
+        require_mindspore("net")
     if not isinstance(strict_load, bool):
         raise TypeError(f"The strict_load should be a bool, but got {type(strict_load).__name__}.")
     if dec_key is not None and not isinstance(dec_key, bytes):
@@ -375,6 +375,8 @@ def load_segmented_checkpoints(
             "'specify_prefix' and 'choice_func'",
             path=ckpt_file_dir,
         )
+    if net is not None:
+        load_into_network(net, out, strict_load)
     return out
 
 
@@ -442,15 +444,17 @@ def load_slice(
 
     ``strategy`` is the destination strategy (file, per-rank directory, StrategyMap, or
     ``None`` for one rank with whole tensors). Reads only the store chunks that overlap the
-    slice; bf16 comes back as uint16 bits.
+    slice; bf16 comes back as ``ml_dtypes.bfloat16``.
     """
-    return read_slice(store_path, rank, strategy, name).array
+    got = read_slice(store_path, rank, strategy, name)
+    return public_array(got.array, got.ms_type)
 
 
 def as_float(values: np.ndarray, ms_type: str) -> np.ndarray:
     """Numbers for display: bf16 bits widened to float32 exactly, other types unchanged."""
     if ms_type == "BFloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
+        bits = values.view(np.uint16) if values.dtype.itemsize == 2 else values
+        return (bits.astype(np.uint32) << 16).view(np.float32)
     return values
 
 

@@ -18,6 +18,7 @@ from zckpt import remote
 from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import INDEX_SUFFIX, check_single_format, open_shard, pick_rank_file, pick_rank_name
+from zckpt.source_layouts import discover_other_layout
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 
@@ -32,6 +33,9 @@ def discover_rank_files(src_dir: str | Path, storage_options: remote.StorageOpti
     root = remote.local_path(src_dir)
     if not root.is_dir():
         raise SourceError("source checkpoint directory does not exist or is not a directory", path=root)
+    other = discover_other_layout(root)  # MindSpore's unified directory, MindFormers' iterations
+    if other is not None:
+        return other
     out: dict[int, SourceFile] = {}
     for child in root.iterdir():
         m = _RANK_DIR.match(child.name)

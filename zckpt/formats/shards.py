@@ -42,6 +42,8 @@ def shard_format(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     if p.name.endswith(INDEX_SUFFIX):
         return "safetensors-index"
+    if p.name == "param_name_map.json":
+        return "safetensors-unified"  # MindSpore's unified directory (zckpt.formats.unified)
     if p.suffix == ".safetensors":
         return "safetensors"
     if p.suffix == ".ckpt":
@@ -63,6 +65,10 @@ def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True) -> Ckpt
         return SafetensorsReader(path, verify_crc=verify_crc)
     if fmt == "safetensors-index":
         return SafetensorsSetReader(path, verify_crc=verify_crc)
+    if fmt == "safetensors-unified":
+        from zckpt.formats.unified import UnifiedSafetensorsReader
+
+        return UnifiedSafetensorsReader(path, verify_crc=verify_crc)
     return CkptReader(path, verify_crc=verify_crc)
 
 
