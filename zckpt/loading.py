@@ -307,7 +307,7 @@ def load_distributed_checkpoint(
                 source.close()
     if network is None:
         raise TypeError("For 'load_distributed_checkpoint', the network should be a Cell, but got None.")
-    names = {n for n, _ in network.parameters_and_names()}
+    names = {p.name for _, p in network.parameters_and_names()}
     rank = rank_id if rank_id is not None else (current_rank() if dst is not None else 0)
     if store is not None:
         values = read_rank(Store.open(store), dst, rank, names.__contains__)

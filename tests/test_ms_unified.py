@@ -1,0 +1,90 @@
+"""Cross-checks with MindSpore itself (its own virtualenv, skipped when absent):
+
+* MindSpore's ``unified_safetensors`` output read by zckpt (as a load source and as an
+  ingest source) gives MindSpore's destination shards;
+* zckpt's ``unified_safetensors`` output loaded by MindSpore's ``load_distributed_checkpoint``
+  gives the same shards;
+* ``zckpt.load_distributed_checkpoint`` on a Cell sets the values MindSpore's own function
+  sets (``format="ckpt"`` from the source shards, ``format="safetensors"`` from a unified
+  directory), run inside MindSpore's environment.
+
+The oracle for shard values is the example's ``dst/expected`` (MindSpore's own 4-rank job).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mindspore_env import require_ms_python, run_ms_tool
+from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_file, expected_rank
+
+import zckpt
+from zckpt.formats.shards import open_shard
+from zckpt.loading import ShardSlicer
+
+pytestmark = pytest.mark.mindspore
+
+
+def test_zckpt_reads_mindsporess_unified_directory(tmp_path: Path) -> None:
+    require_ms_python()
+    doc = run_ms_tool("ms_unified.py", "unify", str(SRC), str(SRC_STRATEGY), str(tmp_path / "ms"))
+    unified = Path(doc["unified"])
+    assert {"param_name_map.json", "hyper_param.safetensors", "part0.safetensors"} <= set(doc["files"])
+    with open_shard(unified / "hyper_param.safetensors") as hyper:
+        assert {"global_step", "learning_rate", "momentum"} <= set(hyper.entries)
+    out = tmp_path / "out"
+    zckpt.load_distributed_checkpoint(None, predict_strategy=str(DST_STRATEGY), format="safetensors",
+                                      unified_safetensors_dir=str(unified), dst_safetensors_dir=str(out))
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(unified), store)
+    zckpt.export(store, tmp_path / "dst", str(DST_STRATEGY))
+    for r in range(4):
+        assert_rank_file(out / f"rank_{r}" / "net.safetensors", r)
+        assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
+
+
+def test_mindspore_loads_zckpts_unified_directory(tmp_path: Path) -> None:
+    require_ms_python()
+    unified = tmp_path / "unified"
+    zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(unified))
+    out = tmp_path / "out"
+    run_ms_tool("ms_unified.py", "save", str(unified), str(DST_STRATEGY), str(out), "0", "1", "2", "3")
+    for r in range(4):
+        assert_rank_file(out / f"rank_{r}" / "net.safetensors", r)
+
+
+def _load_both(tmp_path: Path, shapes: dict[str, tuple[list[int], str]], args: dict[str, object]) -> tuple[
+        dict[str, np.ndarray], dict[str, np.ndarray]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "shapes.json").write_text(json.dumps(shapes))
+    (tmp_path / "args.json").write_text(json.dumps({"mindspore": args, "zckpt": args, "out": str(tmp_path)}))
+    doc = run_ms_tool("ms_unified.py", "net", str(tmp_path / "shapes.json"), str(tmp_path / "args.json"))
+    if "skip" in doc:
+        pytest.skip(doc["skip"])
+    with np.load(tmp_path / "mindspore.npz") as a, np.load(tmp_path / "zckpt.npz") as b:
+        return dict(a), dict(b)
+
+
+def test_load_distributed_checkpoint_into_a_cell_like_mindspore(tmp_path: Path) -> None:
+    require_ms_python()
+    files = [str(SRC / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in range(8)]
+    with ShardSlicer(str(SRC), str(SRC_STRATEGY)) as s:
+        full = {t.name: (list(t.shape), "float32") for t in s.tensors if t.name.startswith("layer")}
+    theirs, ours = _load_both(tmp_path / "ckpt", full, {"checkpoint_filenames": files, "predict_strategy": None,
+                                                         "train_strategy_filename": str(SRC_STRATEGY)})
+    assert set(theirs) == set(ours) == set(full)
+    for name in full:
+        assert np.array_equal(theirs[name], ours[name]), name
+        assert not np.all(ours[name] == 0), name  # loaded, not the Cell's zeros
+
+    unified = tmp_path / "unified"
+    zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(unified))
+    want = expected_rank(0)  # communication not initialised: both load rank 0's slices
+    shapes = {n: (list(a.shape), "float32") for n, a in want.items() if n.startswith("layer")}
+    theirs, ours = _load_both(tmp_path / "st", shapes, {"format": "safetensors", "unified_safetensors_dir":
+                                                         str(unified), "predict_strategy": str(DST_STRATEGY)})
+    for name in shapes:
+        assert np.array_equal(theirs[name], ours[name]) and np.array_equal(ours[name], want[name]), name
