@@ -38,6 +38,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
 from zckpt.store import Store, chunk_shape
 
@@ -203,6 +204,8 @@ def plan_ingest(
     storage_options: remote.StorageOptions = None,
 ) -> tuple[IngestPlan, StrategyMap | None]:
     smap = load_strategy(strategy, storage_options)
+    if smap is None:
+        smap = implied_strategy(src)  # a MindFormers iteration records its own
     found = resolve_sources(src, storage_options)
     files = relevant_ranks(found, smap)
     indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options)

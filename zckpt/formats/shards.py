@@ -44,6 +44,8 @@ def shard_format(path: str | os.PathLike[str]) -> str:
         return "safetensors-index"
     if p.name == "param_name_map.json":
         return "safetensors-unified"  # MindSpore's unified directory (zckpt.formats.unified)
+    if p.suffix == ".safetensors" and _is_mindformers_rank(p):
+        return "safetensors-mindformers"  # a rank of a MindFormers iteration (zckpt.formats.mindformers)
     if p.suffix == ".safetensors":
         return "safetensors"
     if p.suffix == ".ckpt":
@@ -69,7 +71,17 @@ def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True) -> Ckpt
         from zckpt.formats.unified import UnifiedSafetensorsReader
 
         return UnifiedSafetensorsReader(path, verify_crc=verify_crc)
+    if fmt == "safetensors-mindformers":
+        from zckpt.formats.mindformers import MindFormersRankReader
+
+        return MindFormersRankReader(path, verify_crc=verify_crc)
     return CkptReader(path, verify_crc=verify_crc)
+
+
+def _is_mindformers_rank(path: Path) -> bool:
+    from zckpt.formats.mindformers import is_rank_file
+
+    return is_rank_file(path)
 
 
 def _numbers_key(name: str) -> list[int]:
