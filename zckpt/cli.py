@@ -361,6 +361,9 @@ def _verify_args(sub: Any) -> None:
                      help="also compare a local export's rank files with the store")
     ver.add_argument("--dst-strategy", help="destination strategy of DST_DIR (omit: one rank, whole tensors)")
     ver.add_argument("--prefix", default="checkpoint_", help="file name prefix of DST_DIR (default: checkpoint_)")
+    ver.add_argument("--any-order", action="store_true",
+                     help="accept DST_DIR's .ckpt entries in any order (e.g. written by MindSpore); values are "
+                          "still compared (safetensors files have no entry order)")
     ver.add_argument("--block-mb", type=int, default=64, help="tensor data compared per step (MiB)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     _storage_args(ver)
@@ -374,7 +377,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if a.dst_strategy and not a.against:
         raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
     r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
-               block_bytes=max(1, a.block_mb) * MiB, storage_options=parse_storage_options(a.storage_option) or None)
+               any_order=a.any_order, block_bytes=max(1, a.block_mb) * MiB,
+               storage_options=parse_storage_options(a.storage_option) or None)
     _emit(r.to_json(), a.json, summary_lines(r))
     return 0 if r.ok else 1
 

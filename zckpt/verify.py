@@ -9,8 +9,10 @@ the first, so that one run says everything that is wrong:
   at ingest, and decodable by zarr. Problems are named by parameter and chunk key.
 * **sources** -- every source shard equals its box of the store, byte for byte (the boxes
   come from the same plan ingest uses), replicas included.
-* **exports** -- every destination rank file holds exactly the entries the export plan
-  gives it, in order, with the store's dtype, the slice's shape and the slice's bytes.
+* **exports** -- every destination rank file (``.ckpt``, ``.safetensors`` or a split
+  safetensors index) holds exactly the entries the export plan gives it, in order (unless
+  ``any_order``; safetensors files have no order), with the store's dtype, the slice's
+  shape and the slice's bytes.
 
 Nothing is written. Memory is bounded by ``block_bytes`` (plus one row when a row is
 wider, and one chunk).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ from zckpt.checksums import ChunkSums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import open_shard
+from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
@@ -112,6 +115,7 @@ def verify(
     against: str | Path | None = None,
     dst_strategy: str | Path | StrategyMap | None = None,
     prefix: str = "checkpoint_",
+    any_order: bool = False,
     block_bytes: int = 64 * MiB,
     storage_options: remote.StorageOptions = None,
 ) -> VerifyReport:
@@ -130,7 +134,8 @@ def verify(
     if src is not None:
         check_sources(store, src, src_strategy, report, block_bytes=block_bytes)
     if against is not None:
-        check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes)
+        check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes,
+                     any_order=any_order)
     return report
 
 
@@ -509,10 +514,14 @@ def check_export(
     prefix: str = "checkpoint_",
     block_bytes: int = 64 * MiB,
     per_stage: bool | None = None,
+    any_order: bool = False,
 ) -> None:
     """Every destination file holds exactly its plan's entries, in order, with the store's
     bytes. ``per_stage`` checks ``<prefix><r>_part<s>.ckpt`` parts instead of one file per
-    rank; ``None`` decides from what the directory holds."""
+    rank; ``None`` decides from what the directory holds. A rank saved as safetensors
+    (``<prefix><r>.safetensors`` or its split index) is compared the same way, except for
+    the order of its entries, which that format does not keep; ``any_order`` accepts
+    ``.ckpt`` entries in any order too."""
     from zckpt.export import ExportOptions, output_jobs
     from zckpt.ingest import load_strategy
 
@@ -532,25 +541,48 @@ def check_export(
         report.export_bytes += n
 
     for rank, path in output_jobs(store, plan, out, ExportOptions(prefix=prefix, per_stage=per_stage)):
-        expected.add(path)
         what = f"destination rank {rank.rank}'s {'part' if per_stage else 'file'}"
+        path = _saved_as(path)
+        expected.add(path)
         if not path.is_file():
             report.add("export", f"{what} is missing", file=path)
             continue
         try:
-            with CkptReader(path) as reader:
+            with open_shard(path) as reader:
                 report.export_files += 1
                 want = [s.name for s in rank.slices]
-                have = reader.names()
-                if have != want:
+                have = list(reader.entries)
+                ordered = path.suffix == ".ckpt" and not any_order
+                if (have if ordered else sorted(have)) != (want if ordered else sorted(want)):
                     report.add("export", _order_problem(have, want), file=path)
                 for s in rank.slices:
                     _compare_entry("export", reader, store, entries[s.name], s.box, report, block_bytes, count)
         except ZckptError as err:
             report.add("export", err.message, file=err.path or path, param=err.param)
-    for extra in sorted(out.glob(f"rank_*/{prefix}*.ckpt")):
+    found = [*out.glob(f"rank_*/{prefix}*.ckpt"), *out.glob(f"rank_*/{prefix}*.safetensors"),
+             *out.glob(f"rank_*/{prefix}*{INDEX_SUFFIX}")]
+    parts = {p.parent / n for p in found if p.name.endswith(INDEX_SUFFIX) for n in _index_files(p)}
+    for extra in sorted(set(found) - parts):
         if extra not in expected:
             report.add("export", "file is not part of this destination layout", file=extra)
+
+
+def _saved_as(ckpt_path: Path) -> Path:
+    """Where a rank's file is: the ``.ckpt``, else its ``.safetensors``, else a split index."""
+    if ckpt_path.is_file():
+        return ckpt_path
+    for cand in (ckpt_path.with_suffix(".safetensors"), ckpt_path.with_name(ckpt_path.stem + INDEX_SUFFIX)):
+        if cand.is_file():
+            return cand
+    return ckpt_path
+
+
+def _index_files(index: Path) -> list[str]:
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"))
+        return sorted({str(v) for v in doc["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def _order_problem(have: list[str], want: list[str]) -> str:
