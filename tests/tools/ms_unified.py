@@ -4,6 +4,8 @@ usage (under MindSpore's Python; prints JSON):
   ms_unified.py unify SRC_CKPT_DIR STRATEGY WORK      ckpt_to_safetensors into WORK/st, then
                                                       mindspore.parallel.unified_safetensors into WORK/unified
   ms_unified.py save UNIFIED PREDICT_STRATEGY OUT R.. load_distributed_checkpoint(None, ..., rank_id=R) per rank
+  ms_unified.py transform SRC SRC_STRATEGY DST_STRATEGY OUT FORMAT
+                                                      mindspore.transform_checkpoints(..., output_format=FORMAT)
   ms_unified.py net SHAPES_JSON ARGS_JSON             one Cell loaded by MindSpore's load_distributed_checkpoint
                                                       and one by zckpt's, same arguments: both value sets (.npz)
 
@@ -53,6 +55,11 @@ def save(unified: str, predict: str, out: str, ranks: list[str]) -> dict[str, An
     return {"out": out}
 
 
+def transform(src: str, src_strategy: str, dst_strategy: str, out: str, fmt: str) -> dict[str, Any]:
+    ms.transform_checkpoints(src, out, "checkpoint_", src_strategy, dst_strategy, output_format=fmt)
+    return {"out": out, "files": sorted(str(p.relative_to(out)) for p in Path(out).rglob("*") if p.is_file())}
+
+
 def net(shapes_json: str, args_json: str) -> dict[str, Any]:
     try:
         import zckpt
@@ -74,8 +81,14 @@ def main(argv: list[str]) -> int:
     stdout = os.dup(1)
     os.dup2(2, 1)  # MindSpore's progress bars (also in its worker processes) go to stderr
     try:
-        doc = unify(*rest) if cmd == "unify" else save(rest[0], rest[1], rest[2], rest[3:]) if cmd == "save" \
-            else net(*rest)
+        if cmd == "unify":
+            doc = unify(*rest)
+        elif cmd == "save":
+            doc = save(rest[0], rest[1], rest[2], rest[3:])
+        elif cmd == "transform":
+            doc = transform(*rest)
+        else:
+            doc = net(*rest)
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)
