@@ -56,11 +56,12 @@ def test_mindspore_loads_zckpts_unified_directory(tmp_path: Path) -> None:
         assert_rank_file(out / f"rank_{r}" / "net.safetensors", r)
 
 
-def _load_both(tmp_path: Path, shapes: dict[str, tuple[list[int], str]], args: dict[str, object]) -> tuple[
-        dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _load_both(tmp_path: Path, shapes: dict[str, tuple[list[int], str]], args: dict[str, object],
+               function: str = "load_distributed_checkpoint") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "shapes.json").write_text(json.dumps(shapes))
-    (tmp_path / "args.json").write_text(json.dumps({"mindspore": args, "zckpt": args, "out": str(tmp_path)}))
+    (tmp_path / "args.json").write_text(json.dumps({"mindspore": args, "zckpt": args, "out": str(tmp_path),
+                                                    "function": function}))
     doc = run_ms_tool("ms_unified.py", "net", str(tmp_path / "shapes.json"), str(tmp_path / "args.json"))
     if "skip" in doc:
         pytest.skip(doc["skip"])
@@ -105,3 +106,28 @@ def test_zckpt_verifies_mindsporess_own_exports(tmp_path: Path) -> None:
         assert any(f.endswith(f".{fmt}") for f in got["files"])
         report = verify(store, against=out, dst_strategy=str(DST_STRATEGY), any_order=True)
         assert report.ok and report.export_files == 4, [m.render() for m in report.mismatches]
+
+
+def test_bf16_loads_into_a_cell_like_mindspore(tmp_path: Path) -> None:
+    """bf16 shards (a generated 2-rank job) loaded by both into bfloat16 Parameters, through
+    load_distributed_checkpoint (merged whole) and load_segmented_checkpoints(net=)."""
+    require_ms_python()
+    from sf_models import TWO
+
+    from zckpt.formats.strategy import make_layout
+    from zckpt.generate import TensorDef, write_model
+
+    split = make_layout(TWO, [[0], []])
+    model = write_model(tmp_path / "src", [TensorDef("w.bf16", (8, 4), "BFloat16", split),
+                                           TensorDef("w.f32", (6, 4), "Float32", split)], device_num=2)
+    full = {"w.bf16": ([8, 4], "bfloat16"), "w.f32": ([6, 4], "float32")}
+    files = [str(tmp_path / "src" / f"rank_{r}" / f"checkpoint_{r}.ckpt") for r in range(2)]
+    theirs, ours = _load_both(tmp_path / "dist", full, {"checkpoint_filenames": files, "predict_strategy": None,
+                                                        "train_strategy_filename": str(model.strategy_path)})
+    for name in full:
+        assert np.array_equal(theirs[name], ours[name]) and np.any(ours[name] != 0), name
+    half = {"w.bf16": ([4, 4], "bfloat16"), "w.f32": ([3, 4], "float32")}
+    theirs, ours = _load_both(tmp_path / "seg", half, {"ckpt_file_dir": str(tmp_path / "src" / "rank_1")},
+                              function="load_segmented_checkpoints")
+    for name in half:
+        assert np.array_equal(theirs[name], ours[name]) and np.any(ours[name] != 0), name

@@ -7,7 +7,8 @@ usage (under MindSpore's Python; prints JSON):
   ms_unified.py transform SRC SRC_STRATEGY DST_STRATEGY OUT FORMAT
                                                       mindspore.transform_checkpoints(..., output_format=FORMAT)
   ms_unified.py net SHAPES_JSON ARGS_JSON             one Cell loaded by MindSpore's load_distributed_checkpoint
-                                                      and one by zckpt's, same arguments: both value sets (.npz)
+                                                      (or load_segmented_checkpoints: ARGS "function") and one by
+                                                      zckpt's, same arguments: both value sets (.npz, bf16 as f32)
 
 ``net`` needs zckpt importable here; without it the result is ``{"skip": reason}``.
 """
@@ -68,8 +69,13 @@ def net(shapes_json: str, args_json: str) -> dict[str, Any]:
     shapes = json.loads(Path(shapes_json).read_text())
     args = json.loads(Path(args_json).read_text())
     ours, theirs = Net(shapes), Net(shapes)
-    ms.load_distributed_checkpoint(theirs, **args["mindspore"])
-    result = zckpt.load_distributed_checkpoint(ours, **args["zckpt"])
+    function = args.get("function", "load_distributed_checkpoint")
+    if function == "load_segmented_checkpoints":
+        ms.load_segmented_checkpoints(net=theirs, **args["mindspore"])
+        result = zckpt.load_segmented_checkpoints(net=ours, **args["zckpt"])
+    else:
+        ms.load_distributed_checkpoint(theirs, **args["mindspore"])
+        result = zckpt.load_distributed_checkpoint(ours, **args["zckpt"])
     out = Path(args["out"])
     np.savez(out / "mindspore.npz", **values(theirs))
     np.savez(out / "zckpt.npz", **values(ours))
