@@ -26,6 +26,7 @@ slicer, without MindSpore.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,7 +53,8 @@ Value = np.ndarray | str
 
 class ShardSlicer:
     """Regions of entries read straight from source shards (headers indexed once; payload
-    bytes read only where a requested region overlaps a shard)."""
+    bytes read only where a requested region overlaps a shard). Threads may share one: each
+    opens (maps) the shards it reads itself."""
 
     def __init__(self, files: Mapping[int, str | Path] | str | Path, strategy: StrategyArg) -> None:
         plan, _ = plan_ingest(files, strategy)
@@ -60,16 +62,21 @@ class ShardSlicer:
         self._writes: dict[str, list[tuple[int, Box]]] = {}
         for w in plan.writes:
             self._writes.setdefault(w.name, []).append((w.rank, w.box))
-        self._readers: dict[int, CkptReader] = {}
+        self._local = threading.local()
+        self._opened: list[CkptReader] = []
+        self._lock = threading.Lock()
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         return self.plan.tensors
 
     def _reader(self, rank: int) -> CkptReader:
-        if rank not in self._readers:
-            self._readers[rank] = open_shard(self.plan.rank_files[rank], verify_crc=False)
-        return self._readers[rank]
+        readers: dict[int, CkptReader] = self._local.__dict__.setdefault("readers", {})
+        if rank not in readers:
+            readers[rank] = open_shard(self.plan.rank_files[rank], verify_crc=False)
+            with self._lock:
+                self._opened.append(readers[rank])
+        return readers[rank]
 
     def read(self, name: str, box: Box) -> Value:
         """The region ``box`` (global coordinates) of entry ``name``."""
@@ -95,9 +102,11 @@ class ShardSlicer:
         return public_array(out, spec.ms_type)
 
     def close(self) -> None:
-        for r in self._readers.values():
+        with self._lock:
+            opened, self._opened = self._opened, []
+        for r in opened:
             r.close()
-        self._readers = {}
+        self._local = threading.local()
 
     def __enter__(self) -> ShardSlicer:
         return self
@@ -361,8 +370,8 @@ def _save_ranks(source: ShardSlicer | Store, dst: StrategyMap | None, ranks: lis
         folder.mkdir(parents=True, exist_ok=True)
         return write_rank_file(values, types, folder / f"net.{output_format}", output_format)
 
-    if isinstance(source, ShardSlicer) or workers == 1 or len(ranks) == 1:
-        for r in ranks:  # a ShardSlicer's readers are not shared across threads
+    if workers == 1 or len(ranks) == 1:
+        for r in ranks:
             one(r)
         return
     with ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
