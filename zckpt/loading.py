@@ -37,6 +37,7 @@ import numpy as np
 
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import SourceError, StrategyError, UsageError
+from zckpt.export import check_coverage
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import open_shard
@@ -44,8 +45,7 @@ from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network
-from zckpt.plan import IngestPlan, Slice, TensorSpec, build_export_plan
-from zckpt.segmented import read_slice
+from zckpt.plan import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
 from zckpt.store import Store
 
 Value = np.ndarray | str
@@ -163,16 +163,17 @@ def read_rank(
 ) -> dict[str, Value]:
     """Destination ``rank``'s slice of every wanted entry, read from shards or a store."""
     if isinstance(source, Store):
+        slices = tuple(s for s in rank_slices(source.specs(), strategy, rank) if wanted(s.name))
+        plan = ExportPlan((RankExport(rank, slices),), strategy.device_num() if strategy else 1)
+        check_coverage(source, plan)  # every chunk a slice needs is in the store
         out: dict[str, Value] = {}
-        for s in rank_slices(source.specs(), strategy, rank):
-            if not wanted(s.name):
-                continue
+        for s in slices:
             entry = source.entry(s.name)
             if entry.kind == "str":
                 out[s.name] = entry.value or ""
-            else:
-                got = read_slice(source, rank, strategy, s.name)
-                out[s.name] = public_array(got.array, got.ms_type)
+            elif entry.kind == "tensor":
+                data = source.array(s.name)[s.box.slices() if s.box.ndim else ...]
+                out[s.name] = public_array(np.asarray(data), entry.ms_type)
         return out
     return {s.name: source.read(s.name, s.box) for s in rank_slices(source.tensors, strategy, rank) if wanted(s.name)}
 
