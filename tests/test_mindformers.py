@@ -21,7 +21,7 @@ from zckpt.errors import StrategyError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import read_strategy
 from zckpt.layout import rank_box, resolve
-from zckpt.loading import ShardSlicer, read_rank
+from zckpt.loading import ShardSlicer, plan_rank, write_rank_file
 
 N = 8
 
@@ -100,9 +100,8 @@ def test_mindformers_iteration_loads_a_rank_directly(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with ShardSlicer(str(it), None) as slicer:
         for r in range(4):
-            values = read_rank(slicer, read_strategy(DST_STRATEGY), r)
-            zckpt.loading.write_rank_file(values, {t.name: t.ms_type for t in slicer.tensors},
-                                          (out / f"{r}.safetensors"), "safetensors")
+            entries = plan_rank(slicer, read_strategy(DST_STRATEGY), r, lambda _: True)
+            write_rank_file(entries, slicer.read, out / f"{r}.safetensors", "safetensors")
             assert_rank_file(out / f"{r}.safetensors", r)
 
 

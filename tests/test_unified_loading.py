@@ -183,3 +183,20 @@ def test_parallel_namespace_is_mindsporess() -> None:
         assert callable(getattr(zckpt.parallel, name)), name
     assert zckpt.parallel.rank_list_for_convert(0, str(SRC_STRATEGY), str(DST_STRATEGY)) == \
         zckpt.rank_list_for_transform(0, str(SRC_STRATEGY), str(DST_STRATEGY))
+
+
+def test_name_map_renames_as_mindspore_does(unified: Path, tmp_path: Path) -> None:
+    """``name_map`` is ``{network name: checkpoint name}``; with ``return_param_dict`` the
+    slices come back instead of being loaded (no MindSpore needed)."""
+    want = expected_rank(1)
+    got = zckpt.load_distributed_checkpoint(object(), predict_strategy=str(DST_STRATEGY), format="safetensors",
+                                            unified_safetensors_dir=str(unified), rank_id=1,
+                                            name_map={"net.l1": "layer1.weight"}, return_param_dict=True)
+    assert "layer1.weight" not in got and bits(got["net.l1"]) == bits(want["layer1.weight"])
+    assert all(bits(got[n]) == bits(want[n]) for n in want if n != "layer1.weight")
+    out = tmp_path / "o"
+    zckpt.load_distributed_checkpoint(None, predict_strategy=str(DST_STRATEGY), format="safetensors",
+                                      unified_safetensors_dir=str(unified), dst_safetensors_dir=str(out), rank_id=1,
+                                      name_map={"net.l1": "layer1.weight"}, output_format="ckpt")
+    with CkptReader(out / "rank_1" / "net.ckpt") as r:
+        assert "layer1.weight" not in r.entries and bits(r.array("net.l1")) == bits(want["layer1.weight"])

@@ -155,6 +155,31 @@ def rank_slices(tensors: Sequence[TensorSpec], strategy: StrategyMap | None, ran
     return build_export_plan(tensors, strategy, ranks=[rank]).ranks[0].slices
 
 
+def read_entry(source: ShardSlicer | Store, name: str, box: Box) -> Value:
+    """Region ``box`` of entry ``name`` from shards or a store (bf16 as ``ml_dtypes.bfloat16``)."""
+    if isinstance(source, ShardSlicer):
+        return source.read(name, box)
+    entry = source.entry(name)
+    if entry.kind == "str":
+        return entry.value or ""
+    data = source.array(name)[box.slices() if box.ndim else ...]
+    return public_array(np.asarray(data), entry.ms_type)
+
+
+def plan_rank(
+    source: ShardSlicer | Store, strategy: StrategyMap | None, rank: int, wanted: Callable[[str], bool]
+) -> list[tuple[str, str, str, Box]]:
+    """``(name, kind, ms_type, box)`` of every wanted tensor or string destination ``rank``
+    holds (MapParameter entries have no place in a network or a safetensors file); for a
+    store, checked to be covered by its chunks first."""
+    specs = {t.name: t for t in (source.specs() if isinstance(source, Store) else source.tensors)}
+    slices = tuple(s for s in rank_slices(list(specs.values()), strategy, rank)
+                   if wanted(s.name) and specs[s.name].kind in ("tensor", "str"))
+    if isinstance(source, Store):
+        check_coverage(source, ExportPlan((RankExport(rank, slices),), strategy.device_num() if strategy else 1))
+    return [(s.name, specs[s.name].kind, specs[s.name].ms_type, s.box) for s in slices]
+
+
 def read_rank(
     source: ShardSlicer | Store,
     strategy: StrategyMap | None,
@@ -162,20 +187,7 @@ def read_rank(
     wanted: Callable[[str], bool] = lambda _: True,
 ) -> dict[str, Value]:
     """Destination ``rank``'s slice of every wanted entry, read from shards or a store."""
-    if isinstance(source, Store):
-        slices = tuple(s for s in rank_slices(source.specs(), strategy, rank) if wanted(s.name))
-        plan = ExportPlan((RankExport(rank, slices),), strategy.device_num() if strategy else 1)
-        check_coverage(source, plan)  # every chunk a slice needs is in the store
-        out: dict[str, Value] = {}
-        for s in slices:
-            entry = source.entry(s.name)
-            if entry.kind == "str":
-                out[s.name] = entry.value or ""
-            elif entry.kind == "tensor":
-                data = source.array(s.name)[s.box.slices() if s.box.ndim else ...]
-                out[s.name] = public_array(np.asarray(data), entry.ms_type)
-        return out
-    return {s.name: source.read(s.name, s.box) for s in rank_slices(source.tensors, strategy, rank) if wanted(s.name)}
+    return {name: read_entry(source, name, box) for name, _, _, box in plan_rank(source, strategy, rank, wanted)}
 
 
 def current_rank() -> int:
@@ -188,28 +200,40 @@ def current_rank() -> int:
         return 0
 
 
-def write_rank_file(values: Mapping[str, Value], types: Mapping[str, str], target: Path, output_format: str) -> Path:
-    """One rank's values as a ``.ckpt`` or MindSpore-style ``.safetensors`` file."""
+def write_rank_file(
+    entries: Sequence[tuple[str, str, str, Box]],
+    read: Callable[[str, Box], Value],
+    target: Path,
+    output_format: str,
+    rename: Mapping[str, str] | None = None,
+) -> Path:
+    """One rank's ``(name, kind, ms_type, box)`` entries as a ``.ckpt`` or MindSpore-style
+    ``.safetensors`` file, one tensor read (``read(name, box)``) and written at a time;
+    ``rename`` gives an entry another name in the file."""
+    out = {n: (rename or {}).get(n, n) for n, _, _, _ in entries}
     if output_format == "safetensors":
         meta = dict(MS_METADATA)
-        tensors = []
-        for n, v in values.items():
-            if isinstance(v, str):
-                meta[STRING_PREFIX + n] = v
+        tensors: list[TensorHeader] = []
+        boxes = {}
+        for n, kind, ms_type, box in entries:
+            if kind == "str":
+                meta[STRING_PREFIX + out[n]] = str(read(n, box))
             else:
-                tensors.append(TensorHeader(n, types[n], v.shape))
+                tensors.append(TensorHeader(out[n], ms_type, box.shape))
+                boxes[out[n]] = (n, box)
         with SafetensorsWriter(target, tensors, meta) as w:
             for t in w.order:
-                arr = values[t.name]
+                arr = read(*boxes[t.name])
                 assert isinstance(arr, np.ndarray)
                 w.write_tensor(t.name, iter([arr.view(ms_dtype(t.ms_type).storage)]))
         return target
     with CkptWriter(target) as cw:
-        for n, v in values.items():
-            if isinstance(v, str):
-                cw.write_string(n, v)
+        for n, _kind, ms_type, box in entries:
+            value = read(n, box)
+            if isinstance(value, str):
+                cw.write_string(out[n], value)
             else:
-                cw.write_array(n, types[n], v.view(ms_dtype(types[n]).storage))
+                cw.write_array(out[n], ms_type, value.view(ms_dtype(ms_type).storage))
     return target
 
 
@@ -360,16 +384,15 @@ def _renamed(values: dict[str, Value], name_map: Mapping[str, str] | None) -> di
 
 def _save_ranks(source: ShardSlicer | Store, dst: StrategyMap | None, ranks: list[int], out: Path,
                 output_format: str, name_map: Mapping[str, str] | None, workers: int) -> None:
-    specs = source.specs() if isinstance(source, Store) else list(source.tensors)
-    types = {t.name: t.ms_type for t in specs}
-    back = {v: k for k, v in (name_map or {}).items()}
-    types.update({back[k]: v for k, v in types.items() if k in back})
+    """``out/rank_<r>/net.<output_format>`` for each rank, ``workers`` ranks at a time."""
+    back = {v: k for k, v in (name_map or {}).items()}  # name_map: {network name: checkpoint name}
 
     def one(rank: int) -> Path:
-        values = _renamed(read_rank(source, dst, rank), name_map)
         folder = out / f"rank_{rank}"
         folder.mkdir(parents=True, exist_ok=True)
-        return write_rank_file(values, types, folder / f"net.{output_format}", output_format)
+        entries = plan_rank(source, dst, rank, lambda _: True)
+        return write_rank_file(entries, lambda n, b: read_entry(source, n, b), folder / f"net.{output_format}",
+                               output_format, back)
 
     if workers == 1 or len(ranks) == 1:
         for r in ranks:
