@@ -47,13 +47,21 @@ def test_zckpt_reads_mindsporess_unified_directory(tmp_path: Path) -> None:
 
 
 def test_mindspore_loads_zckpts_unified_directory(tmp_path: Path) -> None:
+    """One part (unified_safetensors) and five parts (unify_store from a store, small parts)."""
     require_ms_python()
+    from zckpt.formats.strategy import read_strategy
+    from zckpt.unified import unify_store
+
     unified = tmp_path / "unified"
     zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(unified))
-    out = tmp_path / "out"
-    run_ms_tool("ms_unified.py", "save", str(unified), str(DST_STRATEGY), str(out), "0", "1", "2", "3")
-    for r in range(4):
-        assert_rank_file(out / f"rank_{r}" / "net.safetensors", r)
+    zckpt.ingest(str(SRC), tmp_path / "s.zarr", str(SRC_STRATEGY))
+    unify_store(tmp_path / "s.zarr", tmp_path / "parts", read_strategy(SRC_STRATEGY), part_bytes=10_000)
+    assert len(list((tmp_path / "parts").glob("part*.safetensors"))) == 5
+    for src in (unified, tmp_path / "parts"):
+        out = tmp_path / f"out_{src.name}"
+        run_ms_tool("ms_unified.py", "save", str(src), str(DST_STRATEGY), str(out), "0", "1", "2", "3")
+        for r in range(4):
+            assert_rank_file(out / f"rank_{r}" / "net.safetensors", r)
 
 
 def _load_both(tmp_path: Path, shapes: dict[str, tuple[list[int], str]], args: dict[str, object],
