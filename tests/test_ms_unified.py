@@ -139,3 +139,26 @@ def test_bf16_loads_into_a_cell_like_mindspore(tmp_path: Path) -> None:
                               function="load_segmented_checkpoints")
     for name in half:
         assert np.array_equal(theirs[name], ours[name]) and np.any(ours[name] != 0), name
+
+
+def test_file_suffix_picks_mindsporess_file(tmp_path: Path) -> None:
+    """unified_safetensors' choice of each rank's file, for every form of file_suffix, is
+    MindSpore's (its own _collect_safetensor_files asked on the same directory)."""
+    require_ms_python()
+    from zckpt.errors import SourceError
+    from zckpt.unified import collect_rank_files
+
+    names = ["net_rank_0-1_10.safetensors", "net_rank_0-2_20.safetensors", "net_rank_0-12_5.safetensors",
+             "net_0-3_30.safetensors", "net_rank_0_3-3_30.safetensors"]
+    for r in range(2):
+        (tmp_path / f"rank_{r}").mkdir()
+        for n in names:
+            (tmp_path / f"rank_{r}" / n).write_bytes(b"")
+    suffixes = [None, "2_20", "-2_20", "_0-1_10", "0-2_20", "_5", "5", "3_30", "_3-3_30", "1_10_x", "9_99"]
+    theirs = run_ms_tool("ms_unified.py", "collect", str(tmp_path), json.dumps(suffixes))
+    for suffix in suffixes:
+        try:
+            ours: object = {str(r): p.name for r, p in collect_rank_files(tmp_path, suffix).items()}
+        except SourceError:
+            ours = "ValueError"
+        assert ours == theirs[str(suffix)], suffix

@@ -6,6 +6,8 @@ usage (under MindSpore's Python; prints JSON):
   ms_unified.py save UNIFIED PREDICT_STRATEGY OUT R.. load_distributed_checkpoint(None, ..., rank_id=R) per rank
   ms_unified.py transform SRC SRC_STRATEGY DST_STRATEGY OUT FORMAT
                                                       mindspore.transform_checkpoints(..., output_format=FORMAT)
+  ms_unified.py collect DIR SUFFIX_JSON                which file of each rank_<r>/ unified_safetensors picks for
+                                                      each file_suffix (MindSpore's _collect_safetensor_files)
   ms_unified.py net SHAPES_JSON ARGS_JSON             one Cell loaded by MindSpore's load_distributed_checkpoint
                                                       (or load_segmented_checkpoints: ARGS "function") and one by
                                                       zckpt's, same arguments: both value sets (.npz, bf16 as f32)
@@ -61,6 +63,19 @@ def transform(src: str, src_strategy: str, dst_strategy: str, out: str, fmt: str
     return {"out": out, "files": sorted(str(p.relative_to(out)) for p in Path(out).rglob("*") if p.is_file())}
 
 
+def collect(src: str, suffixes_json: str) -> dict[str, Any]:
+    from mindspore.parallel.transform_safetensors import _collect_safetensor_files
+
+    out: dict[str, Any] = {}
+    for suffix in json.loads(suffixes_json):
+        try:
+            found = _collect_safetensor_files(src, "safetensors", suffix)
+            out[str(suffix)] = {str(r): Path(p).name for r, p in found.items()}
+        except ValueError:
+            out[str(suffix)] = "ValueError"
+    return out
+
+
 def net(shapes_json: str, args_json: str) -> dict[str, Any]:
     try:
         import zckpt
@@ -93,6 +108,8 @@ def main(argv: list[str]) -> int:
             doc = save(rest[0], rest[1], rest[2], rest[3:])
         elif cmd == "transform":
             doc = transform(*rest)
+        elif cmd == "collect":
+            doc = collect(*rest)
         else:
             doc = net(*rest)
     finally:
