@@ -162,3 +162,28 @@ def test_file_suffix_picks_mindsporess_file(tmp_path: Path) -> None:
         except SourceError:
             ours = "ValueError"
         assert ours == theirs[str(suffix)], suffix
+
+
+def test_load_distributed_checkpoint_from_a_store_into_a_cell(tmp_path: Path) -> None:
+    """``store=``: the rank's slices read from a zckpt store (chunks only) equal what
+    MindSpore's own function loads from the unified directory of the same job. Needs zckpt's
+    store readable under MindSpore's numpy 1.26 and the zarr it resolves there."""
+    require_ms_python()
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(SRC), store, str(SRC_STRATEGY))
+    unified = tmp_path / "unified"
+    zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(unified))
+    want = expected_rank(0)
+    shapes = {n: (list(a.shape), "float32") for n, a in want.items() if n.startswith("layer")}
+    common = {"format": "safetensors", "predict_strategy": str(DST_STRATEGY)}
+    tmp_path.joinpath("st").mkdir()
+    (tmp_path / "st" / "shapes.json").write_text(json.dumps(shapes))
+    (tmp_path / "st" / "args.json").write_text(json.dumps({
+        "mindspore": {**common, "unified_safetensors_dir": str(unified)},
+        "zckpt": {**common, "store": str(store)}, "out": str(tmp_path / "st")}))
+    doc = run_ms_tool("ms_unified.py", "net", str(tmp_path / "st" / "shapes.json"), str(tmp_path / "st" / "args.json"))
+    if "skip" in doc:
+        pytest.skip(doc["skip"])
+    with np.load(tmp_path / "st" / "mindspore.npz") as a, np.load(tmp_path / "st" / "zckpt.npz") as b:
+        for name in shapes:
+            assert np.array_equal(a[name], b[name]) and np.array_equal(b[name], want[name]), name
