@@ -123,3 +123,12 @@ def test_mindformers_chunks_that_contradict_the_layout_are_refused(tmp_path: Pat
     with pytest.raises(StrategyError, match="not a piece of its layout") as err:
         zckpt.ingest(str(it), tmp_path / "s.zarr")
     assert err.value.param == "layer2.weight"
+
+
+def test_transform_checkpoints_takes_a_mindformers_directory(tmp_path: Path) -> None:
+    """MindSpore's function name, a MindFormers source and no source strategy file."""
+    write_iteration(tmp_path / "checkpoint")
+    zckpt.transform_checkpoints(str(tmp_path / "checkpoint"), str(tmp_path / "dst"), "checkpoint_", None,
+                                str(DST_STRATEGY))
+    for r in range(4):
+        assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)

@@ -200,3 +200,9 @@ def test_name_map_renames_as_mindspore_does(unified: Path, tmp_path: Path) -> No
                                       name_map={"net.l1": "layer1.weight"}, output_format="ckpt")
     with CkptReader(out / "rank_1" / "net.ckpt") as r:
         assert "layer1.weight" not in r.entries and bits(r.array("net.l1")) == bits(want["layer1.weight"])
+
+
+def test_transform_checkpoints_takes_a_unified_directory(unified: Path, tmp_path: Path) -> None:
+    zckpt.transform_checkpoints(str(unified), str(tmp_path / "dst"), "checkpoint_", None, str(DST_STRATEGY))
+    for r in range(4):
+        assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
