@@ -90,11 +90,14 @@ class ShardSlicer:
             inter = shard_box.intersect(box) if box.ndim else shard_box
             if inter is None:
                 continue
-            shard = self._reader(rank).array(name).reshape(shard_box.shape)
+            reader = self._reader(rank)
+            shard = reader.array(name).reshape(shard_box.shape)
             if box.ndim:
                 out[inter.relative_to(box).slices()] = shard[inter.relative_to(shard_box).slices()]
             else:
                 out[...] = shard
+            del shard
+            reader.release_pages()  # the mapped pages just read would count in RSS until released
             covered += inter.size
         if covered != box.size:
             raise SourceError(f"the source shards hold {covered} of the {box.size} elements of region "
