@@ -240,7 +240,7 @@ def write_rank_file(
     return target
 
 
-def _check_args(network: object, format: str, output_format: str, name_map: object, max_process_num: object,
+def _check_args(format: str, output_format: str, name_map: object, max_process_num: object,
                 return_param_dict: object) -> None:
     if format not in ("safetensors", "ckpt") or output_format not in ("safetensors", "ckpt"):
         raise UsageError("For 'load_distributed_checkpoint', 'format' and 'output_format' must be 'ckpt' or "
@@ -307,7 +307,7 @@ def load_distributed_checkpoint(
     (``{name: ndarray}``) with ``return_param_dict``. Without one (``format="safetensors"``)
     writes the files and returns True.
     """
-    _check_args(network, format, output_format, name_map, max_process_num, return_param_dict)
+    _check_args(format, output_format, name_map, max_process_num, return_param_dict)
     if dec_key is not None:
         raise UsageError("encrypted checkpoints (dec_key) are not supported by zckpt")
     if rank_id is not None and (not isinstance(rank_id, int) or isinstance(rank_id, bool) or rank_id < 0):
