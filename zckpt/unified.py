@@ -258,7 +258,7 @@ def unified_safetensors(
     if src.is_file():
         raise UsageError("For 'unified_safetensors', the 'src_dir' can not be a file.", path=src)
     st_files = collect_rank_files(src, file_suffix)
-    ckpt_files = {int(d.name[5:]): d for d in src.glob("rank_[0-9]*") if d.is_dir() and any(d.glob("*.ckpt"))}
+    ckpt_files = [d for d in src.glob("rank_[0-9]*") if d.name[5:].isdigit() and d.is_dir() and any(d.glob("*.ckpt"))]
     if st_files and ckpt_files:
         raise SourceError("For 'unified_safetensors', the 'src_dir' cannot contain both ckpt file and safetensors "
                           "file simultaneously", path=src)
