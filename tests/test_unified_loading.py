@@ -9,6 +9,7 @@ job holds (not produced by any converter), compared byte for byte.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +207,18 @@ def test_transform_checkpoints_takes_a_unified_directory(unified: Path, tmp_path
     zckpt.transform_checkpoints(str(unified), str(tmp_path / "dst"), "checkpoint_", None, str(DST_STRATEGY))
     for r in range(4):
         assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
+
+
+def test_unified_safetensors_refusals(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="can not be a file"):
+        zckpt.unified_safetensors(str(SRC / "rank_0" / "checkpoint_0.ckpt"), str(SRC_STRATEGY), str(tmp_path / "a"))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(SRC, mixed)
+    zckpt.ckpt_to_safetensors(str(mixed / "rank_1" / "checkpoint_1.ckpt"))
+    (mixed / "rank_1" / "checkpoint_1.ckpt").unlink()
+    with pytest.raises(SourceError, match="both ckpt file and safetensors"):
+        zckpt.unified_safetensors(str(mixed), str(SRC_STRATEGY), str(tmp_path / "b"))
+    with pytest.raises(UsageError, match="choice_func"):
+        zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(tmp_path / "c"), choice_func=lambda n: 3)
+    with pytest.raises(TypeError, match="src_strategy_file"):
+        zckpt.unified_safetensors(str(SRC), 5, str(tmp_path / "d"))  # type: ignore[arg-type]
