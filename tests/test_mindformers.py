@@ -34,10 +34,11 @@ def layout_dict(dev: tuple[int, ...], tmap: tuple[tuple[int, ...], ...]) -> dict
             "rank_list": list(range(N))}
 
 
-def write_iteration(root: Path, *, dedup: bool = False, prefix: str = "llama", step: int = 10) -> Path:
+def write_iteration(root: Path, *, dedup: bool = False, prefix: str | None = "llama", step: int = 10) -> Path:
     """The example job saved as MindFormers' iteration ``step`` under ``root``."""
     it = root / f"iteration_{step:08d}"
     it.mkdir(parents=True)
+    lead = f"{prefix}-" if prefix else ""  # MindFormers' names without a user prefix start with model-/opt-
     smap = read_strategy(SRC_STRATEGY)
     state: dict[str, dict[str, object]] = {}
     storage: dict[str, list[dict[str, object]]] = {}
@@ -61,12 +62,12 @@ def write_iteration(root: Path, *, dedup: bool = False, prefix: str = "llama", s
                     if dedup and key in stored:
                         continue
                     stored.add(key)
-                    fname = f"{prefix}-{'model' if name.startswith('layer') else 'opt'}-{r:07d}-{N:07d}.safetensors"
+                    fname = f"{lead}{'model' if name.startswith('layer') else 'opt'}-{r:07d}-{N:07d}.safetensors"
                     storage.setdefault(str((name, tuple(box.start))), []).append(
                         {"file_name": fname, "storage_rank": r})
                 (model if name.startswith("layer") else opt)[name] = arr
-        save_file(model, str(it / f"{prefix}-model-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
-        save_file(opt, str(it / f"{prefix}-opt-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
+        save_file(model, str(it / f"{lead}model-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
+        save_file(opt, str(it / f"{lead}opt-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
     (it / "metadata.json").write_text(json.dumps({"state_dict_metadata": state, "storage_data": storage}, indent=4))
     (it / "common.json").write_text(json.dumps({"epoch_num": 1, "step_num": step, "global_step": step,
                                                 "loss_scale": None, "global_batch_size": 8}))
@@ -107,7 +108,7 @@ def test_mindformers_iteration_loads_a_rank_directly(tmp_path: Path) -> None:
 
 def test_mindformers_tracker_picks_the_iteration(tmp_path: Path) -> None:
     root = tmp_path / "checkpoint"
-    write_iteration(root, step=10)
+    write_iteration(root, step=10, prefix=None)
     (root / "iteration_00000020").mkdir()  # a later, incomplete save: the tracker says 10
     zckpt.ingest(str(root), tmp_path / "s.zarr")
     (root / "latest_checkpointed_iteration.txt").write_text("30")
