@@ -222,3 +222,11 @@ def test_unified_safetensors_refusals(tmp_path: Path) -> None:
         zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(tmp_path / "c"), choice_func=lambda n: 3)
     with pytest.raises(TypeError, match="src_strategy_file"):
         zckpt.unified_safetensors(str(SRC), 5, str(tmp_path / "d"))  # type: ignore[arg-type]
+
+
+def test_info_names_the_sources_ingest_reads(unified: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zckpt.cli import main
+
+    assert main(["info", str(unified)]) == 0
+    out = capsys.readouterr().out
+    assert "1 rank(s)" in out and "param_name_map.json" in out

@@ -64,9 +64,11 @@ def _describe_dir(path: Path) -> Described:
     """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
     ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
     from zckpt.formats.shards import pick_rank_file
+    from zckpt.source_layouts import discover_other_layout
     from zckpt.sources import discover_rank_files
 
-    if any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir()):
+    ranks = any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir())
+    if ranks or discover_other_layout(path) is not None:
         files = discover_rank_files(path)
         rows = [["rank", "file", "bytes"]] + [[str(r), str(f), str(Path(f).stat().st_size)] for r, f in files.items()]
         doc = {"type": "job", "path": str(path), "ranks": {str(r): str(f) for r, f in files.items()}}
