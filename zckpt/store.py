@@ -164,8 +164,9 @@ def bits_view(arr: zarr.Array[Any]) -> zarr.Array[Any]:
     doc["data_type"] = "uint16"
     doc["fill_value"] = zarr_bfloat16.bits_from_json(doc["fill_value"])
     base = arr._async_array
+    config = getattr(base, "config", None) or base._config  # ``config`` is public from zarr 3.1.6
     return zarr.Array(AsyncArray(metadata=ArrayV3Metadata.from_dict(doc), store_path=base.store_path,
-                                 config=base.config))
+                                 config=config))
 
 
 def _data_type_name(arr: zarr.Array[Any]) -> str:
