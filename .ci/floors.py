@@ -2,7 +2,8 @@
 
 usage: python .ci/floors.py [NAME==VERSION ...]
 
-Each ``name>=X`` in ``[project] dependencies`` becomes ``name==X`` (extras dropped), so that
+Each ``name>=X`` in ``[project] dependencies`` and in the runtime extras (``distributed``,
+``s3``: every optional group but the test ones) becomes ``name==X`` (extras dropped), so that
 an install with ``-c`` tests exactly the lowest versions zckpt claims to work with; the
 arguments replace a pin (``numpy==1.26.4``: the numpy MindSpore's environment has).
 """
@@ -20,7 +21,9 @@ _REQ = re.compile(r"^\s*([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9A-Za-z
 def floors(pyproject: Path) -> dict[str, str]:
     doc = tomllib.loads(pyproject.read_text(encoding="utf-8"))
     out: dict[str, str] = {}
-    for req in doc["project"]["dependencies"]:
+    extras = doc["project"].get("optional-dependencies", {})
+    runtime = [r for group, reqs in extras.items() if not group.startswith("test") for r in reqs]
+    for req in [*doc["project"]["dependencies"], *runtime]:
         m = _REQ.match(req)
         if m is None:
             raise SystemExit(f"dependency {req!r} has no '>=' floor: declare one")

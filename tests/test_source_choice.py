@@ -141,6 +141,22 @@ def test_choice_func_limits_what_is_compared_and_stored(tmp_path: Path) -> None:
         zckpt.ingest(str(src), tmp_path / "t.zarr", options=IngestOptions(choice_func=lambda n: n.upper()))  # type: ignore[arg-type,return-value]
 
 
+def test_prefix_options_are_choice_func_on_the_command_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    m = _model()
+    src = _job(tmp_path / "j", [m, {**m, "moment1.w": m["moment1.w"] + 1}])
+    assert cli_main(["ingest", str(src), "--store", str(tmp_path / "s.zarr"), "--filter-prefix", "moment1."]) == 0
+    assert set(_store_values(tmp_path / "s.zarr")) == {"w", "b", "global_step"}
+    assert cli_main(["ingest", str(src), "--store", str(tmp_path / "t.zarr"), "--specify-prefix", "w",
+                     "--specify-prefix", "b"]) == 0
+    assert set(_store_values(tmp_path / "t.zarr")) == {"w", "b"}
+    assert cli_main(["verify", str(tmp_path / "t.zarr"), str(src), "--specify-prefix", "w",
+                     "--specify-prefix", "b"]) == 0
+    capsys.readouterr()
+    assert cli_main(["verify", str(tmp_path / "t.zarr"), str(src)]) == 1  # unfiltered: rank 1 differs
+    assert "rank_0 and rank 1 hold different values" in capsys.readouterr().out
+
+
 # --- several files in a rank directory --------------------------------------------------------
 
 def _saved_twice(root: Path, names: tuple[str, str], ranks: int = 2) -> list[dict[str, np.ndarray]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,22 @@ def _source_args(p: argparse.ArgumentParser) -> None:
                    help="MindSpore's file_suffix: in each rank_<r> directory use the checkpoint file ending in "
                         "<SUFFIX>.ckpt (or .safetensors), e.g. 10_100 for net-10_100.ckpt (default: the only file, "
                         "or MindSpore's choice when it is unambiguous)")
+    p.add_argument("--specify-prefix", action="append", metavar="PREFIX",
+                   help="only the entries whose name starts with PREFIX (repeatable; MindSpore's specify_prefix, the "
+                        "command-line form of choice_func)")
+    p.add_argument("--filter-prefix", action="append", metavar="PREFIX",
+                   help="leave out the entries whose name starts with PREFIX (repeatable; MindSpore's filter_prefix)")
+
+
+def _choice_func(a: argparse.Namespace) -> Callable[[str], bool] | None:
+    """``--specify-prefix`` / ``--filter-prefix`` as MindSpore's ``choice_func`` (None: every entry)."""
+    if not a.specify_prefix and not a.filter_prefix:
+        return None
+    from zckpt.segmented import check_prefix, name_filter
+
+    spec = check_prefix(a.specify_prefix, "--specify-prefix") if a.specify_prefix else None
+    filt = check_prefix(a.filter_prefix, "--filter-prefix") if a.filter_prefix else None
+    return name_filter(spec, filt, None)
 
 
 def source_lines(rank_files: dict[int, str], choices: dict[int, Any], same_as_rank0: Sequence[int],
@@ -244,6 +260,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
         overlap=a.overlap, progress=_progress(a),
         storage_options=parse_storage_options(a.storage_option) or None, file_suffix=a.file_suffix,
+        choice_func=_choice_func(a),
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     choices = dict(r.file_choices)
@@ -403,13 +420,13 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
     if a.strategy and not a.src_dir:
         raise UsageError("--strategy is the strategy of SRC_DIR, which is not given")
-    if a.file_suffix and not a.src_dir:
-        raise UsageError("--file-suffix chooses the files of SRC_DIR, which is not given")
+    if (a.file_suffix or a.specify_prefix or a.filter_prefix) and not a.src_dir:
+        raise UsageError("--file-suffix, --specify-prefix and --filter-prefix apply to SRC_DIR, which is not given")
     if a.dst_strategy and not a.against:
         raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
     r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
                block_bytes=max(1, a.block_mb) * MiB, storage_options=parse_storage_options(a.storage_option) or None,
-               file_suffix=a.file_suffix)
+               file_suffix=a.file_suffix, choice_func=_choice_func(a))
     _emit(r.to_json(), a.json, summary_lines(r))
     return 0 if r.ok else 1
 

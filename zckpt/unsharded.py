@@ -29,6 +29,11 @@ _ADVICE = "without a source strategy rank_0 must be the full model; pass the sou
           "src_strategy_file) to read a sharded job"
 
 
+_MAX_BLOCK = 16 * 1024 * 1024
+"""Bytes compared per step: the comparison's temporary and the mapped pages touched between
+two releases stay this small whatever ``block_bytes`` allows."""
+
+
 @dataclass(frozen=True)
 class SameModel:
     """Rank files found equal to rank 0's (entries, types, shapes and bytes)."""
@@ -58,7 +63,7 @@ def check_same_model(
         readers = {r: stack.enter_context(open_source(files[r], storage_options, verify_crc=False)) for r in others}
         for r, reader in readers.items():
             _same_entries(base, reader, r, keep)
-        block = max(1, block_bytes // 2)  # one block of rank 0 and one of the rank compared with it
+        block = max(1, min(block_bytes // 2, _MAX_BLOCK))  # a block of rank 0 and one of the rank compared
         for name, entry in base.entries.items():
             if keep is not None and not keep(name):
                 continue
@@ -109,10 +114,10 @@ def _same_bytes(name: str, entry: EntryInfo, base: CkptReader, readers: Mapping[
                 if not _bitwise_equal(mine, theirs):
                     differs.append(r)
                     break
+            for x in (base, *readers.values()):
+                x.release_pages()  # mapped pages count in RSS until released: memory stays flat
             if differs:
                 break
-        for x in (base, *readers.values()):
-            x.release_pages()
     if differs:
         r = differs[0]
         raise SourceError(f"rank_0 and rank {r} hold different values under this name (the job is sharded); "

@@ -119,6 +119,7 @@ def verify(
     block_bytes: int = 64 * MiB,
     storage_options: remote.StorageOptions = None,
     file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> VerifyReport:
     """Check the store, then (``src``) the sources against it, then (``against``) an export.
 
@@ -133,7 +134,8 @@ def verify(
     report = VerifyReport(store.url)
     check_store(store, report, block_bytes=block_bytes)
     if src is not None:
-        check_sources(store, src, src_strategy, report, block_bytes=block_bytes, file_suffix=file_suffix)
+        check_sources(store, src, src_strategy, report, block_bytes=block_bytes, file_suffix=file_suffix,
+                      choice_func=choice_func)
     if against is not None:
         check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes)
     return report
@@ -462,13 +464,15 @@ def check_sources(
     *,
     block_bytes: int = 64 * MiB,
     file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> None:
     """Every source shard (writers and replicas alike) equals its box of the store; the file
     read in a rank directory holding several is recorded in the report."""
     from zckpt.ingest import prepare_ingest  # ingest pulls in Dask: only when sources are checked
 
     try:
-        prepared = prepare_ingest(src, strategy, file_suffix=file_suffix, block_bytes=block_bytes)
+        prepared = prepare_ingest(src, strategy, file_suffix=file_suffix, choice_func=choice_func,
+                                  block_bytes=block_bytes)
     except ZckptError as err:
         report.add_error("source", err)
         return
