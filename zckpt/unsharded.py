@@ -111,11 +111,12 @@ def _same_bytes(name: str, entry: EntryInfo, base: CkptReader, readers: Mapping[
                 if r in differs:
                     continue
                 theirs = x.rows(name, r0, r0 + rows) if mine.ndim else x.array(name)
-                if not _bitwise_equal(mine, theirs):
+                same = _bitwise_equal(mine, theirs)
+                x.release_pages()  # mapped pages count in RSS until released: one block per file at a time
+                if not same:
                     differs.append(r)
                     break
-            for x in (base, *readers.values()):
-                x.release_pages()  # mapped pages count in RSS until released: memory stays flat
+            base.release_pages()
             if differs:
                 break
     if differs:
