@@ -198,6 +198,9 @@ def test_unambiguous_choice_among_several_is_reported(tmp_path: Path, capsys: py
     assert _store_values(tmp_path / "s.zarr") == {n: a.tobytes() for n, a in newer.items()}
     assert cli_main(["ingest", str(tmp_path / "j"), "--store", str(tmp_path / "c.zarr")]) == 0
     assert "rank 1: chose " in capsys.readouterr().out
+    assert cli_main(["info", str(tmp_path / "j"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["file_choices"]["1"]["candidates"] == ["net-1_100.ckpt", "net-2_100.ckpt"]
     # a single file per directory: nothing to report
     m = _model()
     report = zckpt.ingest(str(_job(tmp_path / "k", [m, m])), tmp_path / "t.zarr")
