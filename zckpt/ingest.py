@@ -309,6 +309,7 @@ def ingest(
         block_bytes=options.block_bytes,
     )
     plan, smap = prepared.plan, prepared.strategy
+    options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     layout = store_layout(plan, smap, options)
     if isinstance(store_path, str) and remote.is_remote(store_path):
         lock: contextlib.AbstractContextManager[None] = remote_store_lock(store_path, options.storage_options)
