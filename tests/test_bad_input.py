@@ -149,8 +149,9 @@ def test_existing_output_refused_without_overwrite(example: Path, tmp_path: Path
     assert cli_main([*exp, "--overwrite"]) == 0
     assert (out / "rank_0" / "checkpoint_0.ckpt").read_bytes() == before
     assert cli_main(_ingest_args(example, store)) == 0  # the same ingest again: already complete, nothing to do
-    other = ["ingest", str(example / "src" / "checkpoints"), "--store", str(store)]  # no strategy: another ingest
-    code, err = _run(other, capsys)
+    only0 = tmp_path / "only0"
+    shutil.copytree(example / "src" / "checkpoints" / "rank_0", only0 / "rank_0")
+    code, err = _run(["ingest", str(only0), "--store", str(store)], capsys)  # no strategy: another ingest
     assert code == 1 and "holds a different ingest" in err
 
 

@@ -67,11 +67,15 @@ def transform_checkpoints(
     output_format: str = "ckpt",
     *,
     storage_options: remote.StorageOptions = None,
+    file_suffix: str | None = None,
 ) -> None:
     """Convert a whole job: ``dst_checkpoints_dir/rank_<r>/<ckpt_prefix><r>.ckpt`` for every rank.
 
     Unlike MindSpore there is no divisibility requirement between the device counts.
     Directories and strategy files may be URLs (``storage_options``: see the module).
+    A rank directory holding several checkpoint files is read as MindSpore reads it unless
+    that would be a guess (``net-9_100.ckpt`` against ``net-10_100.ckpt``): then this refuses,
+    and ``file_suffix`` (keyword only, as in MindSpore's ``unified_safetensors``) chooses.
     """
     if not isinstance(ckpt_prefix, str):
         raise TypeError("The ckpt_prefix should be a str.")
@@ -97,7 +101,8 @@ def transform_checkpoints(
     dst_map = load_strategy(dst_strategy_file, storage_options)
     with _scratch(dst, storage_options) as tmp:
         store = Path(tmp) / "store.zarr"
-        ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options))
+        ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options,
+                                                                  file_suffix=file_suffix))
         opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map),
                              storage_options=storage_options)
         export(store, dst if remote.is_remote(dst) else Path(dst), dst_map, options=opts)

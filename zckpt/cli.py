@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         "--strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
     )
     ing.add_argument("--store", required=True, help="Zarr store to create (a directory or a URL)")
+    _source_args(ing)
     ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
     ing.add_argument("--chunk-mb", type=int, help="largest chunk (MiB; default min(64, max-mem/16))")
@@ -139,6 +140,48 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress (bars, or JSON lines with --json)")
 
 
+def _source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--file-suffix",
+                   help="MindSpore's file_suffix: in each rank_<r> directory use the checkpoint file ending in "
+                        "<SUFFIX>.ckpt (or .safetensors), e.g. 10_100 for net-10_100.ckpt (default: the only file, "
+                        "or MindSpore's choice when it is unambiguous)")
+    p.add_argument("--specify-prefix", action="append", metavar="PREFIX",
+                   help="only the entries whose name starts with PREFIX (repeatable; MindSpore's specify_prefix, the "
+                        "command-line form of choice_func)")
+    p.add_argument("--filter-prefix", action="append", metavar="PREFIX",
+                   help="leave out the entries whose name starts with PREFIX (repeatable; MindSpore's filter_prefix)")
+
+
+def _choice_func(a: argparse.Namespace) -> Callable[[str], bool] | None:
+    """``--specify-prefix`` / ``--filter-prefix`` as MindSpore's ``choice_func`` (None: every entry)."""
+    if not a.specify_prefix and not a.filter_prefix:
+        return None
+    from zckpt.segmented import check_prefix, name_filter
+
+    spec = check_prefix(a.specify_prefix, "--specify-prefix") if a.specify_prefix else None
+    filt = check_prefix(a.filter_prefix, "--filter-prefix") if a.filter_prefix else None
+    return name_filter(spec, filt, None)
+
+
+def source_lines(rank_files: dict[int, str], choices: dict[int, Any], same_as_rank0: Sequence[int],
+                 limit: int = 8) -> list[str]:
+    """What was read from SRC_DIR, where it was a choice: the file picked in each rank
+    directory that held several (the first ``limit``; all are in the JSON report)."""
+    lines = []
+    for r, c in list(choices.items())[:limit]:
+        lines.append(f"rank {r}: chose {rank_files[r]} among {len(c.candidates)} files ({c.rule})")
+    if len(choices) > limit:
+        lines.append(f"... and {len(choices) - limit} more rank directories with several files (see --json)")
+    if same_as_rank0:
+        lines.append(f"no source strategy: rank file(s) {list(same_as_rank0)} hold the same entries and bytes as "
+                     "rank_0, which is read as the full model")
+    return lines
+
+
+def choices_json(choices: dict[int, Any]) -> dict[str, Any]:
+    return {str(r): {"file": c.name, "candidates": list(c.candidates), "rule": c.rule} for r, c in choices.items()}
+
+
 def _storage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec option for s3://, gs://, ... URLs (repeatable; e.g. endpoint_url=http://host:9000; "
@@ -216,15 +259,20 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
         overlap=a.overlap, progress=_progress(a),
-        storage_options=parse_storage_options(a.storage_option) or None,
+        storage_options=parse_storage_options(a.storage_option) or None, file_suffix=a.file_suffix,
+        choice_func=_choice_func(a),
     )
     r = ingest(a.src_dir, a.store, a.strategy, opts)
+    choices = dict(r.file_choices)
     _emit(
         {"store": r.store, "ranks_read": list(r.ranks_read), "ignored_ranks": list(r.ignored_ranks),
          "tensors": r.tensors, "bytes_written": r.bytes_written,
-         "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete},
+         "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete,
+         "rank_files": {str(k): v for k, v in r.rank_files.items()}, "file_choices": choices_json(choices),
+         "same_as_rank0": list(r.same_as_rank0)},
         a.json,
-        [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
+        source_lines(dict(r.rank_files), choices, r.same_as_rank0)
+        + [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
          f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
          f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]
         + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else []),
@@ -357,6 +405,7 @@ def _verify_args(sub: Any) -> None:
     ver.add_argument("src_dir", nargs="?", help="also compare these local source shards (rank_<r>/*.ckpt) with "
                                                 "the store")
     ver.add_argument("--strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
+    _source_args(ver)
     ver.add_argument("--against", metavar="DST_DIR",
                      help="also compare a local export's rank files with the store")
     ver.add_argument("--dst-strategy", help="destination strategy of DST_DIR (omit: one rank, whole tensors)")
@@ -374,11 +423,14 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
     if a.strategy and not a.src_dir:
         raise UsageError("--strategy is the strategy of SRC_DIR, which is not given")
+    if (a.file_suffix or a.specify_prefix or a.filter_prefix) and not a.src_dir:
+        raise UsageError("--file-suffix, --specify-prefix and --filter-prefix apply to SRC_DIR, which is not given")
     if a.dst_strategy and not a.against:
         raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
     r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
                any_order=a.any_order, block_bytes=max(1, a.block_mb) * MiB,
-               storage_options=parse_storage_options(a.storage_option) or None)
+               storage_options=parse_storage_options(a.storage_option) or None,
+               file_suffix=a.file_suffix, choice_func=_choice_func(a))
     _emit(r.to_json(), a.json, summary_lines(r))
     return 0 if r.ok else 1
 

@@ -65,14 +65,19 @@ def _describe_dir(path: Path) -> Described:
     ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
     from zckpt.formats.shards import pick_rank_file
     from zckpt.source_layouts import discover_other_layout
-    from zckpt.sources import discover_rank_files
+    from zckpt.sources import discover_sources
 
     ranks = any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir())
     if ranks or discover_other_layout(path) is not None:
-        files = discover_rank_files(path)
+        found = discover_sources(path)
+        files = found.files
         rows = [["rank", "file", "bytes"]] + [[str(r), str(f), str(Path(f).stat().st_size)] for r, f in files.items()]
-        doc = {"type": "job", "path": str(path), "ranks": {str(r): str(f) for r, f in files.items()}}
-        return doc, [f"job {path}: {len(files)} rank(s)", *_table(rows)]
+        doc = {"type": "job", "path": str(path), "ranks": {str(r): str(f) for r, f in files.items()},
+               "file_choices": {str(r): {"file": c.name, "candidates": list(c.candidates), "rule": c.rule}
+                                for r, c in found.several().items()}}
+        chose = [f"rank {r}: chose {c.name} among {len(c.candidates)} files ({c.rule})"
+                 for r, c in found.several().items()]
+        return doc, [f"job {path}: {len(files)} rank(s)", *_table(rows), *chose]
     chosen = pick_rank_file(path)
     if chosen is None:
         raise UsageError("directory holds no store, no rank_<r>/ folders and no checkpoint file", path=path)

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -30,17 +30,19 @@ import numpy as np
 from zckpt import fileio, remote
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import SourceError, StoreError, StrategyError, ZckptError
+from zckpt.errors import SourceError, StoreError, StrategyError, UsageError, ZckptError
 from zckpt.fileio import copy_range
 from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
-from zckpt.sources import SourceFile, check_rank_map, discover_rank_files, open_source
+from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
 from zckpt.store import Store, chunk_shape
+from zckpt.unsharded import SameModel, check_same_model
 
 MiB = 1024 * 1024
 
@@ -66,6 +68,13 @@ class IngestOptions:
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
+    file_suffix: str | None = None
+    """MindSpore's ``file_suffix``: in each ``rank_<r>`` directory only the checkpoint file
+    ending in ``<file_suffix>.ckpt`` (or ``.safetensors``) counts (see
+    :func:`zckpt.formats.shards.choose_rank_file`)."""
+    choice_func: Callable[[str], bool] | None = None
+    """MindSpore's ``choice_func``: called with each entry name, ``False`` leaves the entry out
+    of the store (it is never read)."""
     overlap: bool | None = None
     """Each task copies chunk files on two threads, so that one chunk is read while another
     is written. ``None`` (auto): only when every host runs fewer tasks at once than it has
@@ -96,6 +105,12 @@ class IngestReport:
     uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]]
     ignored_ranks: tuple[int, ...] = ()
     resumed: bool = False
+    rank_files: Mapping[int, str] = field(default_factory=dict)
+    """The source file read for each rank."""
+    file_choices: Mapping[int, RankFileChoice] = field(default_factory=dict)
+    """Ranks whose directory held several checkpoint files: which was chosen, among which, and why."""
+    same_as_rank0: tuple[int, ...] = ()
+    """Without a source strategy: the other rank files, found byte-identical to rank 0's."""
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -137,11 +152,32 @@ def _load_remote_strategy(url: str, storage_options: remote.StorageOptions) -> S
 
 
 def resolve_sources(
-    src: str | Path | Mapping[int, str | Path], storage_options: remote.StorageOptions = None
-) -> dict[int, SourceFile]:
+    src: str | Path | Mapping[int, str | Path], storage_options: remote.StorageOptions = None,
+    file_suffix: str | None = None,
+) -> SourceSet:
     if isinstance(src, Mapping):
-        return check_rank_map(src, storage_options)
-    return discover_rank_files(src, storage_options)
+        if file_suffix is not None:
+            raise UsageError("file_suffix chooses files in rank directories; it does not apply to a {rank: file} map")
+        return SourceSet(check_rank_map(src, storage_options))
+    return discover_sources(src, storage_options, file_suffix)
+
+
+def entry_filter(choice_func: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
+    """MindSpore's ``choice_func`` as a predicate that insists on a bool (a str would rename the
+    entry in MindSpore's ``unified_safetensors``, which ingest does not do)."""
+    if choice_func is None:
+        return None
+    if not callable(choice_func):
+        raise TypeError(f"The choice_func should be callable, but got {type(choice_func).__name__}.")
+
+    def keep(name: str) -> bool:
+        out = choice_func(name)
+        if not isinstance(out, bool):
+            raise UsageError(f"choice_func must return a bool, got {type(out).__name__} (renaming entries is not "
+                             "supported at ingest)", param=name)
+        return out
+
+    return keep
 
 
 def read_indexes(
@@ -195,6 +231,16 @@ def _refuse_foreign_strategy(
         )
 
 
+@dataclass(frozen=True)
+class PreparedIngest:
+    """A plan with what was decided about the sources on the way, for the report."""
+
+    plan: IngestPlan
+    strategy: StrategyMap | None
+    sources: SourceSet
+    same_model: SameModel
+
+
 def plan_ingest(
     src: str | Path | Mapping[int, str | Path],
     strategy: StrategyArg,
@@ -202,19 +248,47 @@ def plan_ingest(
     require_complete: bool = True,
     verify_crc: bool = True,
     storage_options: remote.StorageOptions = None,
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> tuple[IngestPlan, StrategyMap | None]:
+    p = prepare_ingest(src, strategy, require_complete=require_complete, verify_crc=verify_crc,
+                       storage_options=storage_options, file_suffix=file_suffix, choice_func=choice_func)
+    return p.plan, p.strategy
+
+
+def prepare_ingest(
+    src: str | Path | Mapping[int, str | Path],
+    strategy: StrategyArg,
+    *,
+    require_complete: bool = True,
+    verify_crc: bool = True,
+    storage_options: remote.StorageOptions = None,
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
+    block_bytes: int = 64 * MiB,
+) -> PreparedIngest:
+    """Find the sources and plan the ingest. Without a strategy, rank files besides rank 0's
+    must be the same model byte for byte (:mod:`zckpt.unsharded`), else this refuses."""
     smap = load_strategy(strategy, storage_options)
     if smap is None:
         smap = implied_strategy(src)  # a MindFormers iteration records its own
-    found = resolve_sources(src, storage_options)
+    sources = resolve_sources(src, storage_options, file_suffix)
+    found = sources.files
+    keep = entry_filter(choice_func)
+    same = SameModel((), 0)
+    if smap is None:
+        same = check_same_model(found, storage_options, block_bytes=block_bytes, keep=keep)
     files = relevant_ranks(found, smap)
     indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options)
+    if keep is not None:
+        indexes = {r: {n: e for n, e in idx.items() if keep(n)} for r, idx in indexes.items()}
     if smap is not None:
         _refuse_foreign_strategy(smap, found, files, indexes, storage_options)
     plan = build_ingest_plan(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )
-    return replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files)))), smap
+    plan = replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files) - set(same.ranks))))
+    return PreparedIngest(plan, smap, sources, same)
 
 
 def ingest(
@@ -232,10 +306,13 @@ def ingest(
     incomplete store is removed; after an interruption it is kept, marked incomplete.
     """
     t0 = time.perf_counter()
-    plan, smap = plan_ingest(
+    prepared = prepare_ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
-        storage_options=options.storage_options,
+        storage_options=options.storage_options, file_suffix=options.file_suffix, choice_func=options.choice_func,
+        block_bytes=options.block_bytes,
     )
+    plan, smap = prepared.plan, prepared.strategy
+    options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     layout = store_layout(plan, smap, options)
     if isinstance(store_path, str) and remote.is_remote(store_path):
         lock: contextlib.AbstractContextManager[None] = remote_store_lock(store_path, options.storage_options)
@@ -266,6 +343,9 @@ def ingest(
         uncovered=plan.uncovered,
         ignored_ranks=plan.ignored_ranks,
         resumed=state == "resume",
+        rank_files={r: str(p) for r, p in prepared.sources.files.items()},
+        file_choices=prepared.sources.several(),
+        same_as_rank0=prepared.same_model.ranks,
     )
 
 

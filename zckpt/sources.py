@@ -3,7 +3,10 @@
 MindSpore's layout is ``SRC_DIR/rank_<r>/<anything>.ckpt``; when a rank directory holds
 several ``.ckpt`` files the last one in lexicographic order is the checkpoint, as in
 ``mindspore.transform_checkpoints``. Sharded safetensors jobs (``rank_<r>/*.safetensors``)
-are found the same way (see :func:`zckpt.formats.shards.pick_rank_file`).
+are found the same way. Where those rules would be a guess (``net-9_100.ckpt`` against
+``net-10_100.ckpt``, ranks from different steps) zckpt refuses and asks for MindSpore's
+``file_suffix``; every choice among several files is kept in :class:`SourceSet` for the
+report (see :func:`zckpt.formats.shards.choose_rank_file`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zckpt import remote
 from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import INDEX_SUFFIX, check_single_format, open_shard, pick_rank_file, pick_rank_name
+from zckpt.formats.shards import INDEX_SUFFIX, RankFileChoice, check_single_format, choose_rank_file, open_shard
 from zckpt.source_layouts import discover_other_layout
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -26,49 +30,109 @@ SourceFile = Path | str
 """A local shard path, or the URL of a remote one (``s3://...``)."""
 
 
-def discover_rank_files(src_dir: str | Path, storage_options: remote.StorageOptions = None) -> dict[int, SourceFile]:
+@dataclass(frozen=True)
+class SourceSet:
+    """The source files of a job: ``{rank: file}`` and, per rank directory, which file was
+    chosen among how many (so that a choice among several is reported, never silent)."""
+
+    files: dict[int, SourceFile]
+    choices: dict[int, RankFileChoice] = field(default_factory=dict)
+
+    def several(self) -> dict[int, RankFileChoice]:
+        """The ranks whose directory held more than one candidate."""
+        return {r: c for r, c in self.choices.items() if c.several}
+
+
+def discover_rank_files(
+    src_dir: str | Path, storage_options: remote.StorageOptions = None, file_suffix: str | None = None
+) -> dict[int, SourceFile]:
     """Map rank id to its checkpoint file; refuses a directory with no rank files."""
+    return discover_sources(src_dir, storage_options, file_suffix).files
+
+
+def discover_sources(
+    src_dir: str | Path, storage_options: remote.StorageOptions = None, file_suffix: str | None = None
+) -> SourceSet:
+    """:func:`discover_rank_files` with the choice made in each rank directory.
+
+    ``file_suffix`` is MindSpore's: only files ending in ``<file_suffix>.ckpt`` (or
+    ``.safetensors``) count, and every rank directory must hold one.
+    """
     if isinstance(src_dir, str) and remote.is_remote(src_dir):
-        return discover_remote(src_dir, storage_options)
+        return discover_remote(src_dir, storage_options, file_suffix)
     root = remote.local_path(src_dir)
     if not root.is_dir():
         raise SourceError("source checkpoint directory does not exist or is not a directory", path=root)
     other = discover_other_layout(root)  # MindSpore's unified directory, MindFormers' iterations
     if other is not None:
-        return other
+        return SourceSet(dict(sorted(other.items())))
     out: dict[int, SourceFile] = {}
+    choices: dict[int, RankFileChoice] = {}
     for child in root.iterdir():
         m = _RANK_DIR.match(child.name)
         if not m or not child.is_dir():
             continue
-        found = pick_rank_file(child)  # .ckpt or .safetensors, chosen as MindSpore does
+        names = [p.name for p in child.iterdir() if p.is_file()]
+        found = choose_rank_file(names, child.name, str(child), file_suffix)  # as MindSpore does, never a guess
         if found is not None:
-            out[int(m.group(1))] = found
-    if not out:
-        raise SourceError("no rank_<r>/*.ckpt or rank_<r>/*.safetensors files found", path=root)
-    check_single_format(out, root)
-    return dict(sorted(out.items()))
+            out[int(m.group(1))] = child / found.name
+            choices[int(m.group(1))] = found
+    return _checked(out, choices, root)
 
 
-def discover_remote(url: str, storage_options: remote.StorageOptions) -> dict[int, SourceFile]:
-    """:func:`discover_rank_files` on an fsspec directory: same naming rules, URLs as results."""
+def discover_remote(url: str, storage_options: remote.StorageOptions, file_suffix: str | None = None) -> SourceSet:
+    """:func:`discover_sources` on an fsspec directory: same naming rules, URLs as results."""
     root = remote.locate(url, storage_options, SourceError)
     if not remote.isdir(root, SourceError):
         raise SourceError("source checkpoint directory does not exist or is not a directory", path=url)
     out: dict[int, SourceFile] = {}
+    choices: dict[int, RankFileChoice] = {}
     for name, is_dir in remote.listdir(root, SourceError):
         m = _RANK_DIR.match(name)
         if not m or not is_dir:
             continue
         sub = root.child(name)
         files = [n for n, d in remote.listdir(sub, SourceError) if not d]
-        found = pick_rank_name(files, name, sub.url)
+        found = choose_rank_file(files, name, sub.url, file_suffix)
         if found is not None:
-            out[int(m.group(1))] = sub.child(found).url
+            out[int(m.group(1))] = sub.child(found.name).url
+            choices[int(m.group(1))] = found
+    return _checked(out, choices, url)
+
+
+def _checked(out: dict[int, SourceFile], choices: dict[int, RankFileChoice], root: str | Path) -> SourceSet:
     if not out:
-        raise SourceError("no rank_<r>/*.ckpt or rank_<r>/*.safetensors files found", path=url)
-    check_single_format(out, url)
-    return dict(sorted(out.items()))
+        raise SourceError("no rank_<r>/*.ckpt or rank_<r>/*.safetensors files found", path=root)
+    check_single_format(out, root)
+    check_same_step(choices, root)
+    return SourceSet(dict(sorted(out.items())), dict(sorted(choices.items())))
+
+
+_EPOCH_STEP = re.compile(r"-(\d+)_(\d+)\.(?:ckpt|safetensors)$")
+"""``ModelCheckpoint``'s file names: ``<prefix>-<epoch>_<step>.ckpt``."""
+
+
+def check_same_step(choices: Mapping[int, RankFileChoice], root: str | Path) -> None:
+    """Refuse ranks whose chosen files are from different training steps.
+
+    When every chosen name has ``ModelCheckpoint``'s ``-<epoch>_<step>`` ending and the ranks
+    disagree on it (a rank that stopped saving earlier, or a directory holding a newer file
+    than the others), the job would be mixed from several steps; MindSpore would mix them
+    silently.
+    """
+    steps = {r: _EPOCH_STEP.search(c.name) for r, c in choices.items()}
+    if len(steps) < 2 or any(m is None for m in steps.values()):
+        return
+    by_step: dict[tuple[int, int], list[int]] = {}
+    for r, m in steps.items():
+        assert m is not None
+        by_step.setdefault((int(m.group(1)), int(m.group(2))), []).append(r)
+    if len(by_step) > 1:
+        parts = "; ".join(f"ranks {rs} from epoch {e} step {st}" for (e, st), rs in sorted(by_step.items()))
+        raise SourceError(
+            f"the chosen rank files are from different training steps ({parts}): a job mixed from several steps is "
+            "not a checkpoint; choose one step for every rank with --file-suffix (file_suffix=, e.g. "
+            f"'{max(by_step)[0]}_{max(by_step)[1]}') or remove the other files", path=root)
 
 
 def check_rank_map(

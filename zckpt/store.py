@@ -164,8 +164,9 @@ def bits_view(arr: zarr.Array[Any]) -> zarr.Array[Any]:
     doc["data_type"] = "uint16"
     doc["fill_value"] = zarr_bfloat16.bits_from_json(doc["fill_value"])
     base = arr._async_array
+    config = getattr(base, "config", None) or base._config  # ``config`` is public from zarr 3.1.6
     return zarr.Array(AsyncArray(metadata=ArrayV3Metadata.from_dict(doc), store_path=base.store_path,
-                                 config=base.config))
+                                 config=config))
 
 
 def _data_type_name(arr: zarr.Array[Any]) -> str:
@@ -298,6 +299,16 @@ def _fsspec_store(url: str, storage_options: remote.StorageOptions, *, read_only
     """zarr's own fsspec store for a URL (it wraps synchronous filesystems such as ``memory://``)."""
     return FsspecStore.from_url(url, storage_options=remote.fs_options(storage_options), read_only=read_only)
 
+
+
+def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
+    """``node`` with ``write_empty_chunks`` on: without it an all-zero chunk written through
+    zarr leaves no file, which raw chunk readers then miss. zarr 3.1 drops ``config`` when it
+    opens an existing array, and ``Array.with_config`` only exists from zarr 3.1.6 (numpy 1.26
+    gets 3.1.5), so the array is rebuilt from its metadata with that runtime config."""
+    a = node._async_array
+    return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
+                                 config={"order": "C", "write_empty_chunks": True}))
 
 class Store:
     """A zckpt store opened for reading or being written by ingest."""
@@ -560,7 +571,7 @@ class Store:
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
                                          zarr_format=3) for n in todo])
         for name, node in zip(todo, opened, strict=True):
-            self._keep(name, zarr.Array(node).with_config({"write_empty_chunks": True}))
+            self._keep(name, writing_empty_chunks(zarr.Array(node)))
 
     def _io_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Remote stores: network and permission failures become a StoreError naming the URL
@@ -590,11 +601,7 @@ class Store:
         if e.kind == "str":
             raise StoreError("string entries have no array", path=self.url, param=name)
         try:
-            node = zarr.open_array(store=self.group.store, path=e.key, mode=self._mode,
-                                   config={"write_empty_chunks": True})
-            # zarr 3.1 drops ``config`` when opening an existing array: without this an all-zero
-            # chunk written through zarr leaves no file, which raw chunk readers then miss.
-            node = node.with_config({"write_empty_chunks": True})
+            node = writing_empty_chunks(zarr.open_array(store=self.group.store, path=e.key, mode=self._mode))
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
         return self._keep(name, node)

@@ -85,6 +85,8 @@ class VerifyReport:
     export_files: int = 0
     export_bytes: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    source_choices: dict[int, tuple[str, tuple[str, ...], str]] = field(default_factory=dict)
+    """Source rank directories that held several checkpoint files: (file read, candidates, rule)."""
 
     @property
     def ok(self) -> bool:
@@ -104,6 +106,8 @@ class VerifyReport:
             "source_files": self.source_files, "source_bytes": self.source_bytes,
             "export_files": self.export_files, "export_bytes": self.export_bytes,
             "mismatches": [m.to_json() for m in self.mismatches],
+            "source_file_choices": {str(r): {"file": f, "candidates": list(c), "rule": why}
+                                    for r, (f, c, why) in self.source_choices.items()},
         }
 
 
@@ -118,6 +122,8 @@ def verify(
     any_order: bool = False,
     block_bytes: int = 64 * MiB,
     storage_options: remote.StorageOptions = None,
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> VerifyReport:
     """Check the store, then (``src``) the sources against it, then (``against``) an export.
 
@@ -132,7 +138,8 @@ def verify(
     report = VerifyReport(store.url)
     check_store(store, report, block_bytes=block_bytes)
     if src is not None:
-        check_sources(store, src, src_strategy, report, block_bytes=block_bytes)
+        check_sources(store, src, src_strategy, report, block_bytes=block_bytes, file_suffix=file_suffix,
+                      choice_func=choice_func)
     if against is not None:
         check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes,
                      any_order=any_order)
@@ -461,15 +468,22 @@ def check_sources(
     report: VerifyReport,
     *,
     block_bytes: int = 64 * MiB,
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> None:
-    """Every source shard (writers and replicas alike) equals its box of the store."""
-    from zckpt.ingest import plan_ingest  # ingest pulls in Dask: only when sources are checked
+    """Every source shard (writers and replicas alike) equals its box of the store; the file
+    read in a rank directory holding several is recorded in the report."""
+    from zckpt.ingest import prepare_ingest  # ingest pulls in Dask: only when sources are checked
 
     try:
-        plan, _ = plan_ingest(src, strategy)
+        prepared = prepare_ingest(src, strategy, file_suffix=file_suffix, choice_func=choice_func,
+                                  block_bytes=block_bytes)
     except ZckptError as err:
         report.add_error("source", err)
         return
+    plan = prepared.plan
+    report.source_choices = {r: (str(prepared.sources.files[r]), c.candidates, c.rule)
+                             for r, c in prepared.sources.several().items()}
     entries = {e.name: e for e in store.entries()}
     for t in plan.tensors:
         e = entries.get(t.name)
@@ -607,6 +621,8 @@ def summary_lines(report: VerifyReport) -> list[str]:
     ]
     if report.source_files:
         lines.append(f"sources: {report.source_files} files, {report.source_bytes} bytes compared")
+    lines += [f"source rank {r}: chose {f} among {len(c)} files ({why})"
+              for r, (f, c, why) in report.source_choices.items()]
     if report.export_files:
         lines.append(f"exports: {report.export_files} files, {report.export_bytes} bytes compared")
     lines += [m.render() for m in report.mismatches]
