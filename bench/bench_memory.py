@@ -14,32 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchlib import GiB, MiB, phase_env, run_phase
+from benchlib import tree_bytes as _tree_bytes
+
 from zckpt.formats.strategy import StrategyMap, encode_strategy
 from zckpt.generate import transformer_like, write_model
 
-HERE = Path(__file__).resolve().parent
-GiB = 1024**3
-MiB = 1024**2
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
 
 def _phase(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.run([sys.executable, str(HERE / "phase.py"), *args], capture_output=True, text=True, env=env,
-                          check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"phase {args[0]} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_phase(sys.executable, *args, env=phase_env())
+    if "error" in result:
+        raise SystemExit(f"phase {args[0]} failed: {result['error']}")
     return result
 
 

@@ -26,21 +26,17 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchlib import GiB, MiB, phase_env
+from benchlib import peak as _peak
+from benchlib import run_phase as _run_phase
+from benchlib import tree_bytes as _tree_bytes
+
 from zckpt.formats.strategy import StrategyMap, encode_strategy
 from zckpt.generate import transformer_like, write_model
-
-HERE = Path(__file__).resolve().parent
-GiB = 1024**3
-MiB = 1024**2
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dtype: str,
@@ -76,11 +72,6 @@ def prewarm(scratch: Path, nbytes: int) -> None:
     target.unlink()
 
 
-def _peak(r: dict[str, Any]) -> int:
-    """Peak RSS of the phase's largest process (itself, or a Dask worker / cp it started)."""
-    return max(int(r["max_rss_bytes"]), int(r.get("max_child_rss_bytes", 0)))
-
-
 def _reported_kib() -> int | None:
     """KiB of free guest memory handed back to the hypervisor so far (virtio-balloon free
     page reporting), when the kernel exposes it: each such page costs a host fault when
@@ -89,15 +80,6 @@ def _reported_kib() -> int | None:
         return int(Path("/sys/module/page_reporting/parameters/reported_kib").read_text())
     except (OSError, ValueError):
         return None
-
-
-def _run_phase(python: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    proc = subprocess.run([python, str(HERE / "phase.py"), *args], capture_output=True, text=True,
-                          env=env, check=False)
-    if proc.returncode != 0:
-        return {"phase": args[0], "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
 
 
 def main() -> None:
@@ -153,7 +135,7 @@ def main() -> None:
             result["host_reported_bytes"] = ((_reported_kib() or 0) - reported) * 1024
         return result
 
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = phase_env()
     rows: list[dict[str, Any]] = []
 
     def measure(label: str, python: str, args: list[str], out: Path, moved: int | None,

@@ -11,11 +11,20 @@ usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
        python bench/phase.py copy2 SRC OUT   (two cp processes at once, each on half the bytes)
+       python bench/phase.py cli ARGS...     (``zckpt ARGS...``, the command line in this process)
+
+``import_seconds`` is the part of the wall time spent importing zckpt (numpy, zarr, dask...):
+with a cold cache, the Python libraries come from the disk too.
+``--sync`` ends the timed part with ``sync`` (every phase's bytes on the disk, as ``cp -r && sync``).
+An empty strategy argument means none (unsharded). Besides the counted bytes, ``disk_read_bytes``
+and ``disk_write_bytes`` are what the phase made the block layer read and write (``read_bytes`` and
+``write_bytes`` of /proc/self/io: with a cold cache, the bytes that really came from the disk).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -105,12 +114,18 @@ def _copy_in_two(src: Path, out: Path) -> None:
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
     overlap = False if "--no-overlap" in args else True if "--overlap" in args else None
-    args = [x for x in args if x not in ("--no-overlap", "--overlap")]
+    sync = "--sync" in args
+    args = [x for x in args if x not in ("--no-overlap", "--overlap", "--sync")]
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
     io0 = _io()
     watch = RssWatch()
     t0 = time.perf_counter()
+    if phase in ("ingest", "export", "cli"):  # the time of Python's imports, part of the wall time
+        import zckpt.cli  # noqa: F401
+        import zckpt.export  # noqa: F401
+        import zckpt.ingest  # noqa: F401
+    import_seconds = time.perf_counter() - t0
     if phase == "ingest":
         from zckpt.ingest import IngestOptions, ingest
         from zckpt.runner import memory_budget
@@ -133,13 +148,21 @@ def main(argv: list[str]) -> None:
     elif phase == "mindspore":
         import mindspore as ms
 
-        ms.transform_checkpoints(args[0], args[1], "checkpoint_", args[2], args[3])
+        ms.transform_checkpoints(args[0], args[1], "checkpoint_", args[2] or None, args[3] or None)
     elif phase == "copy":  # the coreutils command itself, as a user would run it
         subprocess.run(["cp", "-r", args[0], args[1]], check=True)  # its I/O counts join ours once reaped
     elif phase == "copy2":
         _copy_in_two(Path(args[0]), Path(args[1]))
+    elif phase == "cli":
+        from zckpt.cli import main as cli_main
+
+        code = cli_main(args)
+        if code:
+            raise SystemExit(f"zckpt {' '.join(args)} exited with {code}")
     else:
         raise SystemExit(f"unknown phase {phase}")
+    if sync:
+        os.sync()
     seconds = time.perf_counter() - t0
     rss_at_peak = watch.stop()
     io1 = _io()
@@ -147,10 +170,13 @@ def main(argv: list[str]) -> None:
     print(json.dumps({
         "phase": phase,
         "seconds": seconds,
+        "import_seconds": import_seconds,
         "max_rss_bytes": _high_water(),
         "max_child_rss_bytes": children,
         "read_chars": io1.get("rchar", 0) - io0.get("rchar", 0) if counted is None else counted,
         "write_chars": io1.get("wchar", 0) - io0.get("wchar", 0),
+        "disk_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+        "disk_write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
         "rss_at_peak": rss_at_peak,
     }))
 

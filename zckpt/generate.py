@@ -533,6 +533,32 @@ def _stage_map(tensors: Sequence[TensorDef], stage: int) -> StrategyMap:
     )
 
 
+def write_pipeline_strategies(
+    root: Path, stages: Sequence[Sequence[TensorDef]], *, stage_device_num: int
+) -> tuple[Path, Path]:
+    """A pipeline job's strategy files, as MindSpore leaves them: ``root/strategy/strategy_<r>.ckpt``
+    (each rank's own file: its stage's layouts, no name prefix) and ``root/strategy_merged.ckpt``
+    (what ``merge_pipeline_strategys`` makes of them). Returns both paths; shards are written
+    apart (by :func:`write_pipeline_model`, or by a benchmark's streaming generator)."""
+    n = stage_device_num
+    strategy_dir = root / "strategy"
+    strategy_dir.mkdir(parents=True, exist_ok=True)
+    for s, tensors in enumerate(stages):
+        data = encode_strategy(_stage_map(tensors, s), merged=False, current_stage=s)
+        for local in range(n):
+            (strategy_dir / f"strategy_{s * n + local}.ckpt").write_bytes(data)
+    merged: dict[str, dict[int, ParamLayout]] = {}
+    ops: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
+    for s, tensors in enumerate(stages):
+        one = _stage_map(tensors, s)
+        ops.update(one.operator_strategies)
+        for name, per in one.layouts.items():
+            merged.setdefault(name, {}).update(per)
+    merged_path = root / "strategy_merged.ckpt"
+    merged_path.write_bytes(encode_strategy(StrategyMap(merged, operator_strategies=ops), merged=True, current_stage=1))
+    return strategy_dir, merged_path
+
+
 def write_pipeline_model(
     out_dir: str | os.PathLike[str],
     stages: Sequence[Sequence[TensorDef]],
@@ -568,21 +594,7 @@ def write_pipeline_model(
                     for chunk in encode_tensor(t.name, t.ms_type, part):
                         f.write(chunk)
             rank_files.append(path)
-    strategy_dir = root / "strategy"
-    strategy_dir.mkdir(parents=True, exist_ok=True)
-    for s, tensors in enumerate(stages):
-        data = encode_strategy(_stage_map(tensors, s), merged=False, current_stage=s)
-        for local in range(n):
-            (strategy_dir / f"strategy_{s * n + local}.ckpt").write_bytes(data)
-    merged: dict[str, dict[int, ParamLayout]] = {}
-    ops: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
-    for s, tensors in enumerate(stages):
-        one = _stage_map(tensors, s)
-        ops.update(one.operator_strategies)
-        for name, per in one.layouts.items():
-            merged.setdefault(name, {}).update(per)
-    merged_path = root / "strategy_merged.ckpt"
-    merged_path.write_bytes(encode_strategy(StrategyMap(merged, operator_strategies=ops), merged=True, current_stage=1))
+    strategy_dir, merged_path = write_pipeline_strategies(root, stages, stage_device_num=n)
     return PipelineModel(
         root=root,
         stage_device_num=n,
