@@ -302,7 +302,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ingest import load_strategy
-    from zckpt.ranklist import rank_list_for_transform_maps
+    from zckpt.ranklist import rank_lists_for_transform_maps
 
     opts = parse_storage_options(a.storage_option) or None
     src = load_strategy(a.src_strategy, opts)
@@ -318,9 +318,12 @@ def _cmd_plan(a: argparse.Namespace) -> int:
             raise UsageError("--svg emphasises one destination rank: give --rank once")
         shape = _shape_arg(a.shape) if a.shape else None
         _write_svg(a.svg, plan_picture(src, dst, a.param, shape, a.rank[0] if a.rank else None))
-    table = {r: rank_list_for_transform_maps(r, src, dst) for r in ranks}
-    lines = [f"destination rank {r}: source ranks {sorted(v)}" for r, v in table.items()]
-    _emit({"ranks": {str(r): sorted(v) for r, v in table.items()}}, a.json, lines)
+    table = rank_lists_for_transform_maps(ranks, src, dst)
+    ascending = {r: v[::-1] for r, v in table.items()}  # the lists are in MindSpore's descending order
+    if a.json:
+        _emit({"ranks": {str(r): v for r, v in ascending.items()}}, True, [])
+    else:
+        _emit({}, False, [f"destination rank {r}: source ranks {v}" for r, v in ascending.items()])
     return 0
 
 
