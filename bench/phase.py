@@ -15,6 +15,8 @@ usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE
 
 ``import_seconds`` is the part of the wall time spent importing zckpt (numpy, zarr, dask...):
 with a cold cache, the Python libraries come from the disk too.
+``--profile FILE`` saves a cProfile of the phase (after the imports; Dask worker processes are
+not profiled: use 1 worker).
 ``--sync`` ends the timed part with ``sync`` (every phase's bytes on the disk, as ``cp -r && sync``).
 An empty strategy argument means none (unsharded). Besides the counted bytes, ``disk_read_bytes``
 and ``disk_write_bytes`` are what the phase made the block layer read and write (``read_bytes`` and
@@ -115,6 +117,10 @@ def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
     overlap = False if "--no-overlap" in args else True if "--overlap" in args else None
     sync = "--sync" in args
+    profile: str | None = None
+    if "--profile" in args:  # cProfile of the phase, saved for ``python -m pstats FILE``
+        i = args.index("--profile")
+        profile, args = args[i + 1], args[:i] + args[i + 2:]
     args = [x for x in args if x not in ("--no-overlap", "--overlap", "--sync")]
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
@@ -126,6 +132,12 @@ def main(argv: list[str]) -> None:
         import zckpt.export  # noqa: F401
         import zckpt.ingest  # noqa: F401
     import_seconds = time.perf_counter() - t0
+    prof = None
+    if profile is not None:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     if phase == "ingest":
         from zckpt.ingest import IngestOptions, ingest
         from zckpt.runner import memory_budget
@@ -164,6 +176,9 @@ def main(argv: list[str]) -> None:
     if sync:
         os.sync()
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(profile)
     rss_at_peak = watch.stop()
     io1 = _io()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024

