@@ -204,6 +204,7 @@ def main() -> None:
                 row.update({
                     "seconds": float(med["seconds"]),
                     "import_seconds": float(med.get("import_seconds", 0.0)),
+                    "cpu_seconds": float(med.get("cpu_seconds", 0.0)),
                     "runs_seconds": [float(r["seconds"]) for r in results if "error" not in r],
                     "peak_rss_bytes": max(peak(r) for r in results if "error" not in r),
                     "read_bytes": int(med["read_chars"]),
@@ -285,21 +286,24 @@ def render(report: dict[str, Any]) -> None:
     if report.get("checked_tensors"):
         print(f"Checked: {report['checked_tensors']} tensors of the one-rank outputs equal the generated values.\n")
     cps = {r["cache"]: r for r in report["phases"] if r["phase"] == "cp" and "error" not in r}
-    print("| phase | cache | wall s | runs s | x cp | imports s | peak RSS MiB | read MiB | disk read MiB "
+    print("| phase | cache | wall s | runs s | x cp | CPU s | imports s | peak RSS MiB | read MiB | disk read MiB "
           "| disk written MiB | output MiB | output files |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in report["phases"]:
         if "error" in r:
-            print(f"| {r['label']} | {r['cache']} | error: {r['error']} | | | | | | | | | |")
+            print(f"| {r['label']} | {r['cache']} | error: {r['error']} | | | | | | | | | | |")
             continue
         cp = cps.get(r["cache"])
         ratio = f"{r['seconds'] / cp['seconds']:.2f}" if cp else "-"
         runs = " ".join(f"{x:.2f}" for x in r["runs_seconds"])
         print(f"| {r['label']} | {r['cache']} | {r['seconds']:.2f} | {runs} | {ratio} | "
-              f"{r.get('import_seconds', 0.0):.2f} | {r['peak_rss_bytes'] / MiB:.0f} | {r['read_bytes'] / MiB:.0f} | "
+              f"{r.get('cpu_seconds', 0.0):.2f} | {r.get('import_seconds', 0.0):.2f} | "
+              f"{r['peak_rss_bytes'] / MiB:.0f} | {r['read_bytes'] / MiB:.0f} | "
               f"{r['disk_read_bytes'] / MiB:.0f} | "
               f"{r['disk_write_bytes'] / MiB:.0f} | {r['out_bytes'] / MiB:.0f} | {r['out_files']} |")
-    print("\nimports s: the part of the wall time spent importing zckpt and its libraries (numpy, zarr, dask); "
+    print("\nCPU s: user + system CPU time of the phase's process and the processes it waited for (cp, MindSpore; "
+          "not Dask worker processes), little changed by other work on the machine, unlike wall time; "
+          "imports s: the part of the wall time spent importing zckpt and its libraries (numpy, zarr, dask); "
           "read MiB: bytes the phase read as zckpt counts them (for cp and MindSpore: rchar); disk read/written: "
           "block-layer bytes of /proc/self/io (with a cold cache, what came from the disk).")
 

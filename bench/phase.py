@@ -15,6 +15,7 @@ usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE
 
 ``import_seconds`` is the part of the wall time spent importing zckpt (numpy, zarr, dask...):
 with a cold cache, the Python libraries come from the disk too.
+``cpu_seconds`` is the user + system CPU time of the phase (and of the processes it waited for).
 ``--profile FILE`` saves a cProfile of the phase (after the imports; Dask worker processes are
 not profiled: use 1 worker).
 ``--sync`` ends the timed part with ``sync`` (every phase's bytes on the disk, as ``cp -r && sync``).
@@ -44,6 +45,13 @@ def _io() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def _cpu() -> float:
+    """User + system CPU seconds of this process and its reaped children: unlike wall time,
+    hardly changed by other work on the machine."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _max_mem(args: list[str]) -> tuple[list[str], int]:
@@ -125,6 +133,7 @@ def main(argv: list[str]) -> None:
     args, max_mem = _max_mem(args)
     counted: int | None = None  # bytes read as zckpt counts them (rchar misses mmap and copy_file_range)
     io0 = _io()
+    cpu0 = _cpu()
     watch = RssWatch()
     t0 = time.perf_counter()
     if phase in ("ingest", "export", "cli"):  # the time of Python's imports, part of the wall time
@@ -179,6 +188,7 @@ def main(argv: list[str]) -> None:
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
+    cpu_seconds = _cpu() - cpu0
     rss_at_peak = watch.stop()
     io1 = _io()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
@@ -186,6 +196,7 @@ def main(argv: list[str]) -> None:
         "phase": phase,
         "seconds": seconds,
         "import_seconds": import_seconds,
+        "cpu_seconds": cpu_seconds,
         "max_rss_bytes": _high_water(),
         "max_child_rss_bytes": children,
         "read_chars": io1.get("rchar", 0) - io0.get("rchar", 0) if counted is None else counted,
