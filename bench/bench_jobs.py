@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument("--skip-mindspore", action="store_true")
     ap.add_argument("--mindspore-timeout", type=float, default=1800.0, help="seconds before a MindSpore run is "
                                                                            "killed (reported as such)")
-    ap.add_argument("--check", action="store_true", help="compare the one-rank outputs with the generated values")
+    ap.add_argument("--check", action="store_true", help="compare the one-rank outputs (zckpt's and MindSpore's) "
+                                                         "with the generated values")
     ap.add_argument("--json-out", type=Path, help="also save the run as JSON")
     ap.add_argument("--render", type=Path, help="print the table of a saved JSON run and exit")
     ap.add_argument("--keep", action="store_true", help="keep the store and the outputs (the generated job is "
@@ -247,7 +248,11 @@ def main() -> None:
         if "mindspore" in phases and ms_python:
             out = runs / f"ms-{d.ranks}"
             measure(f"MindSpore transform_checkpoints -> {d}", "mindspore", ms_python,
-                    ["mindspore", str(job.src), str(out), strat, dstrat], out, ms_env, timeout=a.mindspore_timeout)
+                    ["mindspore", str(job.src), str(out), strat, dstrat], out, ms_env, timeout=a.mindspore_timeout,
+                    keep=a.check)
+            if a.check and d.unsharded and out.exists():  # MindSpore itself agrees with the generated job
+                checked += check_unsharded(out, job)
+            shutil.rmtree(out, ignore_errors=True)
     store_files = tree_files(store) if store.exists() else (0, 0)
     if not a.keep:
         shutil.rmtree(runs, ignore_errors=True)
