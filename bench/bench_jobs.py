@@ -309,8 +309,8 @@ def render(report: dict[str, Any]) -> None:
     print("\nCPU s: user + system CPU time of the phase's process and the processes it waited for (cp, MindSpore; "
           "not Dask worker processes), little changed by other work on the machine, unlike wall time; "
           "imports s: the part of the wall time spent importing zckpt and its libraries (numpy, zarr, dask); "
-          "read MiB: bytes the phase read as zckpt counts them (for cp, MindSpore and transform: rchar); disk read/written: "
-          "block-layer bytes of /proc/self/io (with a cold cache, what came from the disk).")
+          "read MiB: bytes the phase read as zckpt counts them (for cp, MindSpore and transform: rchar); "
+          "disk read/written: block-layer bytes of /proc/self/io (with a cold cache, what came from the disk).")
 
 
 if __name__ == "__main__":
