@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE
+from zckpt.cli import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE, rank_ranges
 from zckpt.cli import main as cli_main
 from zckpt.formats.ckpt import CkptWriter
 from zckpt.generate import TensorDef, write_model
@@ -112,3 +112,13 @@ def test_info_describes_job_and_rank_directories(capsys: pytest.CaptureFixture[s
     assert len(doc["entries"]) == 11
     assert cli_main(["info", str(EXAMPLE)]) == EXIT_USAGE
     assert "no store, no rank_<r>/ folders" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks, text", [([], "none"), ([3], "3"), ([0, 1, 2, 3, 8, 10, 11], "0-3, 8, 10-11"),
+                                         (list(range(4096)), "0-4095"), ([1, 3, 5], "1, 3, 5")])
+def test_plan_prints_rank_lists_as_ranges(ranks: list[int], text: str) -> None:
+    assert rank_ranges(ranks) == text
+    expanded = [] if text == "none" else [
+        r for part in text.split(", ")
+        for r in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
+    assert expanded == ranks

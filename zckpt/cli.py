@@ -323,8 +323,25 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     if a.json:
         _emit({"ranks": {str(r): v for r, v in ascending.items()}}, True, [])
     else:
-        _emit({}, False, [f"destination rank {r}: source ranks {v}" for r, v in ascending.items()])
+        _emit({}, False, [f"destination rank {r}: source ranks {rank_ranges(v)} ({len(v)})"
+                          for r, v in ascending.items()])
     return 0
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 8, 10, 11]`` -> ``"0-3, 8, 10-11"``: a 4 096-rank list stays one short line."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(parts) or "none"
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
