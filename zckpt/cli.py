@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from zckpt.errors import OutputError, UsageError, ZckptError
 from zckpt.runner import memory_budget
 
@@ -302,7 +304,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ingest import load_strategy
-    from zckpt.ranklist import rank_lists_for_transform_maps
+    from zckpt.ranklist import rank_arrays_for_transform_maps
 
     opts = parse_storage_options(a.storage_option) or None
     src = load_strategy(a.src_strategy, opts)
@@ -318,30 +320,29 @@ def _cmd_plan(a: argparse.Namespace) -> int:
             raise UsageError("--svg emphasises one destination rank: give --rank once")
         shape = _shape_arg(a.shape) if a.shape else None
         _write_svg(a.svg, plan_picture(src, dst, a.param, shape, a.rank[0] if a.rank else None))
-    table = rank_lists_for_transform_maps(ranks, src, dst)
-    ascending = {r: v[::-1] for r, v in table.items()}  # the lists are in MindSpore's descending order
-    if a.json:
-        _emit({"ranks": {str(r): v for r, v in ascending.items()}}, True, [])
-    else:
-        _emit({}, False, [f"destination rank {r}: source ranks {rank_ranges(v)} ({len(v)})"
-                          for r, v in ascending.items()])
+    table = rank_arrays_for_transform_maps(ranks, src, dst)
+    if a.json:  # the arrays are in MindSpore's descending order
+        _emit({"ranks": {str(r): v[::-1].tolist() for r, v in table.items()}}, True, [])
+        return 0
+    shown: dict[bytes, str] = {}  # ranks of one replica group share their list
+    lines = []
+    for r, v in table.items():
+        key = v.tobytes()
+        if key not in shown:
+            shown[key] = f"{rank_ranges(v[::-1])} ({len(v)})"
+        lines.append(f"destination rank {r}: source ranks {shown[key]}")
+    _emit({}, False, lines)
     return 0
 
 
-def rank_ranges(ranks: Sequence[int]) -> str:
+def rank_ranges(ranks: Sequence[int] | np.ndarray) -> str:
     """``[0, 1, 2, 3, 8, 10, 11]`` -> ``"0-3, 8, 10-11"``: a 4 096-rank list stays one short line."""
-    parts: list[str] = []
-    start = prev = None
-    for r in ranks:
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ", ".join(parts) or "none"
+    a = np.asarray(ranks, dtype=np.int64)
+    if a.size == 0:
+        return "none"
+    cut = np.flatnonzero(np.diff(a) != 1) + 1
+    starts, ends = a[np.concatenate(([0], cut))], a[np.concatenate((cut - 1, [a.size - 1]))]
+    return ", ".join(str(s) if s == e else f"{s}-{e}" for s, e in zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
