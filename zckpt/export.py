@@ -12,8 +12,6 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import hashlib
 import json
 import math
@@ -21,7 +19,6 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,12 +30,13 @@ from zckpt.checksums import Mismatch, SpanCheck
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, ZckptError
 from zckpt.fileio import write_atomic
-from zckpt.formats.ckpt import CkptReader, CkptWriter, FileRange
+from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
+from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.store import Checked, Store
 
@@ -80,21 +78,6 @@ class ExportOptions:
     """safetensors only: split a rank above this size into HF-style parts + index (0: never)."""
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
-
-
-@dataclass(frozen=True)
-class RankResult:
-    rank: int
-    path: str
-    tensors: int
-    bytes: int
-    read_bytes: int = 0
-    """Store bytes read for the file's data (slices only: exact slicing makes this ``bytes``
-    minus the file's framing)."""
-    checked_bytes: int = 0
-    """Store bytes read only to check chunk checksums: the parts of checksum blocks outside a
-    slice's range, columns of chunk rows a slice does not take, and whole chunks read
-    through zarr (encoded chunks, remote stores)."""
 
 
 @dataclass(frozen=True)
@@ -327,9 +310,15 @@ def _complete_file(path: Path, rank: RankExport) -> bool:
 
 def output_jobs(store: Store, plan: ExportPlan, out: Path, options: ExportOptions) -> list[tuple[RankExport, Path]]:
     """The files to write: one per destination rank, or one per (rank, source stage) part."""
+    return stage_jobs({e.name: e.stages for e in store.entries()}, plan, out, options)
+
+
+def stage_jobs(
+    stages: Mapping[str, tuple[int, ...]], plan: ExportPlan, out: Path, options: ExportOptions
+) -> list[tuple[RankExport, Path]]:
+    """:func:`output_jobs` given the source pipeline stages holding each entry."""
     if not options.per_stage:
         return [(r, rank_file(out, r.rank, options.prefix)) for r in plan.ranks]
-    stages = {e.name: e.stages for e in store.entries()}
     all_stages = sorted({s for v in stages.values() for s in v})
     jobs = []
     for r in plan.ranks:
@@ -373,6 +362,18 @@ class StoreReader:
         self._rows = bytearray()
         """Chunk rows being cut (one band is read at a time): reused, so that each tile does
         not fault in fresh memory."""
+
+    def kind(self, name: str) -> str:
+        return self._entries[name].kind
+
+    def ms_type(self, name: str) -> str:
+        return self._entries[name].ms_type
+
+    def string(self, name: str) -> str:
+        return self._entries[name].value or ""
+
+    def map_bytes(self, name: str) -> bytes:
+        return np.asarray(self.store.array(name)[...]).tobytes()
 
     def lazy(self, name: str) -> Any:
         """``name`` as a lazy ``dask.array`` over its Zarr array (Dask is imported only here)."""
@@ -576,41 +577,8 @@ class StoreReader:
         return out
 
     def write_rank(self, rank: RankExport, target: Path, ticker: Ticker | None = None) -> RankResult:
-        tensors = 0
-        direct: dict[str, list[FileRange]] = {}
-        plan: list[tuple[str, list[Box]]] = []
-        for s in rank.slices:
-            if self._entries[s.name].kind != "tensor":
-                continue
-            ranges = self.file_ranges(s.name, s.box)
-            if ranges is not None:
-                direct[s.name] = ranges
-            else:
-                plan.append((s.name, self.bands(s.name, s.box)))
-        band_counts = {name: len(bands) for name, bands in plan}
-        with contextlib.ExitStack() as stack:
-            helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
-                      if wants_overlap(self.options.overlap) else None)
-            source = _BandSource(self, [(name, b) for name, bands in plan for b in bands], self.band_bytes, helper)
-            w = stack.enter_context(CkptWriter(target, crc=self.options.crc, fsync=self.options.fsync, checks=helper))
-            for s in rank.slices:
-                e = self._entries[s.name]
-                if e.kind == "str":
-                    w.write_string(s.name, e.value or "")
-                elif e.kind == "map":
-                    w.write_map(s.name, np.asarray(self.store.array(s.name)[...]).tobytes())
-                elif s.name in direct:
-                    w.write_blocks(s.name, e.ms_type, s.box.shape, direct[s.name])
-                    tensors += 1
-                else:
-                    n = band_counts[s.name]
-                    w.write_blocks(s.name, e.ms_type, s.box.shape, (source.next(s.name) for _ in range(n)))
-                    tensors += 1
-                if ticker is not None and e.kind == "tensor":
-                    ticker.add(s.name, s.box.size * ms_dtype(e.ms_type).storage.itemsize)
-        if ticker is not None:
-            ticker.close()
-        return RankResult(rank.rank, str(target), tensors, target.stat().st_size, self.read_bytes, self.checked_bytes)
+        return write_ckpt_rank(self, rank, target, crc=self.options.crc, fsync=self.options.fsync,
+                               overlap=self.options.overlap, ticker=ticker)
 
 
 def _chunk_missing(name: str, key: str, path: Path) -> StoreError:
@@ -630,56 +598,3 @@ def _one_chunk_column(box: Box, chunks: tuple[int, ...]) -> bool:
     return all(
         b - a == c and a % c == 0 for a, b, c in zip(box.start[1:], box.stop[1:], chunks[1:], strict=True)
     )
-
-
-class _BandSource:
-    """Hands out band arrays in plan order, reading them in batches of at most ``limit``
-    bytes (bounded memory): with a ``helper`` thread, the next batch is read while the
-    current one is written."""
-
-    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int,
-                 helper: Executor | None = None) -> None:
-        self.reader = reader
-        self.helper = helper
-        self.batches = collections.deque(self._batches(bands, limit))
-        self.ready: collections.deque[tuple[str, np.ndarray]] = collections.deque()
-        self.ahead: Future[list[np.ndarray]] | None = None
-        self.ahead_batch: list[tuple[str, Box]] = []
-
-    def _batches(self, bands: list[tuple[str, Box]], limit: int) -> list[list[tuple[str, Box]]]:
-        out: list[list[tuple[str, Box]]] = []
-        size = 0
-        for name, box in bands:
-            nbytes = box.size * ms_dtype(self.reader._entries[name].ms_type).storage.itemsize
-            if not out or size + nbytes > limit:
-                out.append([])
-                size = 0
-            out[-1].append((name, box))
-            size += nbytes
-        return out
-
-    def _read_ahead(self) -> None:
-        if self.helper is not None and self.batches:
-            self.ahead_batch = self.batches.popleft()
-            self.ahead = self.helper.submit(self.reader.materialise, self.ahead_batch)
-
-    def _fill(self) -> None:
-        if self.helper is None:
-            batch = self.batches.popleft()
-            arrays = self.reader.materialise(batch)
-        else:
-            if self.ahead is None:
-                self._read_ahead()
-            assert self.ahead is not None
-            batch, arrays = self.ahead_batch, self.ahead.result()
-            self.ahead = None
-            self._read_ahead()
-        for (name, _), arr in zip(batch, arrays, strict=True):
-            self.ready.append((name, arr))
-
-    def next(self, name: str) -> np.ndarray:
-        if not self.ready:
-            self._fill()
-        got, arr = self.ready.popleft()
-        assert got == name, f"band order broken: {got} != {name}"
-        return arr

@@ -39,7 +39,6 @@ from zckpt.errors import OutputError
 from zckpt.export import (
     ExportOptions,
     ExportReport,
-    RankResult,
     StoreReader,
     check_coverage,
     output_dir,
@@ -54,8 +53,9 @@ from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
 from zckpt.plan import RankExport
 from zckpt.progress import Report, Ticker
+from zckpt.rank_writer import BoxReader, RankResult
 from zckpt.runner import Engine, dask_client, run_all
-from zckpt.store import EntryRecord, Store
+from zckpt.store import Store
 
 SUFFIX = ".safetensors"
 
@@ -190,17 +190,21 @@ def _write_remote_rank(
 
 
 def write_rank(
-    reader: StoreReader, rank: RankExport, target: Path, options: ExportOptions, ticker: Ticker | None = None
+    reader: BoxReader, rank: RankExport, target: Path, options: ExportOptions, ticker: Ticker | None = None
 ) -> RankResult:
-    """One rank's file, or its parts and index when it exceeds ``max_file_bytes``."""
-    entries: dict[str, EntryRecord] = {e.name: e for e in reader.store.entries()}
-    tensors = [TensorHeader(s.name, entries[s.name].ms_type, s.box.shape) for s in rank.slices
-               if entries[s.name].kind == "tensor"]
+    """One rank's file, or its parts and index when it exceeds ``max_file_bytes``, from any
+    place where boxes live (the store, the source shards)."""
+    for s in rank.slices:
+        if reader.kind(s.name) == "map":
+            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                              "safetensors either); write this rank as .ckpt", param=s.name)
+    tensors = [TensorHeader(s.name, reader.ms_type(s.name), s.box.shape) for s in rank.slices
+               if reader.kind(s.name) == "tensor"]
     boxes = {s.name: s.box for s in rank.slices}
     meta = dict(MS_METADATA)
     for s in rank.slices:
-        if entries[s.name].kind == "str":
-            meta[STRING_PREFIX + s.name] = entries[s.name].value or ""
+        if reader.kind(s.name) == "str":
+            meta[STRING_PREFIX + s.name] = reader.string(s.name)
     parts = split_parts(tensors, options.max_file_bytes)
     stem = _stem(target)
     stale = set(_outputs(target))
@@ -231,7 +235,7 @@ def write_rank(
             p.unlink()
     if ticker is not None:
         ticker.close()
-    return RankResult(rank.rank, str(result_path), len(tensors), total)
+    return RankResult(rank.rank, str(result_path), len(tensors), total, reader.read_bytes, reader.checked_bytes)
 
 
 def _write_json(path: Path, doc: object, *, fsync: bool) -> None:
@@ -243,13 +247,12 @@ class _BandStream:
     """Band arrays in file order, read from the store batch by batch (at most ``limit``
     bytes materialised at a time, or one band when a band alone is larger)."""
 
-    def __init__(self, reader: StoreReader, bands: list[tuple[str, Box]], limit: int) -> None:
+    def __init__(self, reader: BoxReader, bands: list[tuple[str, Box]], limit: int) -> None:
         self.reader = reader
         self.todo = deque(bands)
         self.ready: deque[tuple[str, np.ndarray]] = deque()
         self.limit = max(1, limit)
-        self.itemsize = {e.name: ms_dtype(e.ms_type).storage.itemsize
-                         for e in reader.store.entries() if e.kind == "tensor"}
+        self.itemsize = {name: ms_dtype(reader.ms_type(name)).storage.itemsize for name, _ in bands}
 
     def take(self, name: str) -> Iterator[np.ndarray]:
         """The bands of ``name`` (the next tensor in order)."""
