@@ -1,14 +1,17 @@
 """MindSpore-compatible functions: swap ``import mindspore as ms`` for ``import zckpt as ms``.
 
-Signatures, defaults and the TypeError/ValueError cases follow MindSpore's API reference;
-the work goes through a temporary zckpt store next to the destination (same filesystem),
-so memory stays bounded and any M -> N works.
+Signatures, defaults and the TypeError/ValueError cases follow MindSpore's API reference.
+``transform_checkpoints`` and ``transform_checkpoint_by_rank`` write each destination file
+straight from the source shards (:mod:`zckpt.transform`, the direct path: no intermediate
+copy, bounded memory, any M -> N); ``process_num`` is the number of files written at once
+(local Dask workers).
 
 Beyond MindSpore, every path may be an fsspec URL (``s3://bucket/ckpts``, ``memory://...``)
-with the filesystem's options in the keyword-only ``storage_options``: sources and
-strategies are read where they are (shards spooled one at a time), and for a URL
-destination the temporary store lives in the local temporary directory and each file is
-uploaded once complete.
+with the filesystem's options in the keyword-only ``storage_options``. When a source or the
+destination is a URL the work goes through a temporary zckpt store instead (ingest, then
+export): sources and strategies are read where they are (shards spooled one at a time),
+and for a URL destination the temporary store lives in the local temporary directory and
+each file is uploaded once complete.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from zckpt.layout import Box
 from zckpt.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
 from zckpt.segmented import load_segmented_checkpoints as load_segmented_checkpoints  # re-export (MindSpore name)
 from zckpt.store import Store
+from zckpt.transform import TransformOptions, transform, transform_rank
+from zckpt.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
 
 
 def _exists(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
@@ -83,9 +88,9 @@ def transform_checkpoints(
     _check_strategy_arg(dst_strategy_file, "dst_strategy_file", storage_options)
     if not _is_dir(src_checkpoints_dir, storage_options):
         raise NotADirectoryError(f"src_checkpoints_dir {src_checkpoints_dir} is not a directory.")
-    if output_format != "ckpt":
-        raise UsageError(f"output_format {output_format!r} is not supported yet (only 'ckpt')")
-    if not isinstance(process_num, int) or process_num < 1:
+    if output_format not in ("ckpt", "safetensors"):
+        raise UsageError(f"output_format must be 'ckpt' or 'safetensors', got {output_format!r}")
+    if not isinstance(process_num, int) or isinstance(process_num, bool) or process_num < 1:
         raise UsageError(f"process_num must be a positive int, got {process_num!r}")
     dst = os.fspath(dst_checkpoints_dir)
     if remote.is_remote(dst):
@@ -99,13 +104,22 @@ def transform_checkpoints(
         dst = str(local)
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    with _scratch(dst, storage_options) as tmp:
+    if not _any_remote(src_checkpoints_dir, dst):
+        transform(src_checkpoints_dir, dst, src_map, dst_map,
+                  options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
+                                           workers=process_num))
+        return
+    with _scratch(dst, storage_options) as tmp:  # URLs: through a temporary store
         store = Path(tmp) / "store.zarr"
         ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options,
-                                                                  file_suffix=file_suffix))
+                                                                  file_suffix=file_suffix, workers=process_num))
         opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map),
-                             storage_options=storage_options)
+                             storage_options=storage_options, format=output_format, workers=process_num)
         export(store, dst if remote.is_remote(dst) else Path(dst), dst_map, options=opts)
+
+
+def _any_remote(*paths: str | os.PathLike[str]) -> bool:
+    return any(isinstance(p, str) and remote.is_remote(p) for p in paths)
 
 
 def _is_dir(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
@@ -113,20 +127,6 @@ def _is_dir(path: str | os.PathLike[str], storage_options: remote.StorageOptions
     if remote.is_remote(text):
         return remote.isdir(remote.locate(text, storage_options, SourceError), SourceError)
     return remote.local_path(text).is_dir()
-
-
-_PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
-
-
-def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None) -> bool:
-    """MindSpore's rule for the per-stage conversion: the source strategy is one pipeline
-    stage's file whose parameters are a strict subset of a single-stage destination's. The
-    output is then ``rank_<r>/<prefix><r>_part<stage>.ckpt``."""
-    if src is None or dst is None or src.stage_num != 1 or dst.stage_num != 1:
-        return False
-    src_keys = {n for n in src.layouts if not n.startswith(_PIPELINE_ONLY)}
-    dst_keys = {n for n in dst.layouts if not n.startswith(_PIPELINE_ONLY)}
-    return src_keys < dst_keys
 
 
 def transform_checkpoint_by_rank(
@@ -158,6 +158,10 @@ def transform_checkpoint_by_rank(
             raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
+    if not _any_remote(save_checkpoint_file_name, *checkpoint_files_map.values()):
+        transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
+                       options=TransformOptions(overwrite=True))
+        return
     if remote.is_remote(save_checkpoint_file_name):
         loc = remote.locate(save_checkpoint_file_name, storage_options, OutputError)
         if remote.isdir(loc, OutputError):

@@ -85,7 +85,7 @@ def _stem(target: Path) -> str:
     return target.name[: -len(SUFFIX)] if target.name.endswith(SUFFIX) else target.stem
 
 
-def _outputs(target: Path) -> list[Path]:
+def existing_outputs(target: Path) -> list[Path]:
     """Every file an export of ``target`` may leave: the single file, the index, parts."""
     stem = _stem(target)
     found = [target, target.with_name(stem + INDEX_SUFFIX)]
@@ -96,7 +96,7 @@ def _outputs(target: Path) -> list[Path]:
 
 def output_names(target_name: str, names: Iterable[str]) -> list[str]:
     """Which of ``names`` (files beside ``target``) an export of ``target`` may leave: the
-    single file, its index, its parts (what :func:`_outputs` finds on a local disk)."""
+    single file, its index, its parts (what :func:`existing_outputs` finds on a local disk)."""
     stem = target_name[: -len(SUFFIX)] if target_name.endswith(SUFFIX) else Path(target_name).stem
     part = re.compile(re.escape(stem) + r"-[0-9]{5}-of-[0-9]{5}" + re.escape(SUFFIX) + "$")
     return sorted(n for n in names if n in (target_name, stem + INDEX_SUFFIX) or part.match(n))
@@ -138,7 +138,7 @@ def export_safetensors(
     jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, out, options)]
     if not options.overwrite:
         if out_loc is None:
-            clash = [str(p) for _, target in jobs for p in _outputs(target)]
+            clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
         else:
             clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
         if clash:
@@ -207,7 +207,7 @@ def write_rank(
             meta[STRING_PREFIX + s.name] = reader.string(s.name)
     parts = split_parts(tensors, options.max_file_bytes)
     stem = _stem(target)
-    stale = set(_outputs(target))
+    stale = set(existing_outputs(target))
     if len(parts) == 1:
         paths = [target]
     else:

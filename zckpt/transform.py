@@ -1,0 +1,337 @@
+"""The direct path: destination files written straight from the source shards, no store.
+
+``ingest`` + ``export`` write the model twice (into the store, then out of it). Here the
+same two plans are made (the ingest plan picks one source rank per box, the export plan
+gives each destination rank its slices) and the executor (:mod:`zckpt.rank_writer`) writes
+each destination file from a :class:`~zckpt.source_reader.SourceReader`: every needed
+source byte is read once, pieces that are whole rows on both sides are copied by the
+kernel. What ingest refuses is refused here too, before any file is written: regions no
+present shard holds (named with the missing ranks), unlisted tensors that differ across
+the ranks holding them, parameters shared by pipeline stages that disagree. One
+destination file is one task (in this process, on a LocalCluster or on a Dask cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from zckpt import remote
+from zckpt.dtypes import ms_dtype
+from zckpt.errors import OutputError, SourceError, UsageError
+from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.shards import open_shard
+from zckpt.formats.strategy import StrategyMap
+from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
+from zckpt.layout import Box, c_order_pieces
+from zckpt.plan import ExportPlan, IngestPlan, RankExport, ReplicaCheck, Write, build_export_plan
+from zckpt.progress import Report, Ticker
+from zckpt.rank_writer import RankResult, write_ckpt_rank
+from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.source_reader import SourceBoxes, SourceReader
+
+_PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
+
+
+@dataclass(frozen=True)
+class TransformOptions(ExportOptions):
+    """Export's options (prefix, format, crc, workers, ...) plus what ingest checks on the
+    way. ``per_stage`` forces per-stage parts; MindSpore's rule
+    (:func:`is_single_stage_conversion`) turns them on by itself."""
+
+    verify_crc: bool = True
+    """Check each source ``.ckpt``'s ``crc_num`` trailer (safetensors: its ``crc_num``
+    metadata) when planning, as ingest does."""
+    verify_replicas: bool = False
+    """Also compare replicas inside one pipeline stage (unlisted tensors and parameters
+    shared across stages are always compared)."""
+
+
+@dataclass(frozen=True)
+class TransformReport(ExportReport):
+    bytes_compared: int = 0
+    """Source bytes compared between replicas before writing."""
+
+
+@dataclass(frozen=True)
+class TransformPlan:
+    source: IngestPlan
+    export: ExportPlan
+    src_strategy: StrategyMap | None
+    dst_strategy: StrategyMap | None
+
+
+@dataclass(frozen=True)
+class DirectJob:
+    """One destination file: its slices, its name, where their boxes live."""
+
+    rank: RankExport
+    target: str
+    boxes: SourceBoxes
+
+
+@dataclass(frozen=True)
+class CheckJob:
+    """One source rank's replicas to compare with the copies that will be written."""
+
+    rank: int
+    checks: tuple[ReplicaCheck, ...]
+    writes: tuple[Write, ...]
+    files: Mapping[int, str]
+    nbytes: int
+
+
+def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None) -> bool:
+    """MindSpore's rule for the per-stage conversion: the source strategy is one pipeline
+    stage's file whose parameters are a strict subset of a single-stage destination's. The
+    output is then ``rank_<r>/<prefix><r>_part<stage>.ckpt``."""
+    if src is None or dst is None or src.stage_num != 1 or dst.stage_num != 1:
+        return False
+    src_keys = {n for n in src.layouts if not n.startswith(_PIPELINE_ONLY)}
+    dst_keys = {n for n in dst.layouts if not n.startswith(_PIPELINE_ONLY)}
+    return src_keys < dst_keys
+
+
+def refuse_remote(src: str | Path | Mapping[int, str | Path], *outputs: str | Path) -> None:
+    """The direct path reads local shards (file ranges, mappings) and writes local files."""
+    paths = list(src.values()) if isinstance(src, Mapping) else [src]
+    for p in [*paths, *outputs]:
+        if isinstance(p, str) and remote.is_remote(p):
+            raise UsageError("the direct path (transform) reads and writes local files only; for URLs run "
+                             "ingest then export (the MindSpore-named functions do so by themselves)", path=p)
+
+
+def plan_transform(
+    src: str | Path | Mapping[int, str | Path],
+    src_strategy: StrategyArg,
+    dst_strategy: StrategyArg,
+    ranks: Iterable[int] | None = None,
+    *,
+    verify_crc: bool = True,
+    missing: str = "whose files are missing",
+) -> TransformPlan:
+    """Both plans, refusing any region a planned destination slice needs that no present
+    source file holds (by parameter, with the source ranks that would hold it)."""
+    source, smap = plan_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc)
+    dmap = load_strategy(dst_strategy)
+    export = build_export_plan(source.tensors, dmap, ranks=ranks)
+    for rank in export.ranks:
+        for s in rank.slices:
+            for box, holders in source.uncovered.get(s.name, ()):
+                if box.intersect(s.box) is not None:
+                    raise SourceError(f"destination rank {rank.rank} needs region {box.to_json()}, held by source "
+                                      f"rank(s) {list(holders)}, {missing}", path=_where(src), param=s.name)
+    return TransformPlan(source, export, smap, dmap)
+
+
+def _where(src: str | Path | Mapping[int, str | Path]) -> str | None:
+    return None if isinstance(src, Mapping) else str(src)
+
+
+def transform(
+    src: str | Path,
+    out_dir: str | Path,
+    src_strategy: StrategyArg = None,
+    dst_strategy: StrategyArg = None,
+    *,
+    ranks: Iterable[int] | None = None,
+    options: TransformOptions = TransformOptions(),
+) -> TransformReport:
+    """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` (or ``.safetensors``) for every (or each
+    requested) destination rank straight from the source job in ``src``."""
+    t0 = time.perf_counter()
+    if options.format not in ("ckpt", "safetensors"):
+        raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    refuse_remote(src, out_dir)
+    plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc)
+    out = remote.local_path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError("output path exists and is not a directory", path=out)
+    per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
+    options = replace(options, per_stage=per_stage)
+    stages = {t.name: t.stages for t in plan.source.tensors}
+    jobs = stage_jobs(stages, plan.export, out, options)
+    if options.format == "safetensors":
+        jobs = _safetensors_jobs(jobs, options.overwrite)
+    else:
+        jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
+    return _run(plan, [DirectJob(r, str(p), SourceBoxes.of(plan.source, r.names)) for r, p in jobs],
+                str(out), options, t0)
+
+
+def transform_rank(
+    files: Mapping[int, str | Path],
+    rank: int,
+    target: str | Path,
+    src_strategy: StrategyArg = None,
+    dst_strategy: StrategyArg = None,
+    *,
+    options: TransformOptions = TransformOptions(),
+) -> TransformReport:
+    """Write destination ``rank`` to the file ``target`` from the source files given as
+    ``{source rank: file}`` (``transform_checkpoint_by_rank``): only the ranks it needs."""
+    t0 = time.perf_counter()
+    refuse_remote(files, target)
+    plan = plan_transform(files, src_strategy, dst_strategy, [rank], verify_crc=options.verify_crc,
+                          missing="none of which is in checkpoint_files_map")
+    path = remote.local_path(target)
+    if path.is_dir():
+        raise OutputError("the destination file is a directory", path=path)
+    if path.exists() and not options.overwrite:
+        raise OutputError("output file already exists (use overwrite)", path=path)
+    r = plan.export.ranks[0]
+    return _run(plan, [DirectJob(r, str(path), SourceBoxes.of(plan.source, r.names))], str(path.parent), options, t0)
+
+
+def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
+         t0: float) -> TransformReport:
+    checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
+    sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
+    engine = Engine.of(options)
+    options = replace(options, block_bytes=engine.share(options.block_bytes))
+    with dask_client(engine) as client:
+        options = replace(options, overlap=overlap_for(options.overlap, client))
+        compared = run_all(compare_replicas, checks, options, client=client, label="verify",
+                           size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
+        results = run_all(write_direct_file, units, options, client=client, label="transform",
+                          name=_task_name, progress=options.progress,
+                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices))
+    return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
+
+
+def _task_name(job: DirectJob) -> str:
+    return f"rank {job.rank.rank} {Path(job.target).name}"
+
+
+def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> list[tuple[RankExport, Path]]:
+    from zckpt.export_safetensors import SUFFIX, existing_outputs
+
+    out = [(r, p.with_suffix(SUFFIX)) for r, p in jobs]
+    if not overwrite:
+        clash = [str(p) for _, target in out for p in existing_outputs(target)]
+        if clash:
+            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
+    return out
+
+
+def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], options: TransformOptions) -> str:
+    """Identity of a transform: the same source files (path, size, time) and the same
+    destination files with the same slices. A rerun after a crash resumes on it."""
+    files = {}
+    for rank, p in sorted(plan.source.rank_files.items()):
+        st = os.stat(p)
+        files[str(rank)] = [str(Path(p).resolve()), st.st_size, st.st_mtime_ns]
+    doc = {
+        "sources": files,
+        "files": [[str(p.name), [[s.name, s.box.to_json()] for s in r.slices]] for r, p in jobs],
+        "crc": options.crc,
+        "format": "ckpt",
+        "path": "direct",
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def write_direct_file(job: DirectJob, options: TransformOptions, report: Report | None = None) -> RankResult:
+    """Write one destination file from the source shards (a Dask task)."""
+    ticker = Ticker(report)
+    with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
+        if options.format == "safetensors":
+            from zckpt.export_safetensors import write_rank
+
+            return write_rank(reader, job.rank, Path(job.target), options, ticker)
+        return write_ckpt_rank(reader, job.rank, Path(job.target), crc=options.crc, fsync=options.fsync,
+                               overlap=options.overlap, ticker=ticker)
+
+
+def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:
+    """The replica comparisons to run before writing, per source rank: the required ones
+    (unlisted tensors, parameters shared by pipeline stages; others with
+    ``verify_replicas``) of the entries the destination files hold."""
+    by_rank: dict[int, list[ReplicaCheck]] = {}
+    for c in plan.source.checks:
+        if c.name in names and (c.required or verify_replicas):
+            by_rank.setdefault(c.rank, []).append(c)
+    itemsizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
+    jobs = []
+    for rank, checks in sorted(by_rank.items()):
+        others = {r for c in checks for r in c.same_as}
+        writes = tuple(w for w in plan.source.writes if w.rank in others and w.name in {c.name for c in checks})
+        files = {r: plan.source.rank_files[r] for r in {rank} | others}
+        jobs.append(CheckJob(rank, tuple(checks), writes, files,
+                             sum(c.box.size * itemsizes.get(c.name, 1) for c in checks)))
+    return jobs
+
+
+def compare_replicas(job: CheckJob, options: TransformOptions, report: Report | None = None) -> int:
+    """Compare one source rank's replicas with the copies of the ranks that will be read
+    instead (a Dask task); returns the bytes compared."""
+    ticker = Ticker(report)
+    compared = 0
+    readers = {r: open_shard(p, verify_crc=False) for r, p in job.files.items()}
+    try:
+        mine = readers[job.rank]
+        for c in job.checks:
+            compared += _compare(c, mine, readers, job.writes, job.files, options.block_bytes)
+            ticker.add(c.name, c.box.size)
+    finally:
+        for r in readers.values():
+            r.close()
+    ticker.close()
+    return compared
+
+
+def _compare(c: ReplicaCheck, mine: CkptReader, readers: Mapping[int, CkptReader], writes: tuple[Write, ...],
+             files: Mapping[int, str], block_bytes: int) -> int:
+    entry = mine.entries.get(c.name)
+    who = ", ".join(f"rank {r} ({files.get(r)})" for r in c.same_as)
+    if entry is None or entry.shape != c.box.shape:
+        held = "nothing" if entry is None else f"shape {list(entry.shape)}"
+        raise SourceError(f"holds {held}, which differs from the copy of {who}", path=mine.path, param=c.name)
+    itemsize = int(ms_dtype(entry.ms_type).storage.itemsize)
+    for w in writes:
+        if w.name != c.name or w.rank not in c.same_as:
+            continue
+        theirs = readers[w.rank]
+        common = w.box.intersect(c.box) if c.box.ndim else w.box
+        if common is None:
+            continue
+        for piece in c_order_pieces(common, max(1, block_bytes // 2 // itemsize)) if c.box.ndim else [common]:
+            if not _same_bytes(_cut(mine, c.name, piece, c.box), _cut(theirs, c.name, piece, w.box)):
+                _differ(c, who, mine.path)
+        mine.release_pages()
+        theirs.release_pages()
+    return entry.nbytes
+
+
+def _cut(reader: CkptReader, name: str, piece: Box, holder: Box) -> np.ndarray:
+    if piece.ndim == 0:
+        return reader.array(name)
+    local = piece.relative_to(holder)
+    return reader.rows(name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    return a.shape == b.shape and bool(np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                                                      np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
+
+
+def _differ(c: ReplicaCheck, who: str, path: Path) -> None:
+    if c.reason == "unlisted":
+        raise SourceError(
+            f"not listed in the source strategy, yet rank {c.rank} and {who} hold different values: it is sharded "
+            "with a layout the strategy does not give; zckpt will not guess (save the strategy with "
+            "only_trainable_params=False)", path=path, param=c.name)
+    raise SourceError(
+        f"copy of region {c.box.to_json()} differs from the one held by {who}, although the layouts say they hold "
+        + ("the same values (a replica)" if c.reason == "replica"
+           else "the same values (a parameter shared by several pipeline stages, such as a tied embedding)"),
+        path=path, param=c.name)
