@@ -1,4 +1,4 @@
-"""Command line: ``zckpt ingest | export | plan | info | merge-strategies | load | consolidate``.
+"""Command line: ``zckpt ingest | export | transform | plan | info | merge-strategies | load | consolidate``.
 
 Every zckpt error is printed as one line naming the file and parameter, with exit code 1
 (with ``--json`` also as a JSON object on stdout); usage errors exit with 2, argparse's
@@ -70,6 +70,32 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _storage_args(exp)
+
+    tr = sub.add_parser("transform", help="write destination rank files straight from source shards (no store)")
+    tr.add_argument("src_dir", help="local directory with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
+    tr.add_argument("--src-strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is "
+                                           "the full model)")
+    tr.add_argument("--dst-strategy", help="destination strategy file or directory (omit: one rank with full "
+                                           "tensors)")
+    tr.add_argument("--out", required=True, help="local output directory (rank_<r>/<prefix><r>.ckpt)")
+    tr.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
+    tr.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
+    tr.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    tr.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
+    tr.add_argument("--block-mb", type=int, help="tensor data materialised per step (MiB; default max-mem/4)")
+    tr.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
+    tr.add_argument("--no-verify-crc", action="store_true", help="do not check the sources' crc_num")
+    tr.add_argument("--per-stage", action="store_true",
+                    help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (on by itself when the source "
+                         "strategy is one stage of the destination's, as in MindSpore)")
+    tr.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
+                    help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
+    tr.add_argument("--max-file-mb", type=int, default=0,
+                    help="safetensors: split a rank larger than this into HF-style parts plus "
+                         "<prefix><r>.safetensors.index.json (default: never split)")
+    tr.add_argument("--json", action="store_true",
+                    help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+    _engine_args(tr)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")
@@ -302,6 +328,27 @@ def _cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_transform(a: argparse.Namespace) -> int:
+    from zckpt.transform import TransformOptions, transform
+
+    budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
+    opts = TransformOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
+                            workers=a.workers, processes=a.processes, scheduler=a.scheduler, overlap=a.overlap,
+                            per_stage=a.per_stage, progress=_progress(a), format=a.format,
+                            max_file_bytes=a.max_file_mb * MiB, verify_crc=not a.no_verify_crc,
+                            verify_replicas=a.verify_replicas)
+    r = transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank, options=opts)
+    lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
+    lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
+                 f"({_rate(r.bytes_written, r.seconds)}) straight from the source shards; "
+                 f"{human_bytes(r.bytes_compared)} compared with replicas")
+    _emit({"out_dir": r.out_dir, "seconds": r.seconds, "bytes_written": r.bytes_written,
+           "bytes_read": r.bytes_read, "bytes_compared": r.bytes_compared,
+           "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]},
+          a.json, lines)
+    return 0
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ingest import load_strategy
     from zckpt.ranklist import rank_arrays_for_transform_maps
@@ -456,8 +503,9 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 0 if r.ok else 1
 
 
-_COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "plan": _cmd_plan, "info": _cmd_info,
-             "merge-strategies": _cmd_merge_strategies, "load": _cmd_load, "consolidate": _cmd_consolidate}
+_COMMANDS = {"ingest": _cmd_ingest, "export": _cmd_export, "transform": _cmd_transform, "plan": _cmd_plan,
+             "info": _cmd_info, "merge-strategies": _cmd_merge_strategies, "load": _cmd_load,
+             "consolidate": _cmd_consolidate}
 _COMMANDS["verify"] = _cmd_verify
 
 
