@@ -4,7 +4,8 @@ Generates a transformer-like model (hundreds of 2-D weights plus biases and norm
 MindSpore-format shards on ``--src-ranks`` ranks, a destination strategy on
 ``--dst-ranks`` ranks (``dev_matrix (dp, mp)`` with ``mp = --dst-model-parallel``, the
 optimizer sharding every weight over ``dp`` by default), then runs every phase in its own
-process and prints wall time, throughput, peak RSS and read amplification side by side.
+process (MindSpore, ingest, export, the direct ``zckpt transform``, copies) and prints
+wall time, throughput, peak RSS and read amplification side by side.
 
     python bench/bench_transform.py --size-gib 1 --src-ranks 8 --dst-ranks 4 --work /tmp/zckpt-bench
 
@@ -182,6 +183,10 @@ def main() -> None:
         measure("zckpt ingest, 1 worker(s), no overlap", sys.executable,
                 ["ingest", str(src), str(src_strategy), str(runs / "store-serial"), "1", "--no-overlap"],
                 runs / "store-serial", src_bytes)
+    for workers in (1, 2):
+        out = runs / f"direct-w{workers}"
+        measure(f"zckpt transform (direct), {workers} worker(s)", sys.executable,
+                ["transform", str(src), str(src_strategy), str(dst_strategy), str(out), str(workers)], out, src_bytes)
     if a.dask_reader:
         measure("zckpt export, dask.array reader", sys.executable,
                 ["export", str(store), str(dst_strategy), str(runs / "dst-dask"), "1", "dask"], runs / "dst-dask",
@@ -235,11 +240,18 @@ def render(report: dict[str, Any]) -> None:
     exp = {w: by.get(f"zckpt export, {w} worker(s)") for w in (1, 2)}
     cp = next((r for label, r in by.items() if label.startswith("cp -r")), None)
     cp2 = by.get("cp of the export output, 2 at once")
+    direct = {w: by.get(f"zckpt transform (direct), {w} worker(s)") for w in (1, 2)}
     for w in (1, 2):
-        i, e = ing[w], exp[w]
+        i, e, t = ing[w], exp[w], direct[w]
         if ms_r and i and e:
             print(f"zckpt ingest+export ({w} worker(s)) / MindSpore wall time = "
                   f"{(i['seconds'] + e['seconds']) / ms_r['seconds']:.3f}")
+        if ms_r and t:
+            print(f"zckpt transform, direct ({w} worker(s)) / MindSpore wall time = "
+                  f"{t['seconds'] / ms_r['seconds']:.3f}")
+        if i and e and t:
+            print(f"zckpt transform, direct ({w} worker(s)) / ingest+export = "
+                  f"{t['seconds'] / (i['seconds'] + e['seconds']):.2f}")
     if exp[1] and cp:
         print(f"zckpt export / cp of its output = {exp[1]['seconds'] / cp['seconds']:.2f}")
     if cp and cp2:

@@ -8,6 +8,7 @@ also count what the parent held when it forked this process (Linux keeps it acro
 
 usage: python bench/phase.py ingest SRC STRATEGY STORE [WORKERS] [--max-mem SIZE] [--overlap|--no-overlap]
        python bench/phase.py export STORE STRATEGY OUT [WORKERS [READER]] [--max-mem SIZE] [--overlap|--no-overlap]
+       python bench/phase.py transform SRC SRC_STRATEGY DST_STRATEGY OUT [WORKERS] [--max-mem SIZE] [--overlap|...]
        python bench/phase.py mindspore SRC OUT SRC_STRATEGY DST_STRATEGY   (MindSpore's python)
        python bench/phase.py copy SRC OUT
        python bench/phase.py copy2 SRC OUT   (two cp processes at once, each on half the bytes)
@@ -166,6 +167,13 @@ def main(argv: list[str]) -> None:
         opts = ExportOptions(workers=workers, reader=reader, block_bytes=memory_budget(max_mem).block_bytes,
                              overlap=overlap)
         counted = export(args[0], args[2], args[1] or None, options=opts).bytes_read
+    elif phase == "transform":  # the direct path: source shards -> destination files, no store
+        from zckpt.runner import memory_budget
+        from zckpt.transform import TransformOptions, transform
+
+        workers = int(args[4]) if len(args) > 4 else 1
+        topts = TransformOptions(workers=workers, block_bytes=memory_budget(max_mem).block_bytes, overlap=overlap)
+        counted = transform(args[0], args[3], args[1] or None, args[2] or None, options=topts).bytes_read
     elif phase == "mindspore":
         import mindspore as ms
 

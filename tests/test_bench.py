@@ -23,6 +23,7 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     assert labels == ["zckpt ingest, 2 worker(s)", "zckpt ingest, 1 worker(s)", "zckpt export, 1 worker(s)",
                       "zckpt export, 2 worker(s)", "zckpt export, 2 worker(s), overlap",
                       "zckpt export, 1 worker(s), no overlap", "zckpt ingest, 1 worker(s), no overlap",
+                      "zckpt transform (direct), 1 worker(s)", "zckpt transform (direct), 2 worker(s)",
                       "cp -r of the export output", "cp of the export output, 2 at once"]
     for r in report["phases"]:
         assert "error" not in r, r
@@ -33,6 +34,9 @@ def test_bench_transform_reports_every_phase(tmp_path: Path) -> None:
     assert "export / cp of its output" in proc.stdout and "speed-up with 2 workers" in proc.stdout
     assert "export speed-up of 2 workers over 1 thread (--no-overlap)" in proc.stdout
     assert "speed-up of 2 cp processes over 1" in proc.stdout and "over forced overlap" in proc.stdout
+    assert "zckpt transform, direct (1 worker(s)) / ingest+export" in proc.stdout
+    direct = report["phases"][7]
+    assert direct["bytes_out"] == exported["bytes_out"]  # the same files as the store path
     copies = [r for r in report["phases"] if r["label"].startswith("cp")]
     assert len(copies) == 2 and copies[0]["bytes_out"] == copies[1]["bytes_out"] == report["phases"][2]["bytes_out"]
 
