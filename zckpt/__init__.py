@@ -1,7 +1,8 @@
 """zckpt: reshard MindSpore distributed checkpoints through a global-coordinate Zarr v3 store.
 
 The MindSpore-named functions are drop-in replacements (``import zckpt as ms``); ``ingest``,
-``export`` and ``open_store`` expose the store path directly.
+``export`` and ``open_store`` expose the store path directly; ``zckpt.transform.transform``
+(options :class:`TransformOptions`) is the direct path the MindSpore-named functions take.
 """
 
 from zckpt.api import (
@@ -28,6 +29,7 @@ from zckpt.ingest import IngestOptions, IngestReport, ingest
 from zckpt.loading import load_distributed_checkpoint
 from zckpt.parallel import convert_checkpoint_by_rank, convert_checkpoints
 from zckpt.segmented import SegmentedCheckpoint, load_slice, open_segmented
+from zckpt.transform import TransformOptions, TransformReport
 from zckpt.unified import unified_safetensors
 
 __version__ = "0.1.0"
@@ -44,6 +46,8 @@ __all__ = [
     "SourceError",
     "StoreError",
     "StrategyError",
+    "TransformOptions",
+    "TransformReport",
     "UsageError",
     "ZckptError",
     "ckpt_to_safetensors",
