@@ -11,6 +11,8 @@ read through the shard's mapping and cut into the slice, one band at a time.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,6 +79,8 @@ class SourceReader:
         self._open: dict[int, CkptReader] = {}
         self._proven: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
+        self._scratch = bytearray()
+        """Source rows a piece is cut from (one batch is read at a time): reused."""
 
     def __enter__(self) -> SourceReader:
         return self
@@ -170,28 +174,53 @@ class SourceReader:
         return out
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
-        """Read each box from the shards holding its pieces (through their mappings, whose
-        pages are released after the batch so that resident memory stays flat)."""
+        """Read each box from the shards holding its pieces: the source rows a piece lies in
+        are read with ``pread`` (straight into the box when the piece is whole rows of both,
+        else into a reused buffer it is cut from), so no mapped page stays resident."""
         out = []
-        used: set[int] = set()
-        try:
-            for name, box in items:
-                arr = np.empty(box.shape, dtype=ms_dtype(self.boxes.specs[name].ms_type).storage)
-                if box.size:
-                    for w, inter in self._pieces(name, box):
-                        reader = self._shard(name, w)
-                        used.add(w.rank)
-                        if box.ndim == 0:
-                            arr[...] = reader.array(name)
-                            continue
-                        local = inter.relative_to(w.box)
-                        rows = reader.rows(name, local.start[0], local.stop[0])
-                        arr[inter.relative_to(box).slices()] = rows[(slice(None), *local.slices()[1:])]
-                out.append(arr)
-                self.read_bytes += arr.nbytes
-        finally:
-            with self._lock:
-                readers = [self._open[r] for r in used if r in self._open]
-            for reader in readers:
-                reader.release_pages()
+        for name, box in items:
+            arr = np.empty(box.shape, dtype=ms_dtype(self.boxes.specs[name].ms_type).storage)
+            if box.size:
+                for w, inter in self._pieces(name, box):
+                    self._read_piece(name, w, inter, box, arr)
+            out.append(arr)
+            self.read_bytes += arr.nbytes
         return out
+
+    def _read_piece(self, name: str, w: Write, inter: Box, box: Box, arr: np.ndarray) -> None:
+        """Fill ``arr``'s part ``inter`` (global coordinates; ``arr`` holds ``box``) from the
+        shard of ``w``, which holds it."""
+        reader = self._shard(name, w)
+        dest = arr[inter.relative_to(box).slices()] if box.ndim else arr
+        if isinstance(reader, SafetensorsSetReader):  # parts in several files: through their mappings
+            local = inter.relative_to(w.box)
+            dest[...] = (reader.array(name) if box.ndim == 0 else
+                         reader.rows(name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])])
+            reader.release_pages()
+            return
+        item = arr.dtype.itemsize
+        row_bytes = math.prod(w.box.shape[1:]) * item
+        r0 = inter.start[0] - w.box.start[0] if box.ndim else 0
+        r1 = inter.stop[0] - w.box.start[0] if box.ndim else 1
+        if inter.shape[1:] == w.box.shape[1:] and dest.flags.c_contiguous:
+            self._pread(reader, name, r0 * row_bytes, r1 * row_bytes, dest.reshape(-1).view(np.uint8))
+            return
+        cut = (slice(None), *inter.relative_to(w.box).slices()[1:])
+        step = max(1, self.band_bytes // max(1, row_bytes))  # the buffer stays within one band
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            if len(self._scratch) < (b - a) * row_bytes:
+                self._scratch = bytearray((b - a) * row_bytes)
+            rows = np.frombuffer(self._scratch, dtype=np.uint8, count=(b - a) * row_bytes)
+            self._pread(reader, name, a * row_bytes, b * row_bytes, rows)
+            dest[a - r0 : b - r0] = rows.view(arr.dtype).reshape((b - a, *w.box.shape[1:]))[cut]
+
+    @staticmethod
+    def _pread(reader: CkptReader, name: str, start: int, stop: int, target: np.ndarray) -> None:
+        """The logical payload bytes ``[start, stop)`` of ``name`` into ``target`` (uint8)."""
+        pos = 0
+        for off, n in segment_spans(reader.entries[name], start, stop):
+            if os.preadv(reader.fileno(), [target[pos : pos + n].data], off) != n:
+                raise SourceError(f"file ended inside the payload (byte {off + n} needed)", path=reader.path,
+                                  param=name)
+            pos += n
