@@ -66,6 +66,12 @@ def test_errors_cross_the_cluster_with_their_class(tmp_path: Path) -> None:
     with pytest.raises(zckpt.SourceError, match="layer1.weight"):
         zckpt.ingest(str(src), tmp_path / "s.zarr", SRC_S, zckpt.IngestOptions(workers=2, verify_replicas=True))
     assert not (tmp_path / "s.zarr").exists()
+    from zckpt.transform import transform
+
+    with pytest.raises(zckpt.SourceError, match="layer1.weight"):
+        transform(src, tmp_path / "direct", SRC_S, DST_S, options=zckpt.TransformOptions(workers=2,
+                                                                                           verify_replicas=True))
+    assert not list((tmp_path / "direct").rglob("*.ckpt")) if (tmp_path / "direct").exists() else True
 
 
 def _free_port() -> int:
@@ -116,6 +122,9 @@ def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None
     assert cli_main(["export", str(store), "--strategy", DST_S, "--out", str(tmp_path / "o"),
                      "--scheduler", scheduler]) == 0
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []
+    assert cli_main(["transform", SRC, "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
+                     str(tmp_path / "direct"), "--scheduler", scheduler, "--verify-replicas"]) == 0
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "direct") == []
 
 
 def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
