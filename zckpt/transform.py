@@ -279,8 +279,9 @@ def compare_replicas(job: CheckJob, options: TransformOptions, report: Report | 
     try:
         mine = readers[job.rank]
         for c in job.checks:
-            compared += _compare(c, mine, readers, job.writes, job.files, options.block_bytes)
-            ticker.add(c.name, c.box.size)
+            n = _compare(c, mine, readers, job.writes, job.files, options.block_bytes)
+            compared += n
+            ticker.add(c.name, n)
     finally:
         for r in readers.values():
             r.close()
@@ -304,10 +305,11 @@ def _compare(c: ReplicaCheck, mine: CkptReader, readers: Mapping[int, CkptReader
         if common is None:
             continue
         for piece in c_order_pieces(common, max(1, block_bytes // 2 // itemsize)) if c.box.ndim else [common]:
-            if not _same_bytes(_cut(mine, c.name, piece, c.box), _cut(theirs, c.name, piece, w.box)):
+            same = _same_bytes(_cut(mine, c.name, piece, c.box), _cut(theirs, c.name, piece, w.box))
+            mine.release_pages()  # the pieces were read through the mappings: keep them from staying resident
+            theirs.release_pages()
+            if not same:
                 _differ(c, who, mine.path)
-        mine.release_pages()
-        theirs.release_pages()
     return entry.nbytes
 
 
