@@ -245,13 +245,17 @@ def test_safetensors_output_equals_store_path(tmp_path: Path) -> None:
     assert _files(tmp_path / "direct") == _files(tmp_path / "store") != []
     for rel in _files(tmp_path / "store"):
         assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "store" / rel).read_bytes(), rel
-    # and back: the safetensors job as a source of the direct path, to one full rank
-    transform(tmp_path / "direct", tmp_path / "full", str(tmp_path / "dst.ckpt"), None)
-    with SafetensorsReader(tmp_path / "direct" / "rank_0" / "checkpoint_0.safetensors") as st, \
-            CkptReader(tmp_path / "full" / "rank_0" / "checkpoint_0.ckpt") as full:
-        assert st.string("note") == full.string("note") == "st"
-        for t in tensors:
-            assert full.array(t.name).tobytes() == global_value(t.name, t.shape, t.ms_type).tobytes(), t.name
+    # and back: safetensors jobs (whole and split HF-style) as sources of the direct path, to one full rank
+    transform(tmp_path / "src", tmp_path / "split", str(model.strategy_path), str(tmp_path / "dst.ckpt"),
+              options=TransformOptions(format="safetensors", max_file_bytes=2000))
+    assert list((tmp_path / "split" / "rank_0").glob("*.index.json"))
+    for job in ("direct", "split"):
+        transform(tmp_path / job, tmp_path / f"full-{job}", str(tmp_path / "dst.ckpt"), None)
+        with SafetensorsReader(tmp_path / "direct" / "rank_0" / "checkpoint_0.safetensors") as st, \
+                CkptReader(tmp_path / f"full-{job}" / "rank_0" / "checkpoint_0.ckpt") as full:
+            assert st.string("note") == full.string("note") == "st"
+            for t in tensors:
+                assert full.array(t.name).tobytes() == global_value(t.name, t.shape, t.ms_type).tobytes(), t.name
 
 
 def test_existing_outputs_refused_then_resumed_or_overwritten(tmp_path: Path) -> None:

@@ -239,6 +239,9 @@ class PreparedIngest:
     strategy: StrategyMap | None
     sources: SourceSet
     same_model: SameModel
+    indexes: Mapping[int, Mapping[str, EntryInfo]] = field(default_factory=dict)
+    """The index of every source file planned from (where each entry's payload lies), so
+    that readers of the shards need not parse them again."""
 
 
 def plan_ingest(
@@ -288,7 +291,7 @@ def prepare_ingest(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )
     plan = replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files) - set(same.ranks))))
-    return PreparedIngest(plan, smap, sources, same)
+    return PreparedIngest(plan, smap, sources, same, indexes)
 
 
 def ingest(

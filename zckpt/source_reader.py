@@ -1,12 +1,14 @@
 """Boxes of global tensors read straight from the source shards (the direct path).
 
 The ingest plan already says, for every entry, which source rank holds which box, one
-replica per box (its ``Write``s). A destination slice is the union of its intersections
-with those boxes, so :class:`SourceReader` serves the executor (:mod:`zckpt.rank_writer`)
-from the shards themselves, the way :class:`zckpt.export.StoreReader` serves it from a
-store: pieces that are whole rows of both the source shard and the destination slice are
-handed out as byte ranges of the shard files (the kernel copies them), anything else is
-read through the shard's mapping and cut into the slice, one band at a time.
+replica per box (its ``Write``s), and planning indexed every shard: where each entry's
+payload bytes lie. A destination slice is the union of its intersections with those boxes,
+so :class:`SourceReader` serves the executor (:mod:`zckpt.rank_writer`) from the shards
+themselves, the way :class:`zckpt.export.StoreReader` serves it from a store: pieces that
+are whole rows of both the source shard and the destination slice are handed out as byte
+ranges of the shard files (the kernel copies them), anything else is read with ``pread``
+and cut into the slice, one band at a time. Tasks never parse a shard again: the indexes
+travel with the plan.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, FileRange
-from zckpt.formats.shards import SafetensorsSetReader, open_shard
+from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import IngestPlan, TensorSpec, Write
 
@@ -32,24 +34,30 @@ from zckpt.plan import IngestPlan, TensorSpec, Write
 @dataclass(frozen=True)
 class SourceBoxes:
     """Where the entries one destination file holds live in the source shards: each
-    entry's spec, the boxes the ingest plan gives source ranks (one replica per box) and
-    those ranks' files. Plain data, so a task on any Dask worker can receive it."""
+    entry's spec, the boxes the ingest plan gives source ranks (one replica per box), those
+    ranks' files and their index entries. Plain data, so a task on any Dask worker can
+    receive it."""
 
     specs: Mapping[str, TensorSpec]
     writes: Mapping[str, tuple[Write, ...]]
     files: Mapping[int, str]
+    entries: Mapping[int, Mapping[str, EntryInfo]]
 
     @classmethod
-    def of(cls, plan: IngestPlan, names: Iterable[str]) -> SourceBoxes:
+    def of(cls, plan: IngestPlan, names: Iterable[str],
+           indexes: Mapping[int, Mapping[str, EntryInfo]]) -> SourceBoxes:
         wanted = set(names)
         specs = {t.name: t for t in plan.tensors if t.name in wanted}
         writes: dict[str, list[Write]] = {}
         for w in plan.writes:
             if w.name in wanted:
                 writes.setdefault(w.name, []).append(w)
-        ranks = {w.rank for ws in writes.values() for w in ws}
+        entries: dict[int, dict[str, EntryInfo]] = {}
+        for name, ws in writes.items():
+            for w in ws:
+                entries.setdefault(w.rank, {})[name] = indexes[w.rank][name]
         return cls(specs, {n: tuple(ws) for n, ws in writes.items()},
-                   {r: str(p) for r, p in plan.rank_files.items() if r in ranks})
+                   {r: str(p) for r, p in plan.rank_files.items() if r in entries}, entries)
 
 
 def segment_spans(entry: EntryInfo, start: int, stop: int) -> Iterator[tuple[int, int]]:
@@ -66,19 +74,96 @@ def segment_spans(entry: EntryInfo, start: int, stop: int) -> Iterator[tuple[int
             return
 
 
+class ShardFiles:
+    """Payload bytes of source shards read by their index entries: one file descriptor per
+    shard, ``pread`` at the offsets planning found. A split safetensors rank (an index file
+    and its parts) is read through its reader instead. Thread safe."""
+
+    def __init__(self, files: Mapping[int, str], entries: Mapping[int, Mapping[str, EntryInfo]]) -> None:
+        self.files = files
+        self.entries = entries
+        self._fds: dict[int, int] = {}
+        self._readers: dict[int, CkptReader] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+            readers, self._readers = list(self._readers.values()), {}
+        for fd in fds:
+            os.close(fd)
+        for r in readers:
+            r.close()
+
+    def split(self, rank: int) -> bool:
+        """Whether the rank's tensors lie in several files (no single file to copy from)."""
+        return self.files[rank].endswith(INDEX_SUFFIX)
+
+    def path(self, rank: int) -> Path:
+        return Path(self.files[rank])
+
+    def reader(self, rank: int) -> CkptReader:
+        """The rank's shard reader (strings, MapParameters, split safetensors ranks)."""
+        with self._lock:
+            r = self._readers.get(rank)
+            if r is None:
+                r = self._readers[rank] = open_shard(self.files[rank], verify_crc=False)
+            return r
+
+    def _fd(self, rank: int) -> int:
+        with self._lock:
+            fd = self._fds.get(rank)
+            if fd is None:
+                try:
+                    fd = self._fds[rank] = os.open(self.files[rank], os.O_RDONLY)
+                except OSError as err:
+                    raise SourceError(f"cannot open: {err.strerror}", path=self.files[rank]) from None
+            return fd
+
+    def read(self, rank: int, name: str, start: int, stop: int, target: np.ndarray) -> None:
+        """The logical payload bytes ``[start, stop)`` of ``name`` in the rank's shard into
+        ``target`` (uint8, ``stop - start`` long)."""
+        if self.split(rank):
+            reader = self.reader(rank)
+            target[...] = reader.array(name).reshape(-1).view(np.uint8)[start:stop]
+            reader.release_pages()
+            return
+        fd, pos = self._fd(rank), 0
+        for off, n in segment_spans(self.entries[rank][name], start, stop):
+            if os.preadv(fd, [target[pos : pos + n].data], off) != n:
+                raise SourceError(f"file ended inside the payload (byte {off + n} needed): did it change?",
+                                  path=self.files[rank], param=name)
+            pos += n
+
+    def rows(self, rank: int, name: str, holder: Box, part: Box, buffer: bytearray | None = None) -> np.ndarray:
+        """The values of ``part`` (global coordinates) of ``name`` in the rank's shard, which
+        holds ``holder``: the shard rows it lies in are read (into ``buffer`` when given and
+        large enough) and the part cut from them (a view of the rows)."""
+        dt = ms_dtype(self.entries[rank][name].ms_type).storage
+        if holder.ndim == 0:
+            out = np.empty((), dtype=dt)
+            self.read(rank, name, 0, dt.itemsize, out.reshape(-1).view(np.uint8))
+            return out
+        local = part.relative_to(holder)
+        row_bytes = math.prod(holder.shape[1:]) * dt.itemsize
+        need = local.shape[0] * row_bytes
+        raw = (np.frombuffer(buffer, dtype=np.uint8, count=need) if buffer is not None and len(buffer) >= need
+               else np.empty(need, dtype=np.uint8))
+        self.read(rank, name, local.start[0] * row_bytes, local.stop[0] * row_bytes, raw)
+        return raw.view(dt).reshape((local.shape[0], *holder.shape[1:]))[(slice(None), *local.slices()[1:])]
+
+
 class SourceReader:
     """A :class:`~zckpt.rank_writer.BoxReader` over source shards (use as a context manager:
-    the shards it opens are closed on leaving)."""
+    the files it opens are closed on leaving)."""
 
     def __init__(self, boxes: SourceBoxes, block_bytes: int, *, overlap: bool = False) -> None:
         self.boxes = boxes
+        self.shards = ShardFiles(boxes.files, boxes.entries)
         self.band_bytes = max(1, block_bytes // (2 if overlap else 1))
         """Largest batch of bands read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0
-        self._open: dict[int, CkptReader] = {}
-        self._proven: set[tuple[int, str]] = set()
-        self._lock = threading.Lock()
         self._scratch = bytearray()
         """Source rows a piece is cut from (one batch is read at a time): reused."""
 
@@ -86,31 +171,7 @@ class SourceReader:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        with self._lock:
-            readers, self._open = list(self._open.values()), {}
-        for r in readers:
-            r.close()
-
-    def _shard(self, name: str, w: Write) -> CkptReader:
-        """The shard of ``w``'s rank, open, once shown to hold ``name`` as the plan says
-        (the plan was made from the same files' indexes; a file changed since is refused)."""
-        with self._lock:
-            reader = self._open.get(w.rank)
-            if reader is None:
-                reader = self._open[w.rank] = open_shard(self.boxes.files[w.rank], verify_crc=False)
-            if (w.rank, name) not in self._proven:
-                spec = self.boxes.specs[name]
-                e = reader.entries.get(name)
-                if e is None or e.kind != spec.kind or (spec.kind == "tensor" and (
-                        e.ms_type != spec.ms_type or e.shape != w.box.shape)):
-                    held = "nothing" if e is None else f"{e.kind} {e.ms_type}{list(e.shape)}"
-                    raise SourceError(f"holds {held} but the plan expects {spec.kind} {spec.ms_type}"
-                                      f"{list(w.box.shape)} (did the file change?)", path=reader.path, param=name)
-                self._proven.add((w.rank, name))
-            return reader
+        self.shards.close()
 
     def _itemsize(self, name: str) -> int:
         return int(ms_dtype(self.boxes.specs[name].ms_type).storage.itemsize)
@@ -138,7 +199,7 @@ class SourceReader:
         writes = self.boxes.writes.get(name)
         if not writes:
             raise SourceError("no source file holds it", param=name)
-        return self._shard(name, writes[0])
+        return self.shards.reader(writes[0].rank)
 
     def string(self, name: str) -> str:
         return self._holder(name).string(name)
@@ -159,24 +220,21 @@ class SourceReader:
             return None
         out: list[FileRange] = []
         for w, inter in self._pieces(name, box):
-            if inter.shape[1:] != box.shape[1:] or inter.shape[1:] != w.box.shape[1:]:
+            if inter.shape[1:] != box.shape[1:] or inter.shape[1:] != w.box.shape[1:] or self.shards.split(w.rank):
                 return None
-            reader = self._shard(name, w)
-            if isinstance(reader, SafetensorsSetReader):
-                return None  # parts in several files; read through memory
-            entry = reader.entries[name]
-            row_bytes = (int(np.prod(w.box.shape[1:])) if box.ndim else 1) * self._itemsize(name)
+            row_bytes = math.prod(w.box.shape[1:]) * self._itemsize(name)
             r0 = inter.start[0] - w.box.start[0] if box.ndim else 0
             r1 = inter.stop[0] - w.box.start[0] if box.ndim else 1
-            out.extend(FileRange(Path(reader.path), off, n) for off, n in segment_spans(entry, r0 * row_bytes,
-                                                                                        r1 * row_bytes))
+            entry = self.boxes.entries[w.rank][name]
+            path = self.shards.path(w.rank)
+            out.extend(FileRange(path, off, n) for off, n in segment_spans(entry, r0 * row_bytes, r1 * row_bytes))
         self.read_bytes += sum(r.length for r in out)
         return out
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
-        """Read each box from the shards holding its pieces: the source rows a piece lies in
-        are read with ``pread`` (straight into the box when the piece is whole rows of both,
-        else into a reused buffer it is cut from), so no mapped page stays resident."""
+        """Read each box from the shards holding its pieces with ``pread``: straight into the
+        box when a piece is whole rows of both, else the shard rows it lies in through a
+        reused buffer of at most one band, cut from it."""
         out = []
         for name, box in items:
             arr = np.empty(box.shape, dtype=ms_dtype(self.boxes.specs[name].ms_type).storage)
@@ -190,37 +248,18 @@ class SourceReader:
     def _read_piece(self, name: str, w: Write, inter: Box, box: Box, arr: np.ndarray) -> None:
         """Fill ``arr``'s part ``inter`` (global coordinates; ``arr`` holds ``box``) from the
         shard of ``w``, which holds it."""
-        reader = self._shard(name, w)
         dest = arr[inter.relative_to(box).slices()] if box.ndim else arr
-        if isinstance(reader, SafetensorsSetReader):  # parts in several files: through their mappings
-            local = inter.relative_to(w.box)
-            dest[...] = (reader.array(name) if box.ndim == 0 else
-                         reader.rows(name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])])
-            reader.release_pages()
-            return
-        item = arr.dtype.itemsize
-        row_bytes = math.prod(w.box.shape[1:]) * item
-        r0 = inter.start[0] - w.box.start[0] if box.ndim else 0
-        r1 = inter.stop[0] - w.box.start[0] if box.ndim else 1
+        row_bytes = math.prod(w.box.shape[1:]) * arr.dtype.itemsize
         if inter.shape[1:] == w.box.shape[1:] and dest.flags.c_contiguous:
-            self._pread(reader, name, r0 * row_bytes, r1 * row_bytes, dest.reshape(-1).view(np.uint8))
+            r0 = inter.start[0] - w.box.start[0] if box.ndim else 0
+            self.shards.read(w.rank, name, r0 * row_bytes, r0 * row_bytes + dest.nbytes,
+                             dest.reshape(-1).view(np.uint8))
             return
-        cut = (slice(None), *inter.relative_to(w.box).slices()[1:])
         step = max(1, self.band_bytes // max(1, row_bytes))  # the buffer stays within one band
-        for a in range(r0, r1, step):
-            b = min(r1, a + step)
-            if len(self._scratch) < (b - a) * row_bytes:
-                self._scratch = bytearray((b - a) * row_bytes)
-            rows = np.frombuffer(self._scratch, dtype=np.uint8, count=(b - a) * row_bytes)
-            self._pread(reader, name, a * row_bytes, b * row_bytes, rows)
-            dest[a - r0 : b - r0] = rows.view(arr.dtype).reshape((b - a, *w.box.shape[1:]))[cut]
-
-    @staticmethod
-    def _pread(reader: CkptReader, name: str, start: int, stop: int, target: np.ndarray) -> None:
-        """The logical payload bytes ``[start, stop)`` of ``name`` into ``target`` (uint8)."""
-        pos = 0
-        for off, n in segment_spans(reader.entries[name], start, stop):
-            if os.preadv(reader.fileno(), [target[pos : pos + n].data], off) != n:
-                raise SourceError(f"file ended inside the payload (byte {off + n} needed)", path=reader.path,
-                                  param=name)
-            pos += n
+        for a in range(inter.start[0], inter.stop[0], step):
+            part = Box((a, *inter.start[1:]), (min(inter.stop[0], a + step), *inter.stop[1:]))
+            need = part.shape[0] * row_bytes
+            if len(self._scratch) < need:
+                self._scratch = bytearray(need)
+            dest[a - inter.start[0] : part.stop[0] - inter.start[0]] = self.shards.rows(
+                w.rank, name, w.box, part, self._scratch)

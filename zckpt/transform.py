@@ -27,16 +27,15 @@ from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
-from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import open_shard
+from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
-from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
-from zckpt.layout import Box, c_order_pieces
+from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
+from zckpt.layout import c_order_pieces
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, ReplicaCheck, Write, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
-from zckpt.source_reader import SourceBoxes, SourceReader
+from zckpt.source_reader import ShardFiles, SourceBoxes, SourceReader
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 
@@ -67,6 +66,11 @@ class TransformPlan:
     export: ExportPlan
     src_strategy: StrategyMap | None
     dst_strategy: StrategyMap | None
+    indexes: Mapping[int, Mapping[str, EntryInfo]]
+    """Every source file's index, read while planning (where each payload lies)."""
+
+    def boxes(self, names: Iterable[str]) -> SourceBoxes:
+        return SourceBoxes.of(self.source, names, self.indexes)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class CheckJob:
     checks: tuple[ReplicaCheck, ...]
     writes: tuple[Write, ...]
     files: Mapping[int, str]
+    entries: Mapping[int, Mapping[str, EntryInfo]]
     nbytes: int
 
 
@@ -120,7 +125,8 @@ def plan_transform(
 ) -> TransformPlan:
     """Both plans, refusing any region a planned destination slice needs that no present
     source file holds (by parameter, with the source ranks that would hold it)."""
-    source, smap = plan_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc)
+    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc)
+    source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes
     dmap = load_strategy(dst_strategy)
     export = build_export_plan(source.tensors, dmap, ranks=ranks)
     for rank in export.ranks:
@@ -129,7 +135,7 @@ def plan_transform(
                 if box.intersect(s.box) is not None:
                     raise SourceError(f"destination rank {rank.rank} needs region {box.to_json()}, held by source "
                                       f"rank(s) {list(holders)}, {missing}", path=_where(src), param=s.name)
-    return TransformPlan(source, export, smap, dmap)
+    return TransformPlan(source, export, smap, dmap, indexes)
 
 
 def _where(src: str | Path | Mapping[int, str | Path]) -> str | None:
@@ -163,8 +169,7 @@ def transform(
         jobs = _safetensors_jobs(jobs, options.overwrite)
     else:
         jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
-    return _run(plan, [DirectJob(r, str(p), SourceBoxes.of(plan.source, r.names)) for r, p in jobs],
-                str(out), options, t0)
+    return _run(plan, [DirectJob(r, str(p), plan.boxes(r.names)) for r, p in jobs], str(out), options, t0)
 
 
 def transform_rank(
@@ -188,7 +193,7 @@ def transform_rank(
     if path.exists() and not options.overwrite:
         raise OutputError("output file already exists (use overwrite)", path=path)
     r = plan.export.ranks[0]
-    return _run(plan, [DirectJob(r, str(path), SourceBoxes.of(plan.source, r.names))], str(path.parent), options, t0)
+    return _run(plan, [DirectJob(r, str(path), plan.boxes(r.names))], str(path.parent), options, t0)
 
 
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
@@ -264,8 +269,10 @@ def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> l
     for rank, checks in sorted(by_rank.items()):
         others = {r for c in checks for r in c.same_as}
         writes = tuple(w for w in plan.source.writes if w.rank in others and w.name in {c.name for c in checks})
-        files = {r: plan.source.rank_files[r] for r in {rank} | others}
-        jobs.append(CheckJob(rank, tuple(checks), writes, files,
+        files = {r: str(plan.source.rank_files[r]) for r in {rank} | others}
+        names = {c.name for c in checks}
+        entries = {r: {n: e for n, e in plan.indexes[r].items() if n in names} for r in files}
+        jobs.append(CheckJob(rank, tuple(checks), writes, files, entries,
                              sum(c.box.size * itemsizes.get(c.name, 1) for c in checks)))
     return jobs
 
@@ -275,49 +282,36 @@ def compare_replicas(job: CheckJob, options: TransformOptions, report: Report | 
     instead (a Dask task); returns the bytes compared."""
     ticker = Ticker(report)
     compared = 0
-    readers = {r: open_shard(p, verify_crc=False) for r, p in job.files.items()}
+    shards = ShardFiles(job.files, job.entries)
     try:
-        mine = readers[job.rank]
         for c in job.checks:
-            n = _compare(c, mine, readers, job.writes, job.files, options.block_bytes)
+            n = _compare(c, shards, job, options.block_bytes)
             compared += n
             ticker.add(c.name, n)
     finally:
-        for r in readers.values():
-            r.close()
+        shards.close()
     ticker.close()
     return compared
 
 
-def _compare(c: ReplicaCheck, mine: CkptReader, readers: Mapping[int, CkptReader], writes: tuple[Write, ...],
-             files: Mapping[int, str], block_bytes: int) -> int:
-    entry = mine.entries.get(c.name)
-    who = ", ".join(f"rank {r} ({files.get(r)})" for r in c.same_as)
+def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: int) -> int:
+    entry = job.entries[c.rank].get(c.name)
+    who = ", ".join(f"rank {r} ({job.files.get(r)})" for r in c.same_as)
     if entry is None or entry.shape != c.box.shape:
         held = "nothing" if entry is None else f"shape {list(entry.shape)}"
-        raise SourceError(f"holds {held}, which differs from the copy of {who}", path=mine.path, param=c.name)
+        raise SourceError(f"holds {held}, which differs from the copy of {who}", path=job.files[c.rank],
+                          param=c.name)
     itemsize = int(ms_dtype(entry.ms_type).storage.itemsize)
-    for w in writes:
+    for w in job.writes:
         if w.name != c.name or w.rank not in c.same_as:
             continue
-        theirs = readers[w.rank]
         common = w.box.intersect(c.box) if c.box.ndim else w.box
         if common is None:
             continue
-        for piece in c_order_pieces(common, max(1, block_bytes // 2 // itemsize)) if c.box.ndim else [common]:
-            same = _same_bytes(_cut(mine, c.name, piece, c.box), _cut(theirs, c.name, piece, w.box))
-            mine.release_pages()  # the pieces were read through the mappings: keep them from staying resident
-            theirs.release_pages()
-            if not same:
-                _differ(c, who, mine.path)
+        for piece in c_order_pieces(common, max(1, block_bytes // 4 // itemsize)) if c.box.ndim else [common]:
+            if not _same_bytes(shards.rows(c.rank, c.name, c.box, piece), shards.rows(w.rank, c.name, w.box, piece)):
+                _differ(c, who, job.files[c.rank])
     return entry.nbytes
-
-
-def _cut(reader: CkptReader, name: str, piece: Box, holder: Box) -> np.ndarray:
-    if piece.ndim == 0:
-        return reader.array(name)
-    local = piece.relative_to(holder)
-    return reader.rows(name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -326,7 +320,7 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
                                                       np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
 
 
-def _differ(c: ReplicaCheck, who: str, path: Path) -> None:
+def _differ(c: ReplicaCheck, who: str, path: str) -> None:
     if c.reason == "unlisted":
         raise SourceError(
             f"not listed in the source strategy, yet rank {c.rank} and {who} hold different values: it is sharded "
