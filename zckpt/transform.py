@@ -265,13 +265,17 @@ def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> l
         if c.name in names and (c.required or verify_replicas):
             by_rank.setdefault(c.rank, []).append(c)
     itemsizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
+    writes_of: dict[tuple[str, int], Write] = {(w.name, w.rank): w for w in plan.source.writes}
     jobs = []
     for rank, checks in sorted(by_rank.items()):
-        others = {r for c in checks for r in c.same_as}
-        writes = tuple(w for w in plan.source.writes if w.rank in others and w.name in {c.name for c in checks})
-        files = {r: str(plan.source.rank_files[r]) for r in {rank} | others}
-        names = {c.name for c in checks}
-        entries = {r: {n: e for n, e in plan.indexes[r].items() if n in names} for r in files}
+        pairs = {(c.name, r) for c in checks for r in c.same_as}
+        writes = tuple(writes_of[p] for p in sorted(pairs) if p in writes_of)
+        files = {r: str(plan.source.rank_files[r]) for r in {rank} | {r for _, r in pairs}}
+        entries: dict[int, dict[str, EntryInfo]] = {r: {} for r in files}
+        for c in checks:
+            entries[rank][c.name] = plan.indexes[rank][c.name]
+        for w in writes:
+            entries[w.rank][w.name] = plan.indexes[w.rank][w.name]
         jobs.append(CheckJob(rank, tuple(checks), writes, files, entries,
                              sum(c.box.size * itemsizes.get(c.name, 1) for c in checks)))
     return jobs
