@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -28,7 +28,7 @@ from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, FileRange
 from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.layout import Box, c_order_pieces
-from zckpt.plan import IngestPlan, TensorSpec, Write
+from zckpt.plan import Slice, TensorSpec, Write
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,24 @@ class SourceBoxes:
     entries: Mapping[int, Mapping[str, EntryInfo]]
 
     @classmethod
-    def of(cls, plan: IngestPlan, names: Iterable[str],
-           indexes: Mapping[int, Mapping[str, EntryInfo]]) -> SourceBoxes:
-        wanted = set(names)
-        specs = {t.name: t for t in plan.tensors if t.name in wanted}
+    def of(cls, specs: Mapping[str, TensorSpec], writes_by_name: Mapping[str, Sequence[Write]],
+           slices: Iterable[Slice], indexes: Mapping[int, Mapping[str, EntryInfo]],
+           rank_files: Mapping[int, str]) -> SourceBoxes:
+        """What the file of ``slices`` needs: only the source boxes that meet them (a task
+        ships this, so it stays proportional to the file, not to the job)."""
         writes: dict[str, list[Write]] = {}
-        for w in plan.writes:
-            if w.name in wanted:
-                writes.setdefault(w.name, []).append(w)
+        for s in slices:
+            held = writes_by_name.get(s.name, ())
+            if s.box.ndim == 0 or specs[s.name].kind != "tensor":
+                writes[s.name] = list(held[:1])
+            else:
+                writes[s.name] = [w for w in held if w.box.intersect(s.box) is not None]
         entries: dict[int, dict[str, EntryInfo]] = {}
         for name, ws in writes.items():
             for w in ws:
                 entries.setdefault(w.rank, {})[name] = indexes[w.rank][name]
-        return cls(specs, {n: tuple(ws) for n, ws in writes.items()},
-                   {r: str(p) for r, p in plan.rank_files.items() if r in entries}, entries)
+        return cls({n: specs[n] for n in writes}, {n: tuple(ws) for n, ws in writes.items()},
+                   {r: str(p) for r, p in rank_files.items() if r in entries}, entries)
 
 
 def segment_spans(entry: EntryInfo, start: int, stop: int) -> Iterator[tuple[int, int]]:

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
 from zckpt.layout import c_order_pieces
-from zckpt.plan import ExportPlan, IngestPlan, RankExport, ReplicaCheck, Write, build_export_plan
+from zckpt.plan import ExportPlan, IngestPlan, RankExport, ReplicaCheck, TensorSpec, Write, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
@@ -69,8 +70,20 @@ class TransformPlan:
     indexes: Mapping[int, Mapping[str, EntryInfo]]
     """Every source file's index, read while planning (where each payload lies)."""
 
-    def boxes(self, names: Iterable[str]) -> SourceBoxes:
-        return SourceBoxes.of(self.source, names, self.indexes)
+    @cached_property
+    def _writes_by_name(self) -> dict[str, list[Write]]:
+        out: dict[str, list[Write]] = {}
+        for w in self.source.writes:
+            out.setdefault(w.name, []).append(w)
+        return out
+
+    @cached_property
+    def _specs(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.source.tensors}
+
+    def boxes(self, rank: RankExport) -> SourceBoxes:
+        """Where the slices of one destination file live."""
+        return SourceBoxes.of(self._specs, self._writes_by_name, rank.slices, self.indexes, self.source.rank_files)
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,8 @@ def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None)
 
 
 def refuse_remote(src: str | Path | Mapping[int, str | Path], *outputs: str | Path) -> None:
-    """The direct path reads local shards (file ranges, mappings) and writes local files."""
+    """The direct path reads local shards (``pread``, kernel copies of file ranges) and
+    writes local files."""
     paths = list(src.values()) if isinstance(src, Mapping) else [src]
     for p in [*paths, *outputs]:
         if isinstance(p, str) and remote.is_remote(p):
@@ -166,10 +180,14 @@ def transform(
     stages = {t.name: t.stages for t in plan.source.tensors}
     jobs = stage_jobs(stages, plan.export, out, options)
     if options.format == "safetensors":
+        maps = [t.name for t in plan.source.tensors if t.kind == "map"]
+        if maps:
+            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                              "safetensors either); write .ckpt", param=maps[0])
         jobs = _safetensors_jobs(jobs, options.overwrite)
     else:
         jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
-    return _run(plan, [DirectJob(r, str(p), plan.boxes(r.names)) for r, p in jobs], str(out), options, t0)
+    return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
 
 
 def transform_rank(
@@ -193,7 +211,7 @@ def transform_rank(
     if path.exists() and not options.overwrite:
         raise OutputError("output file already exists (use overwrite)", path=path)
     r = plan.export.ranks[0]
-    return _run(plan, [DirectJob(r, str(path), plan.boxes(r.names))], str(path.parent), options, t0)
+    return _run(plan, [DirectJob(r, str(path), plan.boxes(r))], str(path.parent), options, t0)
 
 
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
