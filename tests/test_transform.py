@@ -285,3 +285,20 @@ def test_segment_spans_follow_the_values() -> None:
     for a, b in itertools.combinations(range(49), 2):
         got = [payload[off + k] for off, n in segment_spans(e, a, b) for k in range(n)]
         assert got == list(range(a, b)), (a, b)
+
+
+def test_choice_func_and_specify_prefix_leave_entries_out(tmp_path: Path) -> None:
+    """MindSpore's choice_func / --specify-prefix: the entries left out are not in the files."""
+    lay = make_layout((2,), [[0], []])
+    model = write_model(tmp_path / "src", [TensorDef("net.w", (8, 4), "Float32", lay),
+                                           TensorDef("opt.m", (8, 4), "Float32", lay)], device_num=2)
+    transform(tmp_path / "src", tmp_path / "api", str(model.strategy_path), None,
+              options=TransformOptions(choice_func=lambda n: not n.startswith("opt.")))
+    assert cli_main(["transform", str(tmp_path / "src"), "--src-strategy", str(model.strategy_path),
+                     "--out", str(tmp_path / "cli"), "--specify-prefix", "net.", "--quiet"]) == 0
+    with CkptReader(tmp_path / "api" / "rank_0" / "checkpoint_0.ckpt") as a, \
+            CkptReader(tmp_path / "cli" / "rank_0" / "checkpoint_0.ckpt") as c:
+        assert "opt.m" not in a.entries and "learning_rate" in a.entries
+        assert list(c.entries) == ["net.w"]
+        assert a.array("net.w").tobytes() == c.array("net.w").tobytes() == \
+            global_value("net.w", (8, 4), "Float32").tobytes()

@@ -81,6 +81,9 @@ def transform_checkpoints(
     A rank directory holding several checkpoint files is read as MindSpore reads it unless
     that would be a guess (``net-9_100.ckpt`` against ``net-10_100.ckpt``): then this refuses,
     and ``file_suffix`` (keyword only, as in MindSpore's ``unified_safetensors``) chooses.
+    ``process_num`` files are written at once (Dask thread workers); ``output_format``
+    ``"safetensors"`` writes ``<ckpt_prefix><r>.safetensors`` from any source. Local paths take
+    the direct path (:mod:`zckpt.transform`), URLs a temporary store.
     """
     if not isinstance(ckpt_prefix, str):
         raise TypeError("The ckpt_prefix should be a str.")
@@ -107,7 +110,7 @@ def transform_checkpoints(
     if not _any_remote(src_checkpoints_dir, dst):
         transform(src_checkpoints_dir, dst, src_map, dst_map,
                   options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
-                                           workers=process_num))
+                                           workers=process_num, file_suffix=file_suffix))
         return
     with _scratch(dst, storage_options) as tmp:  # URLs: through a temporary store
         store = Path(tmp) / "store.zarr"

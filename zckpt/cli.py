@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("transform", help="write destination rank files straight from source shards (no store)")
     tr.add_argument("src_dir", help="local directory with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
+    _source_args(tr)
     tr.add_argument("--src-strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is "
                                            "the full model)")
     tr.add_argument("--dst-strategy", help="destination strategy file or directory (omit: one rank with full "
@@ -336,7 +337,8 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             workers=a.workers, processes=a.processes, scheduler=a.scheduler, overlap=a.overlap,
                             per_stage=a.per_stage, progress=_progress(a), format=a.format,
                             max_file_bytes=a.max_file_mb * MiB, verify_crc=not a.no_verify_crc,
-                            verify_replicas=a.verify_replicas)
+                            verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
+                            choice_func=_choice_func(a))
     r = transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -53,6 +53,11 @@ class TransformOptions(ExportOptions):
     verify_replicas: bool = False
     """Also compare replicas inside one pipeline stage (unlisted tensors and parameters
     shared across stages are always compared)."""
+    file_suffix: str | None = None
+    """MindSpore's ``file_suffix``: which checkpoint of each ``rank_<r>`` directory is read
+    (see :class:`zckpt.ingest.IngestOptions`)."""
+    choice_func: Callable[[str], bool] | None = None
+    """MindSpore's ``choice_func``: ``False`` for an entry name leaves the entry out."""
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,13 @@ def plan_transform(
     *,
     verify_crc: bool = True,
     missing: str = "whose files are missing",
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
 ) -> TransformPlan:
     """Both plans, refusing any region a planned destination slice needs that no present
     source file holds (by parameter, with the source ranks that would hold it)."""
-    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc)
+    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc,
+                              file_suffix=file_suffix, choice_func=choice_func)
     source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes
     dmap = load_strategy(dst_strategy)
     export = build_export_plan(source.tensors, dmap, ranks=ranks)
@@ -171,7 +179,9 @@ def transform(
     if options.format not in ("ckpt", "safetensors"):
         raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     refuse_remote(src, out_dir)
-    plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc)
+    plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
+                          file_suffix=options.file_suffix, choice_func=options.choice_func)
+    options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     out = remote.local_path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
@@ -204,7 +214,8 @@ def transform_rank(
     t0 = time.perf_counter()
     refuse_remote(files, target)
     plan = plan_transform(files, src_strategy, dst_strategy, [rank], verify_crc=options.verify_crc,
-                          missing="none of which is in checkpoint_files_map")
+                          missing="none of which is in checkpoint_files_map", choice_func=options.choice_func)
+    options = replace(options, choice_func=None)
     path = remote.local_path(target)
     if path.is_dir():
         raise OutputError("the destination file is a directory", path=path)
