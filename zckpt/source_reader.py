@@ -26,7 +26,7 @@ import numpy as np
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, FileRange
-from zckpt.formats.shards import INDEX_SUFFIX, open_shard
+from zckpt.formats.shards import open_shard, shard_format
 from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import Slice, TensorSpec, Write
 
@@ -80,14 +80,16 @@ def segment_spans(entry: EntryInfo, start: int, stop: int) -> Iterator[tuple[int
 
 class ShardFiles:
     """Payload bytes of source shards read by their index entries: one file descriptor per
-    shard, ``pread`` at the offsets planning found. A split safetensors rank (an index file
-    and its parts) is read through its reader instead. Thread safe."""
+    shard, ``pread`` at the offsets planning found. A rank whose payloads live elsewhere (a
+    split safetensors rank, a unified directory, a MindFormers rank) is read through its
+    reader instead. Thread safe."""
 
     def __init__(self, files: Mapping[int, str], entries: Mapping[int, Mapping[str, EntryInfo]]) -> None:
         self.files = files
         self.entries = entries
         self._fds: dict[int, int] = {}
         self._readers: dict[int, CkptReader] = {}
+        self._split: dict[int, bool] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -100,8 +102,14 @@ class ShardFiles:
             r.close()
 
     def split(self, rank: int) -> bool:
-        """Whether the rank's tensors lie in several files (no single file to copy from)."""
-        return self.files[rank].endswith(INDEX_SUFFIX)
+        """Whether the rank's payloads are not in its own file at the offsets of its index
+        (a split safetensors rank, a unified directory, a MindFormers rank): then they are
+        read through its reader, never copied from the file."""
+        with self._lock:
+            got = self._split.get(rank)
+            if got is None:
+                got = self._split[rank] = shard_format(self.files[rank]) not in ("ckpt", "safetensors")
+            return got
 
     def path(self, rank: int) -> Path:
         return Path(self.files[rank])
