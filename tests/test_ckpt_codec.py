@@ -694,3 +694,39 @@ def test_writer_refuses_a_file_range_past_the_end(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError, match="past the end"), CkptWriter(tmp_path / "a.ckpt") as w:
         w.write_blocks("w", "Float32", (8,), iter([ckpt_mod.FileRange(src, 0, 32)]))
     assert not list(tmp_path.glob("a.ckpt*"))
+
+
+def test_many_small_file_ranges_open_each_source_once_and_copy_runs_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice over thousands of small source pieces: the bytes are exactly the pieces in order,
+    each source file is opened once, and pieces that continue each other are one copy."""
+    rng = np.random.default_rng(3)
+    sources = []
+    for i in range(3):
+        p = tmp_path / f"src{i}.bin"
+        p.write_bytes(rng.integers(0, 256, 4096 * 4, dtype=np.uint8).tobytes())
+        sources.append(p)
+    pieces = [ckpt_mod.FileRange(sources[(k // 100) % 3], (k % 100) * 16 * 4, 16 * 4) for k in range(1200)]
+    expected = b"".join(p.path.read_bytes()[p.offset:p.offset + p.length] for p in pieces)
+    opened: list[str] = []
+    copies: list[int] = []
+    real_open, real_copy = ckpt_mod.os.open, ckpt_mod.fileio.kernel_copy
+
+    def counting_open(path: object, *a: object, **k: object) -> int:
+        opened.append(str(path))
+        return real_open(path, *a, **k)  # type: ignore[arg-type]
+
+    def counting_copy(src: int, dst: int, offset: int, length: int) -> int:
+        copies.append(length)
+        return real_copy(src, dst, offset, length)
+
+    monkeypatch.setattr(ckpt_mod.os, "open", counting_open)
+    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", counting_copy)
+    out = tmp_path / "out.ckpt"
+    with CkptWriter(out, fsync=False) as w:
+        w.write_blocks("t", "Float32", (1200, 16), pieces)
+    assert sorted(opened) == sorted(str(p) for p in sources)
+    assert len(copies) == 12  # 12 runs of 100 consecutive pieces
+    with CkptReader(out) as r:
+        assert r.array("t").tobytes() == expected

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import binascii
 import bisect
+import collections
 import contextlib
 import itertools
 import math
@@ -557,6 +558,9 @@ class CkptWriter:
         self.bytes_written = 0
         self._buffer: bytearray | None = None
         self._names: set[str] = set()
+        self._sources: collections.OrderedDict[Path, tuple[int, int]] = collections.OrderedDict()
+        """Open source files of recent file ranges with their sizes (a job of hundreds of ranks
+        copies thousands of ranges out of each file: one open and fstat per file, not per range)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f: BinaryIO | None = open(self.tmp_path, "wb")  # noqa: SIM115
 
@@ -612,7 +616,7 @@ class CkptWriter:
             row_counts = [shape[0] if shape else 1]
         row_bytes = (math.prod(shape[1:]) if shape else 1) * dt.itemsize
         pending: np.ndarray | FileRange | None = None
-        block_iter = iter(blocks)
+        block_iter = coalesce(blocks)
         for rows in row_counts:
             need = rows * row_bytes
             self._write(value_header(name, ms_type, dims, need))
@@ -644,41 +648,54 @@ class CkptWriter:
         """Append a file range: in the kernel when possible, through a bounded buffer when
         a CRC trailer needs the bytes or the filesystems cannot copy between them."""
         assert self._f is not None, "writer already closed"
+        src, size = self._source(block.path)
+        if size < block.offset + block.length:
+            raise CheckpointFormatError(
+                f"block {block.offset}+{block.length} lies past the end of the file", path=block.path
+            )
+        done = 0
+        check = block.check
+        if not self._crc_enabled:
+            self._f.flush()
+            if check is None or self._checks is not None:
+                done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
+                if check is not None and done:
+                    self._check_later(block.part(0, done), check)
+                if check is not None and done < block.length:
+                    self._wait_checks()  # the rest is checked here, after the parts before it
+            else:
+                if self._buffer is None:
+                    self._buffer = bytearray(fileio.BLOCK)
+                fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer, check)
+                done = block.length
+            self.bytes_written += done
+        while done < block.length:
+            data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
+            if not data:
+                raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
+            if check is not None:
+                check(block.offset + done, memoryview(data))
+            self._write(data)
+            done += len(data)
+
+    def _source(self, path: Path) -> tuple[int, int]:
+        """``(fd, size)`` of a range's source file, kept open for the next ranges from it."""
+        got = self._sources.get(path)
+        if got is not None:
+            self._sources.move_to_end(path)
+            return got
         try:
-            src = os.open(block.path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise CheckpointFormatError("block source file is missing", path=block.path) from None
-        try:
-            if os.fstat(src).st_size < block.offset + block.length:
-                raise CheckpointFormatError(
-                    f"block {block.offset}+{block.length} lies past the end of the file", path=block.path
-                )
-            done = 0
-            check = block.check
-            if not self._crc_enabled:
-                self._f.flush()
-                if check is None or self._checks is not None:
-                    done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
-                    if check is not None and done:
-                        self._check_later(block.part(0, done), check)
-                    if check is not None and done < block.length:
-                        self._wait_checks()  # the rest is checked here, after the parts before it
-                else:
-                    if self._buffer is None:
-                        self._buffer = bytearray(fileio.BLOCK)
-                    fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer, check)
-                    done = block.length
-                self.bytes_written += done
-            while done < block.length:
-                data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
-                if not data:
-                    raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
-                if check is not None:
-                    check(block.offset + done, memoryview(data))
-                self._write(data)
-                done += len(data)
-        finally:
-            os.close(src)
+            raise CheckpointFormatError("block source file is missing", path=path) from None
+        got = self._sources[path] = (fd, os.fstat(fd).st_size)
+        if len(self._sources) > OPEN_SOURCES:
+            os.close(self._sources.popitem(last=False)[1][0])
+        return got
+
+    def _close_sources(self) -> None:
+        while self._sources:
+            os.close(self._sources.popitem()[1][0])
 
     def _check_later(self, block: FileRange, check: Sink) -> None:
         """Read a range copied by the kernel for its check, on the checks thread (in order)."""
@@ -728,6 +745,7 @@ class CkptWriter:
         if self._crc_enabled:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
         f, self._f = self._f, None
+        self._close_sources()
         fileio.publish(f, self.tmp_path, self.path, self._fsync)
         return self.path
 
@@ -736,11 +754,37 @@ class CkptWriter:
         for future in pending:
             future.cancel()
         wait(pending)
+        self._close_sources()
         if self._f is not None:
             self._f.close()
             self._f = None
         with contextlib.suppress(FileNotFoundError):
             self.tmp_path.unlink()
+
+
+OPEN_SOURCES = 64
+"""Source files a writer keeps open at once (least recently used closed first)."""
+
+
+def coalesce(blocks: Iterable[Block]) -> Iterator[Block]:
+    """Merge consecutive file ranges that continue each other in the same file (with the same
+    check): a destination slice over many small source chunks becomes one copy per run."""
+    run: FileRange | None = None
+    for b in blocks:
+        if isinstance(b, FileRange):
+            if run is not None and b.path == run.path and b.offset == run.offset + run.length and b.check is run.check:
+                run = FileRange(run.path, run.offset, run.length + b.length, run.check)
+                continue
+            if run is not None:
+                yield run
+            run = b
+            continue
+        if run is not None:
+            yield run
+            run = None
+        yield b
+    if run is not None:
+        yield run
 
 
 def _block_size(block: np.ndarray | FileRange) -> int:
