@@ -21,7 +21,9 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model, write_pipeline_model
-from zckpt.source_reader import SourceReader, segment_spans
+from zckpt.layout import Box
+from zckpt.plan import Write
+from zckpt.source_reader import SourceReader, meeting, segment_spans
 from zckpt.transform import TransformOptions, transform
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -302,3 +304,20 @@ def test_choice_func_and_specify_prefix_leave_entries_out(tmp_path: Path) -> Non
         assert list(c.entries) == ["net.w"]
         assert a.array("net.w").tobytes() == c.array("net.w").tobytes() == \
             global_value("net.w", (8, 4), "Float32").tobytes()
+
+
+def test_meeting_finds_exactly_the_overlapping_source_boxes() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        ndim = int(rng.integers(1, 4))
+        writes = []
+        for r in range(int(rng.integers(0, 12))):
+            a = rng.integers(0, 10, ndim)
+            stop = a + rng.integers(1, 5, ndim)
+            writes.append(Write("w", r, Box(tuple(int(x) for x in a), tuple(int(x) for x in stop))))
+        a = rng.integers(0, 10, ndim)
+        box = Box(tuple(int(x) for x in a), tuple(int(x) for x in a + rng.integers(1, 6, ndim)))
+        brute = [i for i, w in enumerate(writes)
+                 if all(ws < be and bs < we
+                        for ws, we, bs, be in zip(w.box.start, w.box.stop, box.start, box.stop, strict=True))]
+        assert meeting(writes, box) == brute
