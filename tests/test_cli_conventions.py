@@ -122,3 +122,27 @@ def test_plan_prints_rank_lists_as_ranges(ranks: list[int], text: str) -> None:
         r for part in text.split(", ")
         for r in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
     assert expanded == ranks
+
+
+@pytest.mark.parametrize("command", ["export", "transform"])
+@pytest.mark.parametrize("prefix", ["../../x_", "a/b", "..\\x", "x\0"])
+def test_a_prefix_cannot_leave_the_output_directory(tmp_path: Path, command: str, prefix: str) -> None:
+    src_s, dst_s = str(EXAMPLE / "src/strategy.ckpt"), str(EXAMPLE / "dst/strategy.ckpt")
+    out = tmp_path / "a" / "b" / "out"
+    if command == "export":
+        store = tmp_path / "s.zarr"
+        assert cli_main(["ingest", str(EXAMPLE / "src/checkpoints"), "--strategy", src_s, "--store", str(store),
+                         "--quiet"]) == 0
+        argv = ["export", str(store), "--strategy", dst_s]
+    else:
+        argv = ["transform", str(EXAMPLE / "src/checkpoints"), "--src-strategy", src_s, "--dst-strategy", dst_s]
+    before = sorted(p for p in tmp_path.rglob("*") if "s.zarr" not in p.parts)
+    assert cli_main([*argv, "--out", str(out), "--prefix", prefix, "--quiet"]) == EXIT_USAGE
+    assert sorted(p for p in tmp_path.rglob("*") if "s.zarr" not in p.parts) == before
+
+
+def test_api_prefix_cannot_leave_the_output_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="plain name"):
+        zckpt.transform_checkpoints(str(EXAMPLE / "src/checkpoints"), str(tmp_path / "out"), "../x_",
+                                    str(EXAMPLE / "src/strategy.ckpt"), str(EXAMPLE / "dst/strategy.ckpt"))
+    assert not list(tmp_path.rglob("*.ckpt"))

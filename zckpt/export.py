@@ -28,7 +28,7 @@ import numpy as np
 from zckpt import remote
 from zckpt.checksums import Mismatch, SpanCheck
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import OutputError, StoreError, ZckptError
+from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
@@ -79,6 +79,9 @@ class ExportOptions:
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
 
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+
 
 @dataclass(frozen=True)
 class ExportReport:
@@ -95,6 +98,16 @@ class ExportReport:
         """Store bytes read, data and checksum checks together (read amplification =
         ``bytes_read / bytes_written``)."""
         return sum(r.read_bytes + r.checked_bytes for r in self.ranks)
+
+
+def check_prefix(prefix: object) -> None:
+    """A file name prefix stays a name: no directory separators or NUL, so that
+    ``--prefix '../../x_'`` cannot place files outside the output directory."""
+    if not isinstance(prefix, str):
+        raise UsageError(f"the file name prefix must be a str, got {type(prefix).__name__}")
+    if any(c in prefix for c in ("/", "\\", "\0")):
+        raise UsageError(f"file name prefix {prefix!r} must be a plain name (no '/', '\\' or NUL): the files go "
+                         "into rank_<r>/ of the output directory")
 
 
 def rank_file(out_dir: str | Path, rank: int, prefix: str, suffix: str = "") -> Path:
