@@ -146,3 +146,25 @@ def test_api_prefix_cannot_leave_the_output_directory(tmp_path: Path) -> None:
         zckpt.transform_checkpoints(str(EXAMPLE / "src/checkpoints"), str(tmp_path / "out"), "../x_",
                                     str(EXAMPLE / "src/strategy.ckpt"), str(EXAMPLE / "dst/strategy.ckpt"))
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("command", ["export", "transform", "api"])
+def test_a_dangling_output_link_is_refused_by_name(tmp_path: Path, command: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    src_s, dst_s = str(EXAMPLE / "src/strategy.ckpt"), str(EXAMPLE / "dst/strategy.ckpt")
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "nowhere")
+    if command == "api":
+        with pytest.raises(zckpt.OutputError, match="symbolic link"):
+            zckpt.transform_checkpoints(str(EXAMPLE / "src/checkpoints"), str(out), "c_", src_s, dst_s)
+    elif command == "export":
+        store = tmp_path / "s.zarr"
+        assert cli_main(["ingest", str(EXAMPLE / "src/checkpoints"), "--strategy", src_s, "--store", str(store),
+                         "--quiet"]) == 0
+        assert cli_main(["export", str(store), "--strategy", dst_s, "--out", str(out), "--quiet"]) == 1
+    else:
+        assert cli_main(["transform", str(EXAMPLE / "src/checkpoints"), "--src-strategy", src_s,
+                         "--dst-strategy", dst_s, "--out", str(out), "--quiet"]) == 1
+    if command != "api":
+        assert "symbolic link" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from zckpt import remote
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, export, export_rank, plan_export
+from zckpt.export import ExportOptions, check_out_dir, export, export_rank, plan_export
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import IngestOptions, ingest, load_strategy
 from zckpt.layout import Box
@@ -103,7 +103,7 @@ def transform_checkpoints(
         local = remote.local_path(dst)
         if local.exists() and not local.is_dir():
             raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
-        local.mkdir(parents=True, exist_ok=True)
+        check_out_dir(local).mkdir(parents=True, exist_ok=True)
         dst = str(local)
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)

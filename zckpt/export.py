@@ -200,7 +200,18 @@ def output_dir(out_dir: str | Path, storage_options: remote.StorageOptions) -> t
         if remote.isfile(loc, OutputError):
             raise OutputError("output path exists and is not a directory", path=out_dir)
         return loc, Path(loc.path)
-    return None, remote.local_path(out_dir)
+    return None, check_out_dir(remote.local_path(out_dir))
+
+
+def check_out_dir(out: Path) -> Path:
+    """An output directory that can be created or used: a symbolic link to nothing (which
+    ``mkdir`` reports only as a bare "File exists") is refused by name."""
+    if out.is_symlink() and not out.exists():
+        raise OutputError(f"output path is a symbolic link to {os.readlink(out)!r}, which does not exist "
+                          "(create that directory, or give another path)", path=out)
+    if out.exists() and not out.is_dir():
+        raise OutputError("output path exists and is not a directory", path=out)
+    return out
 
 
 def task_name(unit: tuple[RankExport, str]) -> str:
@@ -274,7 +285,7 @@ def resume_or_refuse(
         for stray in out.rglob("*.tmp-zckpt"):
             stray.unlink(missing_ok=True)
         todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out).mkdir(parents=True, exist_ok=True)
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
         write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
     return todo
