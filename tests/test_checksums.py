@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import zlib
 from collections.abc import Callable
@@ -12,7 +14,7 @@ import pytest
 import zarr
 
 import zckpt
-from zckpt.checksums import BLOCK_BYTES
+from zckpt.checksums import BLOCK_BYTES, ChunkSums
 from zckpt.cli import main as cli_main
 from zckpt.export import ExportOptions, StoreReader
 from zckpt.formats.ckpt import CkptReader
@@ -25,13 +27,50 @@ SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")
 DST_S = str(EXAMPLE / "dst" / "strategy.ckpt")
 
 
-def test_every_chunk_has_a_checksum(tmp_path: Path) -> None:
-    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), tmp_path / "s.zarr", SRC_S)
+def _data_bytes(path: Path) -> int:
+    """Bytes of a chunk file, or of a shard file's inner chunks (its index, 16 bytes per
+    inner chunk and a CRC-32C, follows them), read from ``zarr.json`` alone."""
+    doc = json.loads((path.parent / "zarr.json").read_text())
+    codec = doc["codecs"][0]
+    size = path.stat().st_size
+    if codec["name"] != "sharding_indexed":
+        return size
+    grid = doc["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = codec["configuration"]["chunk_shape"]
+    return size - 16 * math.prod(g // c for g, c in zip(grid, inner, strict=True)) - 4
+
+
+def _records_by_file(st: zckpt.Store) -> dict[tuple[str, str], list[tuple[int, int | None, ChunkSums]]]:
+    out: dict[tuple[str, str], list[tuple[int, int | None, ChunkSums]]] = {}
+    for name, per in st.checksums().items():
+        for key, want in per.items():
+            file_key, _, at = key.partition("@")
+            assert (at == "") == (want.length is None) and int(at or 0) == want.origin, key
+            out.setdefault((name, file_key), []).append((want.origin, want.length, want))
+    return out
+
+
+@pytest.mark.parametrize("shard_bytes", [0, 1 << 20])  # a file per chunk (format 3's layout); shards
+def test_every_chunk_has_a_checksum(tmp_path: Path, shard_bytes: int) -> None:
+    """Every byte of every chunk (or of the inner chunks of every shard) is covered by
+    exactly one record: the records of a file tile its data from its first byte."""
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), tmp_path / "s.zarr", SRC_S,
+                 IngestOptions(shard_bytes=shard_bytes))
     st = zckpt.open_store(tmp_path / "s.zarr")
-    recorded = sum(len(v) for v in st.checksums().values())
+    records = _records_by_file(st)
     files = [p for p in (tmp_path / "s.zarr").rglob("c*") if p.is_file() and p.parent.parent.name in
              ("tensors", "maps")]
-    assert recorded == len(files) > 0
+    sharded = 0
+    for path in files:
+        name = next(e.name for e in st.entries() if e.key == path.parent.relative_to(tmp_path / "s.zarr").as_posix())
+        got = sorted(records.pop((name, path.name)), key=lambda r: r[0])
+        end = 0
+        for origin, length, _ in got:
+            assert origin == end, (name, path.name, got)
+            end = origin + (length if length is not None else path.stat().st_size)
+        assert end == _data_bytes(path), (name, path.name)
+        sharded += len(got) > 1
+    assert files and not records and (sharded > 0) == (shard_bytes > 0)
 
 
 def test_export_refuses_a_damaged_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,7 +115,9 @@ def test_recorded_checksums_are_crc32c_of_each_block_of_the_stored_bytes(
     for name, per in st.checksums().items():
         key = st.entry(name).key
         for chunk, want in per.items():
-            data = (store / key / chunk).read_bytes()
+            data = (store / key / chunk.partition("@")[0]).read_bytes()
+            if want.length is not None:  # a run of a shard file
+                data = data[want.origin : want.origin + want.length]
             assert want.algo == "crc32c" and want.block_bytes == sum_block
             assert list(want.values) == [google_crc32c.value(data[i : i + sum_block])
                                          for i in range(0, max(1, len(data)), sum_block)], (name, chunk)
@@ -107,7 +148,7 @@ def test_stores_with_one_sum_per_chunk_still_verify(
     """Stores from before block sums recorded one sum per chunk: zlib CRC-32 under ``crc32``
     (before CRC-32C), CRC-32C under ``crc32c`` (store version 2). Both are still checked."""
     store = tmp_path / "s.zarr"
-    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
+    zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S, IngestOptions(shard_bytes=0))  # no shards then
     _rewrite_records(store, algo, of)
     sums = [c for per in zckpt.open_store(store).checksums().values() for c in per.values()]
     assert sums and all(c.algo == algo and c.block_bytes is None and len(c.values) == 1 for c in sums)

@@ -87,10 +87,16 @@ def _column_split(tmp_path: Path, chunk_bytes: int) -> tuple[Path, Path]:
     return store, dst
 
 
-def _damage(chunk: Path) -> None:
-    data = bytearray(chunk.read_bytes())
-    data[0] ^= 0x01
-    chunk.write_bytes(bytes(data))
+def _damage(store: Path, name: str, coords: tuple[int, ...]) -> str:
+    """Flip the first byte of chunk ``coords`` (in its own file, or in its shard); returns
+    the file's key."""
+    at = zckpt.open_store(store).chunk_at(name, coords)
+    assert at is not None
+    key, path, offset, _ = at
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    return key
 
 
 def test_a_range_the_kernel_copied_is_checked_on_the_helper_thread(
@@ -109,8 +115,8 @@ def test_a_range_the_kernel_copied_is_checked_on_the_helper_thread(
     monkeypatch.setattr(CkptWriter, "_check_later", spy)
     zckpt.export(store, tmp_path / "ok", str(dst))
     assert len(later) == 4  # one chunk per rank, each checked after its kernel copy
-    _damage(store / "tensors" / "w" / "c.0.0")
-    with pytest.raises(zckpt.StoreError, match="c.0.0 fails its checksum"):
+    key = _damage(store, "w", (0, 0))
+    with pytest.raises(zckpt.StoreError, match=f"{key} fails its checksum"):
         zckpt.export(store, tmp_path / "bad", str(dst))
     assert not list((tmp_path / "bad").rglob("*.ckpt")) and not list((tmp_path / "bad").rglob("*.tmp-zckpt"))
 
@@ -125,8 +131,8 @@ def test_a_damaged_chunk_read_ahead_stops_the_file(tmp_path: Path) -> None:
     dst = tmp_path / "dst.ckpt"
     dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout(
         (2,), [[], []], opt_shard_step=1, opt_shard_size=-1)}})))
-    _damage(store / "tensors" / "w" / "c.0.1")
-    with pytest.raises(zckpt.StoreError, match="c.0.1 fails its checksum"):
+    key = _damage(store, "w", (0, 1))
+    with pytest.raises(zckpt.StoreError, match=f"{key} fails its checksum"):
         zckpt.export(store, tmp_path / "bad", str(dst), options=ExportOptions(block_bytes=64))
     assert not list((tmp_path / "bad").rglob("*.ckpt")) and not list((tmp_path / "bad").rglob("*.tmp-zckpt"))
 

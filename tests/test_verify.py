@@ -60,8 +60,12 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 
 
 def _chunk_file(store_dir: Path, name: str, coords: tuple[int, ...]) -> Path:
+    """The file holding chunk ``coords``: its own, or (sharded arrays) its shard's, as
+    zarr-python names it."""
     st = Store.open(store_dir)
     arr = st.array(name)
+    if arr.shards is not None:
+        coords = tuple(c * k // s for c, k, s in zip(coords, arr.chunks, arr.shards, strict=True))
     return store_dir / arr.path / arr.metadata.encode_chunk_key(coords)
 
 
@@ -91,7 +95,7 @@ def test_flipped_byte_in_a_chunk_is_named(work: Path, capsys: pytest.CaptureFixt
     assert code == 1
     bad = [line for line in out.splitlines() if line.startswith("[store]")]
     assert len(bad) == 1, out
-    assert "'layer3.weight'" in bad[0] and f"chunk {chunk.name}" in bad[0] and "checksum" in bad[0]
+    assert "'layer3.weight'" in bad[0] and f" {chunk.name}" in bad[0] and "checksum" in bad[0]
     assert str(chunk) in bad[0]
 
 
@@ -100,7 +104,7 @@ def test_missing_chunk_of_a_complete_store_is_named(work: Path, capsys: pytest.C
     chunk.unlink()
     code, out = _run(["verify", str(work / "s.zarr")], capsys)
     assert code == 1
-    assert f"parameter 'layer2.weight', chunk {chunk.name}" in out and "missing from a complete store" in out
+    assert f"parameter 'layer2.weight', shard {chunk.name}" in out and "missing from a complete store" in out
 
 
 def test_differing_source_shard_is_named(work: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""Chunk checksums: one CRC-32C per block of each stored chunk.
+"""Chunk checksums: one CRC-32C per block of each stored chunk (or, in a sharded store, of
+each run of inner chunks one source rank wrote into a shard file).
 
 Why blocks and not one sum per chunk: a destination rank often reads only part of a chunk
 (an optimizer shard of a row-parallel weight is half of its rows). With one sum over the
@@ -76,6 +77,25 @@ class ChunkSums:
     algo: Algo
     values: tuple[int, ...]
     block_bytes: int | None = None
+    origin: int = 0
+    """Byte offset of the record's first byte in its file: 0 for a chunk file; in a shard
+    file (format 4), where the run of inner chunks one source rank wrote starts."""
+    length: int | None = None
+    """Bytes the record covers (a run in a shard file); ``None``: the whole file."""
+
+    def where(self) -> str:
+        """How messages place the record in its file: nothing for a whole chunk file, the
+        run's byte range for a run of a shard (followed by a separator)."""
+        if self.length is None:
+            return ""
+        return f"run of bytes {self.origin}-{self.origin + self.length}, "
+
+    def covers(self, start: int, stop: int) -> tuple[int, int] | None:
+        """The part of file bytes ``[start, stop)`` inside this record, as offsets relative to
+        :attr:`origin` (``None`` when they do not meet)."""
+        end = self.origin + self.length if self.length is not None else stop
+        lo, hi = max(start, self.origin), min(stop, end)
+        return (lo - self.origin, hi - self.origin) if lo < hi else None
 
     def block_size(self, chunk_bytes: int) -> int:
         return self.block_bytes or max(1, chunk_bytes)
@@ -164,15 +184,18 @@ def _pread_exact(fd: int, offset: int, length: int, path: Path) -> bytes:
 
 
 class SpanCheck:
-    """Checks the blocks covering ``[offset, offset + length)`` of a chunk file while a
+    """Checks the blocks covering ``[offset, offset + length)`` of a chunk (or run) while a
     reader or copier feeds exactly those bytes in order (:meth:`feed`, a :data:`Sink`).
     The parts of the first and last block outside the range are read from ``path`` here
     (at most one block at each end; :attr:`extra` counts them), so the range itself is
     read once, by whoever uses it. ``fail(mismatch)`` makes the error raised."""
 
     def __init__(self, path: Path, sums: ChunkSums, chunk_bytes: int, offset: int, length: int,
-                 fail: Callable[[Mismatch], Exception]) -> None:
+                 fail: Callable[[Mismatch], Exception], base: int = 0) -> None:
         self.path, self.sums, self.chunk_bytes, self.fail = path, sums, chunk_bytes, fail
+        self.base = base
+        """File offset of the record's byte 0: offsets given to :meth:`feed` are file offsets,
+        ``offset`` and the record's blocks are relative to it (a run inside a shard file)."""
         self.lo, self.hi = sums.span(offset, offset + length, chunk_bytes)
         self.start, self.stop = offset, offset + length
         self.extra = (offset - self.lo) + (self.hi - self.stop)
@@ -188,7 +211,7 @@ class SpanCheck:
     def _feed_from_file(self, offset: int, length: int) -> None:
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            self.summer.feed(offset, _pread_exact(fd, offset, length, self.path))
+            self.summer.feed(offset, _pread_exact(fd, self.base + offset, length, self.path))
         finally:
             os.close(fd)
 
@@ -200,6 +223,7 @@ class SpanCheck:
 
     def feed(self, offset: int, data: Any) -> None:
         """The range's bytes at file ``offset``; blocks are compared as they complete."""
+        offset -= self.base
         if offset + len(np.frombuffer(data, dtype=np.uint8)) > self.stop:
             raise AssertionError(f"checked range overrun: {offset}+{len(data)} past {self.stop}")
         self.summer.feed(offset, data)
@@ -215,17 +239,38 @@ class SpanCheck:
         self._compare(self.summer.result()[self.compared :])
 
 
+class SpanChecks:
+    """Several :class:`SpanCheck` fed as one :data:`Sink`: a byte range of a shard file that
+    crosses the runs of several writers (each run has its own record). Each check receives
+    exactly the bytes of its part, in order."""
+
+    def __init__(self, checks: Sequence[SpanCheck]) -> None:
+        self.checks = sorted(checks, key=lambda c: c.base + c.start)
+
+    def feed(self, offset: int, data: Any) -> None:
+        flat = np.frombuffer(data, dtype=np.uint8)
+        end = offset + flat.size
+        for c in self.checks:
+            lo, hi = max(offset, c.base + c.start), min(end, c.base + c.stop)
+            if lo < hi:
+                c.feed(lo, flat[lo - offset : hi - offset])
+
+
 def file_sums(path: Path, block_bytes: int | None, algo: Algo = "crc32c",
-              buffer: bytearray | None = None) -> tuple[list[int], int]:
+              buffer: bytearray | None = None, start: int = 0, length: int | None = None) -> tuple[list[int], int]:
     """Per-block sums (one sum when ``block_bytes`` is ``None``) and size of a whole file,
-    read through one buffer (faster than summing mapped pages: no page faults)."""
+    or of ``length`` bytes from ``start`` (a run of a shard file; the size returned is what
+    the file holds of them), read through one buffer (faster than summing mapped pages: no
+    page faults)."""
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = os.fstat(f.fileno()).st_size - start
+        if length is not None:
+            size = max(0, min(size, length))
         summer = BlockSummer(block_bytes or max(1, size), 0, algo)
         view = memoryview(buffer if buffer is not None else bytearray(min(BLOCK_BYTES, max(1, size))))
         offset = 0
         while offset < size:
-            n = f.readinto(view)
+            n = os.preadv(f.fileno(), [view[: min(len(view), size - offset)]], start + offset)
             if not n:
                 break
             summer.feed(offset, view[:n])

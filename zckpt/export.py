@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from zckpt import remote
-from zckpt.checksums import Mismatch, SpanCheck
+from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import write_atomic
@@ -441,8 +441,9 @@ class StoreReader:
         return arrays
 
     def _read_raw(self, name: str, box: Box) -> np.ndarray | None:
-        """Read a slice straight from raw chunk files when chunks span the array's full width:
-        each chunk then holds whole rows, so the slice's rows are one byte range per chunk.
+        """Read a slice straight from raw chunk (or shard) files when chunks span the array's
+        full width: each chunk then holds whole rows, so the slice's rows are one byte range
+        per chunk, and chunks that follow each other in a shard one range together.
         ``None`` when that does not hold (zarr reads it instead)."""
         arr = self.store.chunk_info(name)
         if box.size == 0 or not arr.raw:
@@ -451,49 +452,103 @@ class StoreReader:
         if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
             return self._read_tiles(name, box, dtype)
         if box.ndim == 0:
-            out = np.empty((), dtype=dtype)
-            return out if self._read_chunk_rows(name, (), out.reshape(-1).view(np.uint8), 0, True) else None
-        rows = arr.chunks[0]
-        row_bytes = math.prod(arr.shape[1:]) * dtype.itemsize
-        out = np.empty((box.shape[0],) + tuple(arr.shape[1:]), dtype=dtype)
-        view = out.reshape(-1).view(np.uint8)
-        for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
-            lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
-            dest = view[(lo - box.start[0]) * row_bytes : (hi - box.start[0]) * row_bytes]
-            whole = lo == k * rows and hi == (k + 1) * rows
-            if not self._read_chunk_rows(name, (k,) + (0,) * (box.ndim - 1), dest, (lo - k * rows) * row_bytes, whole):
+            spans = self._row_spans(name, box, dtype.itemsize)
+            if spans is None:
                 return None
+            out = np.empty((), dtype=dtype)
+            self._read_spans(name, spans, out.reshape(-1).view(np.uint8))
+            return out
+        spans = self._row_spans(name, Box((box.start[0], *([0] * (box.ndim - 1))), (box.stop[0], *arr.shape[1:])),
+                                dtype.itemsize)
+        if spans is None:
+            return None
+        out = np.empty((box.shape[0],) + tuple(arr.shape[1:]), dtype=dtype)
+        self._read_spans(name, spans, out.reshape(-1).view(np.uint8))
         if box.shape[1:] == tuple(arr.shape[1:]):
             return out
+        self.checked_bytes += out.nbytes - box.size * dtype.itemsize
         return np.ascontiguousarray(out[(slice(None),) + box.slices()[1:]])
+
+    def _row_spans(self, name: str, box: Box, itemsize: int) -> list[_Span] | None:
+        """The byte ranges holding ``box``, whose trailing dimensions are exactly one chunk
+        column: per chunk along dimension 0 the rows ``box`` takes, merged where they follow
+        each other in one file. ``None`` when chunks are not raw local files."""
+        info = self.store.chunk_info(name)
+        if box.ndim == 0:
+            at = self.store.chunk_at(name, ())
+            return None if at is None else [_Span(at[0], at[1], at[2], itemsize, at[3])]
+        rows = info.chunks[0]
+        row_bytes = math.prod(info.chunks[1:]) * itemsize
+        column = tuple(s // c for s, c in zip(box.start[1:], info.chunks[1:], strict=True))
+        spans: list[_Span] = []
+        for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
+            at = self.store.chunk_at(name, (k, *column))
+            if at is None:
+                return None
+            lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
+            spans.append(_Span(at[0], at[1], at[2] + (lo - k * rows) * row_bytes, (hi - lo) * row_bytes, at[3]))
+        return _coalesce(spans)
+
+    def _read_spans(self, name: str, spans: list[_Span], dest: np.ndarray) -> None:
+        """Fill ``dest`` (bytes) with ``spans`` one after another, each read with one call
+        and checked on the bytes read."""
+        pos = 0
+        for sp in spans:
+            self._read_span(name, sp, dest[pos : pos + sp.length])
+            pos += sp.length
+        if pos != len(dest):
+            raise AssertionError(f"{name}: spans cover {pos} of {len(dest)} bytes")
+
+    def _read_span(self, name: str, sp: _Span, dest: np.ndarray) -> None:
+        with self._open_chunk(name, sp.key, sp.path, sp.file_bytes) as f:
+            got = os.preadv(f.fileno(), [dest.data], sp.offset)
+        if got != sp.length:
+            raise StoreError(f"chunk {sp.key} ended early: the store is damaged", path=sp.path, param=name)
+        check = self._span_check(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length)
+        if check is not None:
+            check(sp.offset, dest.data)
 
     def _read_tiles(self, name: str, box: Box, dtype: np.dtype) -> np.ndarray | None:
         """Read a slice from raw chunks of any shape: from each chunk, the rows the slice
-        touches are read (one range) and checked, and the slice's part of them copied."""
+        touches (one range; ranges that follow each other in a shard file are read as one)
+        are read and checked, and the slice's part of them copied."""
         info = self.store.chunk_info(name)
         out = np.empty(box.shape, dtype=dtype)
-        chunk_bytes = math.prod(info.chunks) * dtype.itemsize
         row_bytes = math.prod(info.chunks[1:]) * dtype.itemsize
+        parts: list[tuple[_Span, Box, tuple[int, ...]]] = []
         for t in tiles(box, info.chunks):
             coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
-            path = self.store.raw_chunk_file(name, coords)
-            if path is None:
+            at = self.store.chunk_at(name, coords)
+            if at is None:
                 return None
-            key = info.chunk_key(coords)
             origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
             r0, r1 = t.start[0] - origin[0], t.stop[0] - origin[0]
-            rows = self._scratch_rows((r1 - r0, *info.chunks[1:]), dtype)
-            with self._open_chunk(name, key, path, chunk_bytes) as f:
-                got = os.preadv(f.fileno(), [rows.reshape(-1).view(np.uint8).data], r0 * row_bytes)
-            if got != rows.nbytes:
-                raise StoreError(f"chunk {key} ended early: the store is damaged", path=path, param=name)
-            check = self._span_check(name, key, path, chunk_bytes, r0 * row_bytes, rows.nbytes)
-            if check is not None:
-                check.feed(r0 * row_bytes, rows)
+            parts.append((_Span(at[0], at[1], at[2] + r0 * row_bytes, (r1 - r0) * row_bytes, at[3]), t, origin))
+        group: list[tuple[_Span, Box, tuple[int, ...]]] = []
+        for part in [*parts, None]:
+            if part is not None and group and _follows(group[-1][0], part[0]):
+                group.append(part)
+                continue
+            if group:
+                self._cut_group(name, group, box, out, info.chunks, dtype)
+            group = [part] if part is not None else []
+        return out
+
+    def _cut_group(self, name: str, group: list[tuple[_Span, Box, tuple[int, ...]]], box: Box, out: np.ndarray,
+                   chunks: tuple[int, ...], dtype: np.dtype) -> None:
+        """Read chunk rows that follow each other in one file with one call, then copy each
+        tile's part of its chunk rows into ``out``."""
+        first = group[0][0]
+        whole = _Span(first.key, first.path, first.offset, sum(sp.length for sp, _, _ in group), first.file_bytes)
+        raw = self._scratch_rows((whole.length,), np.dtype(np.uint8))
+        self._read_span(name, whole, raw)
+        pos = 0
+        for sp, t, origin in group:
+            rows = raw[pos : pos + sp.length].view(dtype).reshape((t.stop[0] - t.start[0], *chunks[1:]))
+            pos += sp.length
             self.checked_bytes += rows.nbytes - t.size * dtype.itemsize
             local = tuple(slice(a - o, b - o) for a, b, o in zip(t.start[1:], t.stop[1:], origin[1:], strict=True))
             out[t.relative_to(box).slices()] = rows[(slice(None), *local)]
-        return out
 
     def _scratch_rows(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -503,7 +558,8 @@ class StoreReader:
 
     @staticmethod
     def _open_chunk(name: str, key: str, path: Path, chunk_bytes: int) -> BinaryIO:
-        """A raw chunk file, open for reading, refused by name when missing or of the wrong size."""
+        """A raw chunk (or shard) file, open for reading, refused by name when missing or of
+        the wrong size."""
         try:
             f = open(path, "rb", buffering=0)  # noqa: SIM115
         except FileNotFoundError:
@@ -515,88 +571,61 @@ class StoreReader:
             raise
         return f
 
-    def _span_check(self, name: str, key: str, path: Path, chunk_bytes: int, offset: int,
-                    length: int) -> SpanCheck | None:
-        """How the bytes ``[offset, offset + length)`` of a chunk are checked as they are
-        read or copied: a :class:`SpanCheck` over the recorded blocks they touch (``None``
-        when checks are off, the chunk has no record or those blocks were checked already).
-        The parts of edge blocks outside the range count as read only to check."""
+    def _span_check(self, name: str, key: str, path: Path, file_bytes: int, offset: int,
+                    length: int) -> Sink | None:
+        """How the bytes ``[offset, offset + length)`` of a chunk or shard file are checked as
+        they are read or copied: a :class:`SpanCheck` over the recorded blocks they touch of
+        each record (a chunk's, or the runs of a shard the range crosses), fed as one sink
+        (``None`` when checks are off, nothing is recorded or those blocks were checked
+        already). The parts of edge blocks outside the range count as read only to check."""
         if not self.options.verify_checksums:
             return None
-        want = self.store.checksums().get(name, {}).get(key)
-        if want is None:
+        checks = []
+        for rkey, want in self.store.records_in(name, key):
+            part = want.covers(offset, offset + length)
+            if part is None:
+                continue
+            size = want.length if want.length is not None else file_bytes
+            blocks = want.blocks_in(part[0], part[1], size)
+            if all((name, rkey, i) in self._checked for i in blocks):
+                continue
+            self._checked.update((name, rkey, i) for i in blocks)  # a failure aborts this file
+
+            def fail(bad: Mismatch, want: ChunkSums = want) -> StoreError:
+                return StoreError(f"chunk {key} fails its checksum ({want.where()}{bad}): the store is damaged",
+                                  path=path, param=name)
+
+            check = SpanCheck(path, want, size, part[0], part[1] - part[0], fail, base=want.origin)
+            self.checked_bytes += check.extra
+            checks.append(check)
+        if not checks:
             return None
-        blocks = want.blocks_in(offset, offset + length, chunk_bytes)
-        if all((name, key, i) in self._checked for i in blocks):
-            return None
-        self._checked.update((name, key, i) for i in blocks)  # a failure aborts this file
-
-        def fail(bad: Mismatch) -> StoreError:
-            return StoreError(f"chunk {key} fails its checksum ({bad}): the store is damaged", path=path, param=name)
-
-        check = SpanCheck(path, want, chunk_bytes, offset, length, fail)
-        self.checked_bytes += check.extra
-        return check
-
-    def _read_chunk_rows(
-        self, name: str, coords: tuple[int, ...], dest: np.ndarray, offset: int, whole: bool
-    ) -> bool:
-        """Fill ``dest`` from a raw chunk file at ``offset``, checking the blocks it covers
-        on the bytes read (plus the parts of its edge blocks outside it)."""
-        path = self.store.raw_chunk_file(name, coords)
-        if path is None:
-            return False
-        key = self.store.chunk_info(name).chunk_key(coords)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                got = os.preadv(f.fileno(), [dest.data], offset)
-        except FileNotFoundError:
-            raise _chunk_missing(name, key, path) from None
-        if got != len(dest) or (whole and size != len(dest)):
-            raise StoreError(f"chunk {key} holds {'more' if got == len(dest) else 'fewer'} bytes than its "
-                             f"{'chunk' if whole else 'rows'} need: the store is damaged",
-                             path=path, param=name)
-        check = self._span_check(name, key, path, size, offset, len(dest))
-        if check is not None:
-            check.feed(offset, dest)
-        return True
+        return SpanChecks(checks).feed
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
-        """The slice as byte ranges of raw chunk files, when it is one: its trailing
-        dimensions are exactly one chunk's (whole rows of the array, or one column block of
-        a tensor-parallel split stored as its own chunks), so its rows are contiguous in
-        each chunk. The writer then copies them file to file, checking the blocks they
-        cover in the same pass."""
+        """The slice as byte ranges of raw chunk or shard files, when it is one: its
+        trailing dimensions are exactly one chunk's (whole rows of the array, or one column
+        block of a tensor-parallel split stored as its own chunks), so its rows are
+        contiguous in each chunk, and chunks that follow each other in a shard give one
+        range. The writer then copies them file to file, checking the blocks they cover in
+        the same pass."""
         if self.options.reader != "zarr" or box.size == 0:
             return None
         arr = self.store.chunk_info(name)
         if not arr.raw or not _one_chunk_column(box, arr.chunks):
             return None
-        itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
-        spans: list[tuple[tuple[int, ...], int, int, int]] = []
-        if box.ndim == 0:
-            spans.append(((), 0, itemsize, itemsize))
-        else:
-            rows = arr.chunks[0]
-            row_bytes = math.prod(arr.chunks[1:]) * itemsize
-            column = tuple(s // c for s, c in zip(box.start[1:], arr.chunks[1:], strict=True))
-            for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
-                lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
-                spans.append(((k, *column), (lo - k * rows) * row_bytes, (hi - lo) * row_bytes, rows * row_bytes))
+        spans = self._row_spans(name, box, ms_dtype(self._entries[name].ms_type).storage.itemsize)
+        if spans is None:
+            return None
         out = []
-        for coords, offset, length, chunk_bytes in spans:
-            path = self.store.raw_chunk_file(name, coords)
-            if path is None:
-                return None
-            key = self.store.chunk_info(name).chunk_key(coords)
+        for sp in spans:
             try:
-                size = path.stat().st_size
+                size = sp.path.stat().st_size
             except FileNotFoundError:
-                raise _chunk_missing(name, key, path) from None
-            _check_chunk_size(name, key, path, size, chunk_bytes)
-            check = self._span_check(name, key, path, chunk_bytes, offset, length)
-            out.append(FileRange(path, offset, length, check.feed if check is not None else None))
+                raise _chunk_missing(name, sp.key, sp.path) from None
+            _check_chunk_size(name, sp.key, sp.path, size, sp.file_bytes)
+            check = self._span_check(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length)
+            out.append(FileRange(sp.path, sp.offset, sp.length, check))
         self.read_bytes += sum(r.length for r in out)
         return out
 
@@ -605,12 +634,40 @@ class StoreReader:
                                overlap=self.options.overlap, ticker=ticker)
 
 
+@dataclass(frozen=True)
+class _Span:
+    """``length`` bytes at ``offset`` of the chunk or shard file ``path`` (key ``key``,
+    ``file_bytes`` long when intact)."""
+
+    key: str
+    path: Path
+    offset: int
+    length: int
+    file_bytes: int
+
+
+def _follows(a: _Span, b: _Span) -> bool:
+    return a.path == b.path and a.offset + a.length == b.offset
+
+
+def _coalesce(spans: list[_Span]) -> list[_Span]:
+    """Spans merged where one starts where the previous ends in the same file."""
+    out: list[_Span] = []
+    for sp in spans:
+        if out and _follows(out[-1], sp):
+            out[-1] = replace(out[-1], length=out[-1].length + sp.length)
+        else:
+            out.append(sp)
+    return out
+
+
 def _chunk_missing(name: str, key: str, path: Path) -> StoreError:
     return StoreError(f"chunk {key} is missing: the store is damaged", path=path, param=name)
 
 
 def _check_chunk_size(name: str, key: str, path: Path, size: int, chunk_bytes: int) -> None:
-    """A raw chunk file holds exactly its chunk's values; any other size means damage."""
+    """A raw chunk file holds exactly its chunk's values (a shard file its inner chunks and
+    index); any other size means damage."""
     if size != chunk_bytes:
         raise StoreError(f"chunk {key} holds {size} bytes, not the {chunk_bytes} of its values: "
                          "the store is damaged", path=path, param=name)

@@ -115,3 +115,36 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def copy_range_at(
+    src: int, dst: int, offset: int, length: int, at: int, buf: bytearray | None = None, sink: Sink | None = None
+) -> None:
+    """Copy ``length`` bytes of ``src`` at ``offset`` to ``dst`` at ``at`` (a byte range of a
+    shard file that other writers fill around it): in the kernel when it can, else through
+    ``buf``; ``sink`` receives the bytes (read once more through ``buf`` after a kernel copy)."""
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, offset + done, at + done)
+        except OSError:
+            break
+        if n == 0:
+            break
+        done += n
+    if done and sink is not None:
+        read_through(src, offset, done, buf if buf is not None else bytearray(BLOCK), sink)
+    if done < length:
+        view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length - done))))
+        for pos, block in _blocks(src, offset + done, length - done, view):
+            if sink is not None:
+                sink(pos, block)
+            write_at(dst, block, at + (pos - offset))
+
+
+def write_at(dst: int, data: memoryview | bytes, at: int) -> None:
+    """Write all of ``data`` to ``dst`` at byte ``at`` (``pwrite`` until done)."""
+    view = memoryview(data).cast("B")
+    written = 0
+    while written < len(view):
+        written += os.pwrite(dst, view[written:], at + written)

@@ -1,10 +1,11 @@
 """Ingest: stream MindSpore source shards into a global-coordinate Zarr store.
 
-Each source rank's file is mapped and its boxes are written band by band (whole chunks
-only, so nothing is ever read back and rewritten); tensor data in flight is bounded by
-``block_bytes`` whatever the model size. Replicated copies are written once; unlisted
-tensors held by several ranks are compared byte for byte, because a difference means the
-strategy hides a sharded tensor.
+Each source rank's file is mapped and its boxes are written chunk run by chunk run (whole
+chunks only, so nothing is ever read back and rewritten): in a local store each run is one
+byte range of a chunk or shard file, copied file to file when the source holds it in one
+piece; tensor data in flight is bounded by ``block_bytes`` whatever the model size.
+Replicated copies are written once; unlisted tensors held by several ranks are compared
+byte for byte, because a difference means the strategy hides a sharded tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from zckpt import fileio, remote
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError, StoreError, StrategyError, UsageError, ZckptError
-from zckpt.fileio import copy_range
+from zckpt.fileio import copy_range_at, write_at
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
@@ -41,7 +42,7 @@ from zckpt.progress import Report, Ticker
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
-from zckpt.store import Store, chunk_shape
+from zckpt.store import Run, Store, chunk_shape, encode_runs, shard_grid, write_runs
 from zckpt.unsharded import SameModel, check_same_model
 
 MiB = 1024 * 1024
@@ -52,6 +53,10 @@ class IngestOptions:
     """Knobs of an ingest run; defaults suit a laptop and a 24 GiB host alike."""
 
     chunk_bytes: int = 64 * MiB
+    shard_bytes: int = 256 * MiB
+    """Local stores: chunks are grouped into shard files of about this size (at least one
+    row of chunks each); 0 keeps one file per chunk (format 3's layout). Remote stores keep
+    one object per chunk (docs/store-format.md)."""
     block_bytes: int = 128 * MiB
     verify_replicas: bool = False
     overwrite: bool = False
@@ -84,13 +89,22 @@ class IngestOptions:
 @dataclass
 class _RankSums:
     """Per-block CRC-32C of the chunks one source rank writes, gathered while it writes
-    them (``{entry: {chunk key: [sum per block]}}``)."""
+    them (``{entry: {chunk key: [sum per block]}}``), and of the runs it writes into shard
+    files (``{entry: {shard key: [(offset, length, [sum per block]), ...]}}``)."""
 
     block_bytes: int
     chunks: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    runs: dict[str, dict[str, list[tuple[int, int, list[int]]]]] = field(default_factory=dict)
 
     def of(self, name: str) -> dict[str, list[int]]:
         return self.chunks.setdefault(name, {})
+
+    def add(self, done: _Written, sharded: bool) -> None:
+        name, key, offset, length, sums = done
+        if sharded:
+            self.runs.setdefault(name, {}).setdefault(key, []).append((offset, length, sums))
+        else:
+            self.of(name)[key] = sums
 
 
 @dataclass(frozen=True)
@@ -316,8 +330,11 @@ def ingest(
     )
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
-    layout = store_layout(plan, smap, options)
-    if isinstance(store_path, str) and remote.is_remote(store_path):
+    is_remote = isinstance(store_path, str) and remote.is_remote(store_path)
+    layout = store_layout(plan, smap, options, sharded=not is_remote)
+    if not is_remote:
+        layout = _resumable_layout(remote.local_path(store_path), layout, plan, smap, options)
+    if isinstance(store_path, str) and is_remote:
         lock: contextlib.AbstractContextManager[None] = remote_store_lock(store_path, options.storage_options)
         target: str | Path = store_path
     else:
@@ -327,7 +344,7 @@ def ingest(
         try:
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
-                             fingerprint=layout.fingerprint())
+                             fingerprint=layout.fingerprint(), shards=layout.shards)
             written, compared, ranks = (0, 0, ()) if state == "complete" else _run(plan, layout, store, options)
             complete = not plan.uncovered
             if complete and state != "complete":
@@ -463,20 +480,43 @@ class StoreLayout:
     chunks: Mapping[str, tuple[int, ...]]
     strings: Mapping[str, str]
     source: Mapping[str, Any]
+    shards: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Inner chunks per shard of every sharded array (format 4, local stores)."""
 
     def fingerprint(self) -> str:
-        """Identity of an ingest: two runs with the same fingerprint write the same store."""
-        doc = {
+        """Identity of an ingest: two runs with the same fingerprint write the same store
+        (an unsharded layout keeps the fingerprint format 3 gave it, so that an ingest
+        interrupted before format 4 resumes as it began)."""
+        doc: dict[str, Any] = {
             "tensors": [[t.name, t.kind, t.ms_type, list(t.shape), list(t.stages)] for t in self.tensors],
             "writers": {n: [[r, b.to_json()] for r, b in ws] for n, ws in sorted(self.writers.items())},
             "chunks": {n: list(c) for n, c in sorted(self.chunks.items())},
             "strings": dict(sorted(self.strings.items())),
             "source": self.source,
         }
+        if self.shards:
+            doc["shards"] = {n: list(k) for n, k in sorted(self.shards.items())}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def store_layout(plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions) -> StoreLayout:
+def _resumable_layout(
+    path: Path, layout: StoreLayout, plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions
+) -> StoreLayout:
+    """The layout to ingest with: the unsharded one when ``path`` holds this same ingest,
+    interrupted, begun unsharded (by a zckpt of format 3), so that resuming finishes it."""
+    if not layout.shards or options.overwrite or not (path / "zarr.json").is_file():
+        return layout
+    try:
+        found = Store.open(path).manifest.get("fingerprint")
+    except ZckptError:
+        return layout
+    flat = replace(layout, shards={})
+    return flat if found == flat.fingerprint() and found != layout.fingerprint() else layout
+
+
+def store_layout(
+    plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions, *, sharded: bool = False
+) -> StoreLayout:
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:
         writers.setdefault(w.name, []).append((w.rank, w.box))
@@ -500,16 +540,23 @@ def store_layout(plan: IngestPlan, smap: StrategyMap | None, options: IngestOpti
         t if t.kind != "map" else replace(t, shape=(map_shapes[t.name],))
         for t in plan.tensors
     ]
+    shards: dict[str, tuple[int, ...]] = {}
     for t in tensors:
         if t.kind == "map":
             chunks[t.name] = (max(1, t.shape[0]),)
             writers[t.name] = [(writers[t.name][0][0], Box.full(t.shape))]
+        elif sharded and options.shard_bytes > 0 and t.kind == "tensor":
+            itemsize = max(1, t.nbytes // max(1, _count(t.shape)))
+            per = shard_grid(t.shape, chunks[t.name], itemsize, options.shard_bytes)
+            if per is not None:
+                shards[t.name] = per
     return StoreLayout(
         tensors=tuple(tensors),
         writers={n: tuple(ws) for n, ws in writers.items()},
         chunks=chunks,
         strings=strings,
         source=_source_record(plan, smap, options.storage_options),
+        shards=shards,
     )
 
 
@@ -525,6 +572,8 @@ class RankJob:
     nbytes: int
     check_bytes: int = 0
     """Bytes of the replicas this rank's file is compared on (the size of its verify task)."""
+    shards: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Inner chunks per shard of the sharded arrays among ``chunks``."""
 
 
 def _run(
@@ -544,7 +593,8 @@ def _run(
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         check_bytes = sum(c.box.size * itemsizes.get(c.name, 1) for c in cs)
-        jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes, check_bytes))
+        jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes, check_bytes,
+                            {n: layout.shards[n] for n in names if n in layout.shards}))
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
@@ -579,6 +629,8 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
     store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
     store.prefetch(w.name for w in job.writes)
+    for w in job.writes:
+        store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
     written = 0
     known = _RankSums(options.checksum_block_bytes)
     with open_source(job.path, options.storage_options, verify_crc=False) as reader, \
@@ -591,12 +643,16 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
             ticker.add(w.name, n)
         batch.flush()
         ticker.close()
-        for name, key, sums in copier.finish():
-            known.of(name)[key] = sums
+        for done in copier.finish():
+            known.add(done, store.chunk_info(done[0]).per_shard is not None)
         if store.is_remote:
             _source_checksums(store, reader, job.writes, known)
-    store.mark_ingested(job.rank, bytes=written, crc32c_blocks={
-        "block_bytes": known.block_bytes, "chunks": _written_checksums(store, job.writes, known)})
+    record: dict[str, Any] = {"block_bytes": known.block_bytes,
+                              "chunks": _written_checksums(store, job.writes, known)}
+    if known.runs:
+        record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
+                          for name, per in known.runs.items()}
+    store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record)
     return written
 
 
@@ -612,6 +668,8 @@ def _written_checksums(
     for w in writes:
         if store.entry(w.name).kind != "tensor":
             continue  # MapParameter bytes are passed through as one opaque array
+        if store.chunk_info(w.name).per_shard is not None:
+            continue  # every run of a shard was summed in its copy (known.runs)
         done = known.chunks.get(w.name, {})
         if store.is_remote:  # summed from the source (_source_checksums): nothing to read back
             out[w.name] = {k: done[k] for k in store.chunk_keys(w.name, w.box) if k in done}
@@ -704,43 +762,38 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _copy_chunks(store: Store, reader: CkptReader, w: Write, chunks: tuple[int, ...], copier: _ChunkCopier,
-                 sum_block: int) -> bool:
-    """Fill the box's chunks straight from the source file (``copy_file_range``: the kernel
-    copies, no byte passes through Python) when chunks are stored raw and span the shard's
-    full width, so that each chunk is one contiguous byte range of the shard; each chunk's
-    block sums are summed from the source bytes in the copy (read through a buffer, never
-    through the mapping, so resident memory stays flat). Returns ``False`` (nothing
-    written) when that does not hold, and zarr writes the box instead."""
-    box = w.box
-    if tuple(chunks[1:]) != box.shape[1:] or store.raw_chunk_file(w.name, (0,) * box.ndim) is None:
+def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier, sum_block: int) -> bool:
+    """Fill the box's chunks straight from the source file when the store holds raw chunks
+    on a local disk: run by run (:func:`zckpt.store.write_runs`), each one byte range of a
+    chunk or shard file. A run whose rows are one byte range of the source is copied by the
+    kernel (``copy_file_range``: no byte passes through Python); the others are cut from the
+    mapped rows chunk by chunk. Each run's blocks are summed from the bytes it holds in the
+    same pass (read through a buffer, never through the mapping, so resident memory stays
+    flat). Returns ``False`` (nothing written) for other stores, which zarr then writes."""
+    if store.chunk_at(w.name, (0,) * w.box.ndim) is None:
         return False
-    rows = chunks[0]
-    plan: list[tuple[Path, int, int, str]] = []
-    for r0 in range(0, box.shape[0], rows):
-        span = reader.row_bytes_range(w.name, r0, min(box.shape[0], r0 + rows))
-        if span is None:
-            return False
-        coords = ((box.start[0] + r0) // rows,) + tuple(s // c for s, c in zip(box.start[1:], chunks[1:], strict=True))
-        path = store.raw_chunk_file(w.name, coords)
-        assert path is not None
-        plan.append((path, span[0], span[1], store.chunk_info(w.name).chunk_key(coords)))
-    made: set[Path] = set()
-    for path, offset, length, key in plan:
-        if path.parent not in made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            made.add(path.parent)
-        copier.copy(w.name, key, path, offset, length, sum_block)
+    info = store.chunk_info(w.name)
+    assert info.folder is not None
+    whole_rows = tuple(info.chunks[1:]) == w.box.shape[1:]
+    create = info.per_shard is None
+    if create:
+        info.folder.mkdir(parents=True, exist_ok=True)
+    todo: list[tuple[Run, Path, int | None]] = []
+    for run in write_runs(info, w.box):
+        first, last = run.tiles[0].relative_to(w.box), run.tiles[-1].relative_to(w.box)
+        span = reader.row_bytes_range(w.name, first.start[0], last.stop[0]) if whole_rows else None
+        todo.append((run, info.folder / run.key, span[0] if span is not None and span[1] == run.length else None))
+    copier.write(w.name, w.box, todo, sum_block, create)
     return True
 
 
-_ChunkSumsOf = tuple[str, str, list[int]]
-"""``(entry name, chunk key, block sums)`` of a chunk written."""
+_Written = tuple[str, str, int, int, list[int]]
+"""``(entry name, file key, offset, length, block sums)`` of a run written."""
 
 
 class _ChunkCopier:
-    """Copies byte ranges of one source file into chunk files, summing each chunk's blocks
-    on the way: on ``threads`` threads (each with its own buffer) so that one chunk is read
+    """Writes runs of one source file into chunk and shard files, summing each run's blocks
+    on the way: on ``threads`` threads (each with its own buffer) so that one run is read
     while another is written, or inline with one. :meth:`finish` waits for every copy and
     returns the sums; leaving the context waits too, so that no copy outlives the source."""
 
@@ -748,8 +801,8 @@ class _ChunkCopier:
         self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zckpt-copy") if threads > 1 else None
         self.local = threading.local()
-        self.done: list[_ChunkSumsOf] = []
-        self.futures: list[Future[_ChunkSumsOf]] = []
+        self.done: list[_Written] = []
+        self.futures: list[Future[list[_Written]]] = []
 
     def __enter__(self) -> _ChunkCopier:
         return self
@@ -760,27 +813,66 @@ class _ChunkCopier:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
-    def copy(self, name: str, key: str, path: Path, offset: int, length: int, sum_block: int) -> None:
+    def write(self, name: str, box: Box, runs: list[tuple[Run, Path, int | None]], sum_block: int,
+              create: bool) -> None:
+        """Write the runs of one source box (one task: runs are often a few KiB): each
+        ``(run, file, source offset)`` is copied from the source bytes at that offset (its
+        rows, in one piece), or, without an offset, cut chunk by chunk from the mapped rows."""
         if self.pool is None:
-            self.done.append(self._run(name, key, path, offset, length, sum_block))
+            self.done.extend(self._write(name, box, runs, sum_block, create))
         else:
-            self.futures.append(self.pool.submit(self._run, name, key, path, offset, length, sum_block))
+            self.futures.append(self.pool.submit(self._write, name, box, runs, sum_block, create))
 
-    def _run(self, name: str, key: str, path: Path, offset: int, length: int, sum_block: int) -> _ChunkSumsOf:
+    def _write(self, name: str, box: Box, runs: list[tuple[Run, Path, int | None]], sum_block: int,
+               create: bool) -> list[_Written]:
+        return [self._copy(name, run, path, offset, sum_block, create) if offset is not None
+                else self._cut(name, run, path, box, sum_block, create) for run, path, offset in runs]
+
+    def _buffer(self) -> bytearray:
         buf = getattr(self.local, "buffer", None)
         if buf is None:
             buf = self.local.buffer = bytearray(fileio.BLOCK)
-        summer = BlockSummer(sum_block, offset)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        return buf
+
+    @staticmethod
+    def _open(path: Path, create: bool) -> int:
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
-            copy_range(self.reader.fileno(), fd, offset, length, buf, summer.feed)
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            raise StoreError("shard file is missing: the store is damaged", path=path) from None
+
+    def _copy(self, name: str, run: Run, path: Path, offset: int, sum_block: int, create: bool) -> _Written:
+        summer = BlockSummer(sum_block, offset)
+        fd = self._open(path, create)
+        try:
+            copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, self._buffer(), summer.feed)
         finally:
             os.close(fd)
-        return name, key, summer.result()
+        return name, run.key, run.offset, run.length, summer.result()
 
-    def finish(self) -> list[_ChunkSumsOf]:
+    def _cut(self, name: str, run: Run, path: Path, box: Box, sum_block: int, create: bool) -> _Written:
+        summer = BlockSummer(sum_block, 0)
+        fd = self._open(path, create)
+        try:
+            at = 0
+            for t in run.tiles:
+                local = t.relative_to(box)
+                rows = self.reader.rows(name, local.start[0], local.stop[0])
+                data = np.ascontiguousarray(rows[(slice(None), *local.slices()[1:])]).reshape(-1).view(np.uint8)
+                summer.feed(at, data)
+                write_at(fd, data.data, run.offset + at)
+                at += data.size
+        finally:
+            os.close(fd)
+            self.reader.release_pages()
+        if at != run.length:
+            raise AssertionError(f"run of {name} in {path} wrote {at} of {run.length} bytes")
+        return name, run.key, run.offset, run.length, summer.result()
+
+    def finish(self) -> list[_Written]:
         futures, self.futures = self.futures, []
-        done, self.done = self.done + [f.result() for f in futures], []
+        done, self.done = self.done + [x for f in futures for x in f.result()], []
         return done
 
 
@@ -837,7 +929,7 @@ def _write(
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if _copy_chunks(batch.store, reader, w, chunks, batch.copier, known.block_bytes):
+    if _write_runs(batch.store, reader, w, batch.copier, known.block_bytes):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:

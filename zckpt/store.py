@@ -12,8 +12,14 @@ stored them as ``uint16``); importing this module registers that type with zarr-
 (:mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them as their ``uint16`` bit
 patterns (:func:`bits_view`), as it does every other bf16 value.
 Each array's attributes say which source rank wrote which box ("writers"); a region is
-present when its writer's rank is listed in the manifest's ``ingested_ranks``. Chunks
-divide the source shard shape, so two writers never touch the same chunk.
+present when its writer's rank has its ``progress/rank_<r>`` group. Chunks divide the
+source shard shape, so two writers never touch the same chunk.
+
+Format 4 groups the chunks of a local store into shards (Zarr's ``sharding_indexed``
+codec): the chunk of format 3 becomes the shard's inner chunk, stored uncompressed at an
+offset that follows from the layout alone (C order of the inner grid), so that several
+writers fill disjoint byte ranges of one preallocated shard file and the shard index is
+written once, when the array is defined (:func:`shard_grid`, :func:`write_runs`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, LocalStore
 
 from zckpt import remote, zarr_bfloat16
-from zckpt.checksums import ChunkSums, Mismatch, file_sums
+from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
@@ -48,12 +54,17 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 3
-"""3: chunk checksums per 1 MiB block (``crc32c_blocks``); 2: one per chunk; 2 and 3:
-BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older versions are still read."""
+VERSION = 4
+"""4: local stores group chunks into shards (``sharding_indexed``), checksums per block of
+each writer's run of a shard; 3: chunk checksums per block (``crc32c_blocks``); 2: one per
+chunk; 2 to 4: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older
+versions are still read."""
+
+NO_CHUNK = 2**64 - 1
+"""Offset and size of an absent inner chunk in a shard index (Zarr's sharding codec)."""
 
 Checked = set[tuple[str, str, int]]
-"""Chunk blocks already checked in this process: ``(entry name, chunk key, block index)``."""
+"""Chunk blocks already checked in this process: ``(entry name, record key, block index)``."""
 
 zarr_bfloat16.register()
 
@@ -90,6 +101,13 @@ def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
         "opt_weight_shard_step": lay.opt_shard_step,
         "opt_weight_shard_size": lay.opt_shard_size,
     }
+
+
+@dataclass(frozen=True)
+class _Attrs:
+    """A group's attributes, read from its ``zarr.json`` without zarr."""
+
+    attrs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -174,38 +192,71 @@ def _data_type_name(arr: zarr.Array[Any]) -> str:
     return str(arr.metadata.data_type.to_json(zarr_format=3))  # type: ignore[union-attr]
 
 
-_TEMPLATES: dict[str, dict[str, Any]] = {}
+_TEMPLATES: dict[tuple[str, bool], dict[str, Any]] = {}
 
 
-def _template(dtype: ZarrType) -> dict[str, Any]:
-    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once).
+def _template(dtype: ZarrType, sharded: bool = False) -> dict[str, Any]:
+    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once), with
+    or without the sharding codec (inner chunks uncompressed, index at the end).
 
-    Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk in the array's folder,
-    with no directory per chunk coordinate to create.
+    Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk (or shard) in the
+    array's folder, with no directory per chunk coordinate to create.
     """
-    key = dtype.str if isinstance(dtype, np.dtype) else str(dtype.to_json(zarr_format=3))
+    key = (dtype.str if isinstance(dtype, np.dtype) else str(dtype.to_json(zarr_format=3)), sharded)
     if key not in _TEMPLATES:
-        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(1,), chunks=(1,), dtype=dtype,
-                                compressors=None, fill_value=0,
+        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dtype,
+                                shards=(2,) if sharded else None, compressors=None, fill_value=0,
                                 chunk_key_encoding={"name": "default", "separator": "."})
         buf = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
         _TEMPLATES[key] = json.loads(buf.to_bytes())
     return _TEMPLATES[key]
 
 
-def _array_json(dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]) -> str:
-    doc = dict(_template(dtype))
+def _array_json(dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
+                per_shard: Sequence[int] | None = None) -> str:
+    """An array's ``zarr.json``: ``chunks`` is the chunk shape, the inner chunk shape of a
+    sharded array whose shards hold ``per_shard`` inner chunks per dimension."""
+    doc = json.loads(json.dumps(_template(dtype, per_shard is not None)))
     doc["shape"] = [int(s) for s in shape]
-    doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}}
+    grid = [int(c) for c in chunks] if per_shard is None else [int(c) * int(k) for c, k in zip(chunks, per_shard,
+                                                                                                   strict=True)]
+    doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": grid}}
+    if per_shard is not None:
+        doc["codecs"][0]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
     doc["attributes"] = attributes
     return json.dumps(doc)
 
 
 def _write_array_json(
-    folder: Path, dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any]
+    folder: Path, dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
+    per_shard: Sequence[int] | None = None,
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "zarr.json").write_text(_array_json(dtype, shape, chunks, attributes), encoding="utf-8")
+    (folder / "zarr.json").write_text(_array_json(dtype, shape, chunks, attributes, per_shard), encoding="utf-8")
+
+
+def _raw_bytes_codec(codecs: Any) -> bool:
+    """Whether a codec list is the single ``bytes`` codec in this machine's byte order."""
+    if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
+            and codecs[0].get("name") == "bytes"):
+        return False
+    return (codecs[0].get("configuration") or {}).get("endian") in (None, sys.byteorder)
+
+
+def _raw_shards(codecs: list[Any]) -> tuple[int, ...] | None:
+    """The inner chunk shape of a sharding codec whose inner chunks are raw bytes and whose
+    index is zckpt's (little-endian, CRC-32C, at the end); else ``None``."""
+    if len(codecs) != 1 or not isinstance(codecs[0], dict) or codecs[0].get("name") != "sharding_indexed":
+        return None
+    conf = codecs[0].get("configuration") or {}
+    index = conf.get("index_codecs")
+    if not (_raw_bytes_codec(conf.get("codecs")) and conf.get("index_location", "end") == "end"
+            and isinstance(index, list) and len(index) == 2 and isinstance(index[0], dict)
+            and index[0].get("name") == "bytes"
+            and (index[0].get("configuration") or {}).get("endian", "little") == "little"
+            and isinstance(index[1], dict) and index[1].get("name") == "crc32c"):
+        return None
+    return tuple(int(x) for x in conf["chunk_shape"])
 
 
 @dataclass(frozen=True)
@@ -213,7 +264,10 @@ class ChunkInfo:
     """What a chunk-level reader or writer needs to know about an array.
 
     ``raw``: chunks are stored as their raw C-order values in this machine's byte order
-    (the single ``bytes`` codec), so a chunk file is exactly its values' bytes.
+    (the single ``bytes`` codec), so a chunk file is exactly its values' bytes. In a
+    sharded array (``per_shard``: inner chunks per shard in each dimension) ``chunks`` is
+    the inner chunk shape, and a raw inner chunk is ``inner_bytes`` at a fixed offset of its
+    shard file (:meth:`locate`).
     """
 
     shape: tuple[int, ...]
@@ -221,28 +275,156 @@ class ChunkInfo:
     raw: bool
     separator: str
     folder: Path | None
+    per_shard: tuple[int, ...] | None = None
+    itemsize: int = 0
 
     @staticmethod
-    def from_json(doc: Mapping[str, Any], folder: Path | None) -> ChunkInfo:
+    def from_json(doc: Mapping[str, Any], folder: Path | None, itemsize: int = 0) -> ChunkInfo:
         codecs = list(doc.get("codecs") or [])
-        raw = False
-        if len(codecs) == 1 and isinstance(codecs[0], dict) and codecs[0].get("name") == "bytes":
-            endian = (codecs[0].get("configuration") or {}).get("endian")
-            raw = endian in (None, sys.byteorder)
+        grid = tuple(int(x) for x in doc["chunk_grid"]["configuration"]["chunk_shape"])
+        inner = _raw_shards(codecs)
+        raw = _raw_bytes_codec(codecs) or inner is not None
         enc = doc.get("chunk_key_encoding") or {}
         sep = str((enc.get("configuration") or {}).get("separator", "/"))
         raw = raw and enc.get("name", "default") == "default"
+        per_shard = None
+        if inner is not None:
+            per_shard = tuple(g // c for g, c in zip(grid, inner, strict=True))
+            if any(g % c for g, c in zip(grid, inner, strict=True)) or itemsize <= 0:
+                raw = False
         return ChunkInfo(
             shape=tuple(int(x) for x in doc["shape"]),
-            chunks=tuple(int(x) for x in doc["chunk_grid"]["configuration"]["chunk_shape"]),
+            chunks=inner if inner is not None else grid,
             raw=raw,
             separator=sep,
             folder=folder,
+            per_shard=per_shard,
+            itemsize=itemsize,
         )
 
     def chunk_key(self, coords: Sequence[int]) -> str:
-        """Zarr v3's default chunk key: ``c`` followed by the chunk coordinates."""
+        """Zarr v3's default chunk key: ``c`` followed by the chunk coordinates (of a shard,
+        in a sharded array)."""
         return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
+
+    @property
+    def inner_bytes(self) -> int:
+        return math.prod(self.chunks) * self.itemsize
+
+    def locate(self, coords: Sequence[int]) -> tuple[str, int]:
+        """``(file key, byte offset)`` of the chunk at ``coords`` (of the inner chunk grid
+        in a sharded array: its shard's key and its place in the shard's C order)."""
+        if self.per_shard is None:
+            return self.chunk_key(coords), 0
+        shard = tuple(int(c) // k for c, k in zip(coords, self.per_shard, strict=True))
+        local = tuple(int(c) % k for c, k in zip(coords, self.per_shard, strict=True))
+        linear = 0
+        for i, k in zip(local, self.per_shard, strict=True):
+            linear = linear * k + i
+        return self.chunk_key(shard), linear * self.inner_bytes
+
+    def file_bytes(self, coords: Sequence[int]) -> int:
+        """Size of the file holding the chunk at ``coords``: the chunk, or its shard's data
+        and index (inner chunks present form a box of the shard's grid, so the last one in
+        C order is the one at the largest local coordinates)."""
+        if self.per_shard is None:
+            return self.inner_bytes
+        counts = self.grid_counts()
+        last = 0
+        for c, k, n in zip(coords, self.per_shard, counts, strict=True):
+            first = (int(c) // k) * k
+            last = last * k + (min(k, n - first) - 1)
+        return (last + 1) * self.inner_bytes + 16 * math.prod(self.per_shard) + 4
+
+    def grid_counts(self) -> tuple[int, ...]:
+        """Number of (inner) chunks along each dimension."""
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunks, strict=True))
+
+    def shard_layout(self, shard: Sequence[int]) -> tuple[int, bytes]:
+        """Data bytes and index bytes (with its CRC-32C) of the shard at ``shard``: inner
+        chunks inside the array at their C-order offsets, the others absent."""
+        assert self.per_shard is not None
+        counts = self.grid_counts()
+        index = np.full((math.prod(self.per_shard), 2), NO_CHUNK, dtype="<u8")
+        data = 0
+        for linear, local in enumerate(np.ndindex(*self.per_shard)):
+            g = tuple(s * k + i for s, k, i in zip(shard, self.per_shard, local, strict=True))
+            if all(a < n for a, n in zip(g, counts, strict=True)):
+                index[linear] = (linear * self.inner_bytes, self.inner_bytes)
+                data = (linear + 1) * self.inner_bytes
+        body = index.tobytes()
+        return data, body + int(crc32c(body)).to_bytes(4, "little")
+
+    def shard_count(self) -> tuple[int, ...]:
+        assert self.per_shard is not None
+        return tuple(-(-n // k) for n, k in zip(self.grid_counts(), self.per_shard, strict=True))
+
+
+def shard_grid(shape: Sequence[int], chunks: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...] | None:
+    """Inner chunks per shard in each dimension: the whole width of the array in every
+    dimension but the first, and as many rows of chunks as fit ``target_bytes`` (at least
+    one). With chunks spanning the full width, consecutive inner chunks of a shard are then
+    consecutive rows of the array, so a range of rows is one byte range of the shard.
+    ``None`` when a shard would hold a single chunk (the array is stored unsharded)."""
+    if not shape or any(int(s) == 0 for s in shape):
+        return None
+    counts = [-(-int(s) // int(c)) for s, c in zip(shape, chunks, strict=True)]
+    row = math.prod(counts[1:]) * math.prod(int(c) for c in chunks) * itemsize
+    k0 = min(counts[0], max(1, target_bytes // max(1, row)))
+    per = (k0, *counts[1:])
+    return per if math.prod(per) > 1 else None
+
+
+def encode_runs(runs: Iterable[tuple[int, int, Sequence[int]]]) -> str:
+    """A shard's run records as one JSON string (progress groups stay small and quick to
+    parse at hundreds of thousands of runs): ``"<offset>:<length>:<sum>.<sum>... ..."``,
+    offsets and lengths in decimal, each block's CRC-32C as 8 hexadecimal digits."""
+    return " ".join(f"{o}:{n}:" + ".".join(f"{int(v):08x}" for v in sums) for o, n, sums in runs)
+
+
+def decode_runs(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The ``(offset, length, block sums)`` of every run :func:`encode_runs` wrote."""
+    out = []
+    for item in text.split():
+        o, n, sums = item.split(":")
+        out.append((int(o), int(n), tuple(int(v, 16) for v in sums.split("."))))
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive inner chunks of one writer box that are one byte range of a shard file
+    (a whole chunk file, unsharded): the unit ingest copies and checksums in one pass."""
+
+    key: str
+    """File key (``c.<i>...``) of the shard, or of the chunk."""
+    offset: int
+    length: int
+    tiles: tuple[Box, ...]
+    """The chunks' element boxes, in file order."""
+
+
+def write_runs(info: ChunkInfo, box: Box) -> list[Run]:
+    """The chunks of ``box`` (a writer box that the chunk grid divides) as runs: grouped by
+    file and merged while each starts where the previous ends. Pure layout maths: the
+    reader of a store finds the same runs from the writers' boxes."""
+    if box.ndim == 0:
+        return [Run(info.chunk_key(()), 0, info.itemsize, (box,))]
+    placed = []
+    for t in tiles(box, info.chunks):
+        key, offset = info.locate(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
+        placed.append((key, offset, t))
+    placed.sort(key=lambda x: (x[0], x[1]))
+    size = info.inner_bytes
+    runs: list[Run] = []
+    for key, offset, t in placed:
+        last = runs[-1] if runs else None
+        if info.per_shard is not None and last is not None and last.key == key \
+                and last.offset + last.length == offset:
+            runs[-1] = Run(key, last.offset, last.length + size, (*last.tiles, t))
+        else:
+            runs.append(Run(key, offset, size, (t,)))
+    return runs
 
 
 def _all_checked(done: Checked | None, name: str, key: str, sums: ChunkSums) -> bool:
@@ -335,6 +517,7 @@ class Store:
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
         self._crcs: dict[str, dict[str, ChunkSums]] | None = None
+        self._records: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
 
     # --- creation -----------------------------------------------------------------
     @property
@@ -483,13 +666,20 @@ class Store:
         source: Mapping[str, Any],
         compressors: Any = None,
         fingerprint: str | None = None,
+        shards: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         """Create every array (no data yet) and write the manifest.
 
         Uncompressed arrays get their ``zarr.json`` from a template that zarr itself
         rendered for the dtype, with shape, chunks and attributes filled in: creating
-        thousands of arrays through zarr's API costs milliseconds each.
+        thousands of arrays through zarr's API costs milliseconds each. An array named in
+        ``shards`` (inner chunks per shard; local uncompressed stores only) is sharded: each
+        shard file is created at its final size with its index, so that writers only fill
+        their byte ranges.
         """
+        shards = dict(shards or {})
+        if shards and (self.location is not None or compressors is not None):
+            raise StoreError("sharded arrays are written to local uncompressed stores only", path=self.url)
         records: list[EntryRecord] = []
         pending: list[tuple[str, Awaitable[Any]]] = []
         agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
@@ -519,7 +709,10 @@ class Store:
                 docs[f"{folder}/{key}/zarr.json"] = _array_json(dtype, t.shape, chunks[t.name],
                                                                 {"zckpt": attrs}).encode("utf-8")
             elif fast:
-                _write_array_json(self.path / folder / key, dtype, t.shape, chunks[t.name], {"zckpt": attrs})
+                _write_array_json(self.path / folder / key, dtype, t.shape, chunks[t.name], {"zckpt": attrs},
+                                  shards.get(t.name))
+                if t.name in shards:
+                    self._preallocate(self.path / folder / key, t, chunks[t.name], shards[t.name])
             else:
                 pending.append((t.name, agroup.create_array(
                 f"{folder}/{key}",
@@ -542,6 +735,20 @@ class Store:
             self._keep(name, zarr.Array(node))
         self.group.require_group("progress")
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
+
+    @staticmethod
+    def _preallocate(folder: Path, t: TensorSpec, chunks: tuple[int, ...], per_shard: tuple[int, ...]) -> None:
+        """Every shard file of a sharded array at its final size (sparse until written),
+        with its index at the end: the index follows from the layout, so it is written once
+        here and never read back or rewritten."""
+        info = ChunkInfo(t.shape, chunks, True, ".", folder, per_shard, ms_dtype(t.ms_type).storage.itemsize)
+        for shard in np.ndindex(*info.shard_count()):
+            data, index = info.shard_layout(shard)
+            fd = os.open(folder / info.chunk_key(shard), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, index, data)
+            finally:
+                os.close(fd)
 
     def write_many(self, items: Sequence[tuple[str, tuple[slice, ...], np.ndarray]]) -> None:
         """Write several regions concurrently (one event-loop round trip, I/O overlapped)."""
@@ -640,36 +847,58 @@ class Store:
                 arr = self.array(name)
                 doc = {"shape": arr.shape, "chunk_grid": {"configuration": {"chunk_shape": arr.chunks}},
                        "codecs": [], "chunk_key_encoding": {}}
-            info = ChunkInfo.from_json(doc, None if root is None else root / e.key)
+            itemsize = 1 if e.kind != "tensor" else ms_dtype(e.ms_type).storage.itemsize
+            info = ChunkInfo.from_json(doc, None if root is None else root / e.key, itemsize)
             self._chunk_info[name] = info
         return info
+
+    def assume_layout(self, name: str, chunks: tuple[int, ...], per_shard: tuple[int, ...] | None) -> None:
+        """Take an array's chunk layout from the ingest plan instead of its ``zarr.json``
+        (an ingest task writes into every array; reading each one's metadata per source
+        rank costs more than the data at hundreds of ranks). Only for local stores of this
+        format, whose arrays ingest defines raw with ``.``-separated keys; others are read."""
+        if self.location is not None or name in self._chunk_info or int(self.manifest.get("version", 0)) != VERSION:
+            return
+        e = self.entry(name)
+        if e.kind != "tensor" or not e.shape:
+            return
+        self._chunk_info[name] = ChunkInfo(e.shape, tuple(chunks), True, ".", self.path / e.key, per_shard,
+                                           ms_dtype(e.ms_type).storage.itemsize)
 
     def raw_chunk_file(self, name: str, coords: Sequence[int]) -> Path | None:
         """Path of a chunk whose stored bytes are the raw C-order little-endian values
         (uncompressed, bytes codec only), or ``None`` when chunks are encoded otherwise.
+        In a sharded array: the shard file holding the inner chunk (see :meth:`chunk_at`).
 
         Such chunks can be filled from and copied to checkpoint files without decoding.
         """
+        at = self.chunk_at(name, coords)
+        return None if at is None else at[1]
+
+    def chunk_at(self, name: str, coords: Sequence[int]) -> tuple[str, Path, int, int] | None:
+        """``(file key, file, byte offset, file size)`` of a raw (inner) chunk in a local
+        store, or ``None`` when chunks are encoded otherwise or the store is remote."""
         if self.location is not None:
             return None
         info = self.chunk_info(name)
         if not info.raw or info.folder is None:
             return None
-        return info.folder / info.chunk_key(coords)
+        key, offset = info.locate(coords)
+        return key, info.folder / key, offset, info.file_bytes(coords)
 
     def chunk_files(self, name: str, box: Box) -> list[tuple[str, Path]]:
-        """``(chunk key, file)`` of every chunk ``box`` touches (raw local stores; else empty)."""
+        """``(file key, file)`` of every chunk (or shard) file ``box`` touches (raw local
+        stores; else empty)."""
         info = self.chunk_info(name)
         if not info.raw or info.folder is None:
             return []
         if box.ndim == 0:
             return [(info.chunk_key(()), info.folder / info.chunk_key(()))]
-        out = []
+        out: dict[str, Path] = {}
         for t in tiles(box, info.chunks):
-            coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
-            key = info.chunk_key(coords)
-            out.append((key, info.folder / key))
-        return out
+            key, _ = info.locate(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
+            out.setdefault(key, info.folder / key)
+        return list(out.items())
 
     def chunk_keys(self, name: str, box: Box) -> list[str]:
         """Keys of every chunk ``box`` touches when chunks are stored raw (local or remote)."""
@@ -683,27 +912,62 @@ class Store:
 
     def checksums(self) -> dict[str, dict[str, ChunkSums]]:
         """Checksums of every chunk, as recorded by the source rank that wrote it: per block
-        (``crc32c_blocks``), or one per chunk in stores of version 2 and older."""
+        (``crc32c_blocks``), or one per chunk in stores of version 2 and older. In sharded
+        arrays, one record per run a rank wrote, keyed ``<shard key>@<offset>`` (its
+        :attr:`~zckpt.checksums.ChunkSums.origin` and ``length`` say where it lies)."""
         if self._crcs is None:
             crcs: dict[str, dict[str, ChunkSums]] = {}
-            try:
-                node = self.group["progress"]
-            except KeyError:
-                node = None
-            if isinstance(node, zarr.Group):
-                for _, child in node.groups():
-                    blocks: Any = child.attrs.get("crc32c_blocks", {})
-                    if blocks:
-                        size = int(blocks["block_bytes"])
-                        for name, per in blocks["chunks"].items():
-                            crcs.setdefault(name, {}).update(
-                                {k: ChunkSums("crc32c", tuple(int(x) for x in v), size) for k, v in per.items()})
-                    for algo in ("crc32c", "crc32"):
-                        recorded: Any = child.attrs.get(algo, {})
-                        for name, per in recorded.items():
-                            crcs.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
+            for child in self._progress_attributes():
+                blocks: Any = child.attrs.get("crc32c_blocks", {})
+                if blocks:
+                    size = int(blocks["block_bytes"])
+                    for name, per in blocks.get("chunks", {}).items():
+                        crcs.setdefault(name, {}).update(
+                            {k: ChunkSums("crc32c", tuple(int(x) for x in v), size) for k, v in per.items()})
+                    for name, shards in blocks.get("runs", {}).items():
+                        mine = crcs.setdefault(name, {})
+                        for key, text in shards.items():
+                            for offset, length, v in decode_runs(text):
+                                mine[f"{key}@{offset}"] = ChunkSums("crc32c", v, size, offset, length)
+                for algo in ("crc32c", "crc32"):
+                    recorded: Any = child.attrs.get(algo, {})
+                    for name, per in recorded.items():
+                        crcs.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
             self._crcs = crcs
         return self._crcs
+
+    def _progress_attributes(self) -> list[Any]:
+        """The attributes of every ``progress/rank_<r>`` group (as objects with ``attrs``):
+        read as plain JSON files on a local disk (opening hundreds of groups through zarr
+        costs more than parsing them), through zarr elsewhere."""
+        root = Path(self.group.store.root) / "progress" if isinstance(self.group.store, LocalStore) else None
+        if root is not None:
+            out = []
+            names = sorted(os.listdir(root)) if root.is_dir() else []
+            for n in names:
+                meta = root / n / "zarr.json"
+                if n.startswith("rank_") and meta.is_file():
+                    doc = json.loads(meta.read_text(encoding="utf-8"))
+                    out.append(_Attrs(dict(doc.get("attributes") or {})))
+            return out
+        try:
+            node = self.group["progress"]
+        except KeyError:
+            return []
+        return [child for _, child in node.groups()] if isinstance(node, zarr.Group) else []
+
+    def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
+        """``(record key, sums)`` of every checksum record of one chunk or shard file, in
+        file order (a chunk file has one record covering it, a shard one per run)."""
+        if not self._records:
+            index: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
+            for n, per in self.checksums().items():
+                for k, v in per.items():
+                    index.setdefault((n, k.partition("@")[0]), []).append((k, v))
+            for lst in index.values():
+                lst.sort(key=lambda kv: kv[1].origin)
+            self._records = index or {("", ""): []}
+        return self._records.get((name, file_key), [])
 
     def verify_chunks(self, name: str, box: Box, done: Checked | None = None) -> int:
         """Check every recorded block of every chunk ``box`` touches; raise naming parameter
@@ -714,25 +978,28 @@ class Store:
             return self._verify_remote_chunks(name, box, expected, done)
         checked = 0
         buffer: bytearray | None = None
-        for key, path in self.chunk_files(name, box):
-            want = expected.get(key)
-            if want is None or _all_checked(done, name, key, want):
-                continue
-            buffer = buffer if buffer is not None else bytearray(1024 * 1024)
-            try:
-                got, size = file_sums(path, want.block_bytes, want.algo, buffer)
-            except FileNotFoundError:
-                raise StoreError("chunk file is missing: the store is damaged", path=path, param=name) from None
-            self._raise_on(want.compare(got, 0, size, whole=True), key, str(path), name)
-            checked += size
-            if done is not None:
-                done.update((name, key, i) for i in range(len(want.values)))
+        for file_key, path in self.chunk_files(name, box):
+            for key, want in self.records_in(name, file_key):
+                if _all_checked(done, name, key, want):
+                    continue
+                buffer = buffer if buffer is not None else bytearray(1024 * 1024)
+                try:
+                    got, size = file_sums(path, want.block_bytes, want.algo, buffer, want.origin, want.length)
+                except FileNotFoundError:
+                    raise StoreError("chunk file is missing: the store is damaged", path=path, param=name) from None
+                self._raise_on(want.compare(got, 0, want.length if want.length is not None else size, whole=True),
+                               file_key, str(path), name, want)
+                checked += size
+                if done is not None:
+                    done.update((name, key, i) for i in range(len(want.values)))
         return checked
 
     @staticmethod
-    def _raise_on(bad: Mismatch | None, key: str, where: str, name: str) -> None:
+    def _raise_on(bad: Mismatch | None, key: str, where: str, name: str, want: ChunkSums | None = None) -> None:
         if bad is not None:
-            raise StoreError(f"chunk {key} fails its checksum ({bad}): the store is damaged", path=where, param=name)
+            place = want.where() if want is not None else ""
+            raise StoreError(f"chunk {key} fails its checksum ({place}{bad}): the store is damaged", path=where,
+                             param=name)
 
     def _verify_remote_chunks(
         self, name: str, box: Box, expected: Mapping[str, ChunkSums], done: Checked | None

@@ -6,7 +6,9 @@ the first, so that one run says everything that is wrong:
 * **store** -- the manifest against the arrays (every entry has an array of its shape,
   dtype and attributes, no array lacks an entry), and every chunk: present where a
   complete (or ingested) region needs it, of the right size, matching the CRC-32C recorded
-  at ingest, and decodable by zarr. Problems are named by parameter and chunk key.
+  at ingest, and decodable by zarr; every shard file (format 4): its size, its index and
+  every writer's run in it against its record. Problems are named by parameter and chunk
+  (or shard) key.
 * **sources** -- every source shard equals its box of the store, byte for byte (the boxes
   come from the same plan ingest uses), replicas included.
 * **exports** -- every destination rank file (``.ckpt``, ``.safetensors`` or a split
@@ -34,7 +36,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
 
 from zckpt import remote
-from zckpt.checksums import ChunkSums
+from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
@@ -42,7 +44,7 @@ from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
-from zckpt.store import EntryRecord, Store
+from zckpt.store import ChunkInfo, EntryRecord, Store
 
 MiB = 1024 * 1024
 
@@ -303,6 +305,10 @@ def _check_chunks(
 ) -> None:
     """Fetch every chunk's stored bytes (concurrently, ``block_bytes`` at a time) and check
     presence, size (for raw chunks), recorded checksum and that zarr decodes it."""
+    info = store.chunk_info(e.name)
+    if info.per_shard is not None and info.raw and info.folder is not None:
+        _check_shards(store, e, info, report)
+        return
     shape = tuple(arr.shape)
     chunks = tuple(arr.chunks)
     itemsize = np.dtype(arr.dtype).itemsize
@@ -348,6 +354,50 @@ def _check_chunks(
             except Exception as err:  # zarr's codecs raise many types for a damaged chunk
                 report.add("store", f"chunk cannot be decoded ({type(err).__name__}: {err})", file=where,
                            param=e.name, region=region)
+
+
+def _check_shards(store: Store, e: EntryRecord, info: ChunkInfo, report: VerifyReport) -> None:
+    """Every shard file of a raw sharded array, read through one buffer: present where a
+    complete (or ingested) region needs it, of its size, its index exactly the one the
+    layout gives, and every run recorded in it matching its CRC-32C blocks."""
+    assert info.folder is not None and info.per_shard is not None
+    required = _required_boxes(store, e)
+    buffer = bytearray(MiB)
+    for shard in itertools.product(*(range(n) for n in info.shard_count())):
+        key = info.chunk_key(shard)
+        path = info.folder / key
+        start = tuple(s * k * c for s, k, c in zip(shard, info.per_shard, info.chunks, strict=True))
+        stop = tuple(min(n, a + k * c) for n, a, k, c in zip(info.shape, start, info.per_shard, info.chunks,
+                                                             strict=True))
+        box = Box(start, stop)
+        region = f"shard {key} (elements {box.to_json()})"
+        where = store.where(e.key, key)
+        if not path.is_file():
+            if required is None or any(box.intersect(b) is not None for b in required):
+                report.add("store", "shard is missing" + (" from a complete store" if required is None else
+                                                          " from an ingested region"),
+                           file=where, param=e.name, region=region)
+            continue
+        data_bytes, index = info.shard_layout(shard)
+        size = path.stat().st_size
+        report.chunks += data_bytes // max(1, info.inner_bytes)
+        report.chunk_bytes += size
+        if size != data_bytes + len(index):
+            report.add("store", f"shard holds {size} bytes, its inner chunks and index need "
+                                f"{data_bytes + len(index)}", file=where, param=e.name, region=region)
+            continue
+        with open(path, "rb") as f:
+            f.seek(data_bytes)
+            if f.read() != index:
+                report.add("store", "shard index differs from the one its layout gives", file=where, param=e.name,
+                           region=region)
+        for _, want in store.records_in(e.name, key):
+            report.checksummed_chunks += (want.length or 0) // max(1, info.inner_bytes)
+            got, n = file_sums(path, want.block_bytes, want.algo, buffer, want.origin, want.length)
+            bad = want.compare(got, 0, want.length if want.length is not None else n, whole=True)
+            if bad is not None:
+                report.add("store", f"fails its checksum ({want.where()}{bad})", file=where, param=e.name,
+                           region=region)
 
 
 def _is_raw(arr: Any) -> bool:

@@ -24,25 +24,49 @@ import numpy as np  # noqa: E402
 import zarr  # noqa: E402
 
 
+def _place(out: np.ndarray, coords: tuple[int, ...], chunks: tuple[int, ...], data: bytes, dtype: str) -> None:
+    """Put one chunk's raw bytes (full chunk shape, edge chunks padded) at its place."""
+    block = np.frombuffer(data, dtype=dtype).reshape(chunks)
+    region = tuple(slice(i * c, min(s, (i + 1) * c)) for i, c, s in zip(coords, chunks, out.shape, strict=True))
+    if all(r.start < r.stop for r in region):
+        out[region] = block[tuple(slice(0, r.stop - r.start) for r in region)]
+
+
 def read_raw_bits(array_dir: Path) -> tuple[str, np.ndarray]:
     """A 2-byte array of an uncompressed store from its files alone: ``zarr.json`` says the
-    shape, chunk shape and chunk key separator; each chunk file holds its values' bytes."""
+    shape, chunk shape and chunk key separator; each chunk file holds its values' bytes. In a
+    sharded array (``sharding_indexed``, index at the end) each shard file ends with its index:
+    per inner chunk in C order, its byte offset and size (uint64 little-endian, all ones when
+    absent), then the index's CRC-32C (4 bytes)."""
     doc = json.loads((array_dir / "zarr.json").read_text(encoding="utf-8"))
-    assert [c["name"] for c in doc["codecs"]] == ["bytes"], "the fallback reads uncompressed chunks only"
+    codec = doc["codecs"][0]
+    sharded = codec["name"] == "sharding_indexed"
+    inner_codecs = codec["configuration"]["codecs"] if sharded else doc["codecs"]
+    assert [c["name"] for c in inner_codecs] == ["bytes"], "the fallback reads uncompressed chunks only"
+    assert not sharded or codec["configuration"].get("index_location", "end") == "end"
     assert doc["fill_value"] in (0, 0.0, "0x0000"), "the fallback fills missing chunks with zero bits"
-    endian = "<" if doc["codecs"][0]["configuration"]["endian"] == "little" else ">"
+    dtype = ("<" if inner_codecs[0]["configuration"]["endian"] == "little" else ">") + "u2"
     shape = tuple(doc["shape"])
-    chunks = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+    grid = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+    inner = tuple(codec["configuration"]["chunk_shape"]) if sharded else grid
+    per = tuple(g // c for g, c in zip(grid, inner, strict=True))
     sep = doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
     out = np.zeros(shape, dtype="<u2")  # fill value 0.0 is all-zero bits
-    counts = [math.ceil(s / c) for s, c in zip(shape, chunks, strict=True)]
+    counts = [math.ceil(s / c) for s, c in zip(shape, grid, strict=True)]
     for coords in itertools.product(*(range(n) for n in counts)):
         path = array_dir / ("c" + "".join(f"{sep}{i}" for i in coords))
         if not path.is_file():
             continue
-        block = np.frombuffer(path.read_bytes(), dtype=endian + "u2").reshape(chunks)
-        region = tuple(slice(i * c, min(s, (i + 1) * c)) for i, c, s in zip(coords, chunks, shape, strict=True))
-        out[region] = block[tuple(slice(0, r.stop - r.start) for r in region)]
+        data = path.read_bytes()
+        if not sharded:
+            _place(out, coords, inner, data, dtype)
+            continue
+        n = math.prod(per)
+        index = np.frombuffer(data[len(data) - 4 - 16 * n : len(data) - 4], dtype="<u8").reshape(n, 2)
+        for (offset, size), local in zip(index, itertools.product(*(range(k) for k in per)), strict=True):
+            if offset != 2**64 - 1:
+                at = tuple(c * k + i for c, k, i in zip(coords, per, local, strict=True))
+                _place(out, at, inner, data[int(offset) : int(offset) + int(size)], dtype)
     return str(doc["data_type"]), out
 
 

@@ -1,0 +1,176 @@
+"""Format 4: a local store groups the chunks of an array into shard files (Zarr's
+``sharding_indexed``), so a job on many ranks stays a few files; stores of format 3 still read.
+
+Expected values come from the generator's global values sliced by hand (the destination
+splits rows only), never from zckpt's output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ckpt_compare import diff_dirs
+
+import zckpt
+from zckpt.export import ExportOptions, StoreReader
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.generate import TensorDef, global_value, write_model
+from zckpt.ingest import IngestOptions
+from zckpt.layout import Box
+from zckpt.verify import verify
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
+V3_STORE = Path(__file__).resolve().parent / "data" / "store-v3.zarr"
+"""The bundled example ingested by zckpt at format 3 (a65db7c): one file per chunk; the
+manifest's source paths are relative to the repository."""
+
+RANKS = 32
+W = TensorDef("w", (64, 8), "Float32", make_layout((RANKS,), [[0], []]))
+"""Split along rows only: each source rank holds 2 rows, the store's chunk."""
+V = TensorDef("v", (32, 16), "Float32", make_layout((4, 8), [[1], [0]]))
+"""Split along both dimensions: chunks of a quarter of the rows and an eighth of the columns."""
+
+
+def _model(tmp_path: Path) -> tuple[Path, Path]:
+    """The 32-rank source and a 2-rank destination strategy splitting both tensors by rows."""
+    write_model(tmp_path / "src", [W, V], device_num=RANKS, scalars=False)
+    dst = tmp_path / "dst.ckpt"
+    halves = make_layout((2,), [[0], []])
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: halves}, "v": {0: halves}})))
+    return tmp_path / "src", dst
+
+
+def _ingest(src: Path, store: Path, shard_bytes: int) -> None:
+    zckpt.ingest(str(src), store, str(src / "strategy.ckpt"), IngestOptions(shard_bytes=shard_bytes))
+
+
+def _chunk_files(store: Path, name: str) -> list[Path]:
+    return sorted(p for p in (store / "tensors" / name).iterdir() if p.name != "zarr.json")
+
+
+def _check_export(out: Path) -> None:
+    for rank in range(2):
+        with CkptReader(out / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            for t in (W, V):
+                half = t.shape[0] // 2
+                want = global_value(t.name, t.shape, t.ms_type)[rank * half : (rank + 1) * half]
+                assert r.array(t.name).tobytes() == want.tobytes(), (rank, t.name)
+
+
+def test_many_ranks_make_one_shard_file_per_array(tmp_path: Path) -> None:
+    src, dst = _model(tmp_path)
+    _ingest(src, tmp_path / "flat.zarr", 0)
+    _ingest(src, tmp_path / "s.zarr", 1 << 20)
+    assert len(_chunk_files(tmp_path / "flat.zarr", "w")) == len(_chunk_files(tmp_path / "flat.zarr", "v")) == RANKS
+    assert [p.name for p in _chunk_files(tmp_path / "s.zarr", "w")] == ["c.0.0"]
+    assert [p.name for p in _chunk_files(tmp_path / "s.zarr", "v")] == ["c.0.0"]
+    doc = json.loads((tmp_path / "s.zarr" / "tensors" / "v" / "zarr.json").read_text())
+    assert doc["chunk_grid"]["configuration"]["chunk_shape"] == [32, 16]
+    assert doc["codecs"][0]["name"] == "sharding_indexed"
+    assert doc["codecs"][0]["configuration"]["chunk_shape"] == [8, 2]
+    assert verify(tmp_path / "s.zarr").ok
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "out", str(dst))
+    _check_export(tmp_path / "out")
+    zckpt.export(tmp_path / "flat.zarr", tmp_path / "flat-out", str(dst))
+    assert diff_dirs(tmp_path / "flat-out", tmp_path / "out") == []
+
+
+def test_rows_of_many_source_ranks_are_one_byte_range(tmp_path: Path) -> None:
+    """Row chunks follow each other in the shard: a destination slice over 16 source ranks'
+    rows is one byte range of one file (copied in one piece), holding exactly its bytes."""
+    src, _ = _model(tmp_path)
+    _ingest(src, tmp_path / "s.zarr", 1 << 20)
+    reader = StoreReader(zckpt.open_store(tmp_path / "s.zarr"), ExportOptions())
+    ranges = reader.file_ranges("w", Box((32, 0), (64, 8)))
+    assert ranges is not None and len(ranges) == 1
+    r = ranges[0]
+    assert r.length == 32 * 8 * 4
+    with open(r.path, "rb") as f:
+        f.seek(r.offset)
+        got = f.read(r.length)
+    assert got == global_value("w", W.shape, "Float32")[32:].tobytes()
+
+
+def test_damaged_shard_is_named_by_export_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, dst = _model(tmp_path)
+    _ingest(src, tmp_path / "s.zarr", 1 << 20)
+    shard = tmp_path / "s.zarr" / "tensors" / "v" / "c.0.0"
+    data = bytearray(shard.read_bytes())
+    data[5 * 64 + 3] ^= 0x04  # inside the sixth inner chunk (8 x 2 float32 = 64 bytes each)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(zckpt.StoreError, match="chunk c.0.0 fails its checksum") as err:
+        zckpt.export(tmp_path / "s.zarr", tmp_path / "out", str(dst))
+    assert err.value.param == "v"
+    report = verify(tmp_path / "s.zarr")
+    assert [(m.param, "c.0.0" in (m.region or "")) for m in report.mismatches] == [("v", True)]
+    shard.write_bytes(bytes(data[:-1]))  # the index's CRC cut short
+    report = verify(tmp_path / "s.zarr")
+    assert len(report.mismatches) == 1 and "holds" in report.mismatches[0].message
+
+
+def test_interrupted_shard_range_is_rewritten_on_resume(tmp_path: Path) -> None:
+    """A rank without its progress group may have left its range half written: resuming
+    writes that range again (the other ranks' ranges, already recorded, are kept)."""
+    src, dst = _model(tmp_path)
+    store = tmp_path / "s.zarr"
+    _ingest(src, store, 1 << 20)
+    st = zckpt.open_store(store)
+    at = st.chunk_at("w", (7, 0))  # rank 7's rows
+    assert at is not None
+    _, shard, offset, _ = at
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * 17)
+    shutil.rmtree(store / "progress" / "rank_7")
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["zckpt"]["complete"] = False
+    (store / "zarr.json").write_text(json.dumps(doc))
+    report = zckpt.ingest(str(src), store, str(src / "strategy.ckpt"), IngestOptions(shard_bytes=1 << 20))
+    assert report.resumed and report.bytes_written == 2 * 8 * 4 + 8 * 2 * 4  # rank 7's rows of w, its block of v
+    assert verify(store).ok
+    zckpt.export(store, tmp_path / "out", str(dst))
+    _check_export(tmp_path / "out")
+
+
+def test_format_3_store_still_reads_exports_and_verifies(tmp_path: Path) -> None:
+    st = zckpt.open_store(V3_STORE)
+    assert st.manifest["version"] == 3
+    assert all(st.chunk_info(e.name).per_shard is None for e in st.entries() if e.kind == "tensor")
+    zckpt.export(V3_STORE, tmp_path / "out", str(EXAMPLE / "dst" / "strategy.ckpt"))
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "out") == []
+    assert verify(V3_STORE).ok
+
+
+def test_format_3_ingest_resumes_unsharded(tmp_path: Path) -> None:
+    """An ingest that a format-3 zckpt began (one file per chunk) resumes as it began: a
+    store whose fingerprint is the unsharded layout's (format 3 computed it the same way; the
+    bundled store's own names a checkout elsewhere, so it is set here) is finished unsharded."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(V3_STORE, store)
+    doc = json.loads((store / "zarr.json").read_text())
+    src = EXAMPLE / "src" / "checkpoints"
+    files = doc["attributes"]["zckpt"]["source"]["rank_files"]
+    repo = EXAMPLE.parents[1]
+    for rec in files.values():  # the bundled store names its sources relative to the repository
+        rec["path"] = str((repo / rec["path"]).resolve())
+    (store / "zarr.json").write_text(json.dumps(doc))
+    flat = zckpt.ingest(str(src), tmp_path / "fresh.zarr", str(EXAMPLE / "src" / "strategy.ckpt"),
+                        IngestOptions(shard_bytes=0))
+    assert flat.complete
+    fresh_fp = json.loads((tmp_path / "fresh.zarr" / "zarr.json").read_text())["attributes"]["zckpt"]["fingerprint"]
+    doc["attributes"]["zckpt"].update(complete=False, fingerprint=fresh_fp)
+    (store / "zarr.json").write_text(json.dumps(doc))
+    shutil.rmtree(store / "progress" / "rank_3")
+    report = zckpt.ingest(str(src), store, str(EXAMPLE / "src" / "strategy.ckpt"))
+    assert report.resumed and report.complete
+    assert all(zckpt.open_store(store).chunk_info(e.name).per_shard is None
+               for e in zckpt.open_store(store).entries() if e.kind == "tensor")
+    zckpt.export(store, tmp_path / "out", str(EXAMPLE / "dst" / "strategy.ckpt"))
+    assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "out") == []
+    assert np.array_equal(np.asarray(zckpt.open_store(store).array("layer1.weight")[...]),
+                          np.asarray(zckpt.open_store(V3_STORE).array("layer1.weight")[...]))
