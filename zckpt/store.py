@@ -518,6 +518,7 @@ class Store:
         self._chunk_info: dict[str, ChunkInfo] = {}
         self._crcs: dict[str, dict[str, ChunkSums]] | None = None
         self._records: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
+        self._version: int | None = None
 
     # --- creation -----------------------------------------------------------------
     @property
@@ -857,7 +858,9 @@ class Store:
         (an ingest task writes into every array; reading each one's metadata per source
         rank costs more than the data at hundreds of ranks). Only for local stores of this
         format, whose arrays ingest defines raw with ``.``-separated keys; others are read."""
-        if self.location is not None or name in self._chunk_info or int(self.manifest.get("version", 0)) != VERSION:
+        if self._version is None:
+            self._version = int(self.manifest.get("version", 0))
+        if self.location is not None or name in self._chunk_info or self._version != VERSION:
             return
         e = self.entry(name)
         if e.kind != "tensor" or not e.shape:
