@@ -581,7 +581,7 @@ class StoreReader:
         if not self.options.verify_checksums:
             return None
         checks = []
-        for rkey, want in self.store.records_in(name, key):
+        for rkey, want in self.store.records_over(name, key, offset, offset + length):
             part = want.covers(offset, offset + length)
             if part is None:
                 continue

@@ -787,6 +787,10 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     return True
 
 
+INLINE_BYTES = 1024 * 1024
+"""Boxes smaller than this are written on the task's own thread: handing a few KiB to the
+copy thread costs more than copying them (a job on hundreds of ranks has 100 000s of them)."""
+
 _Written = tuple[str, str, int, int, list[int]]
 """``(entry name, file key, offset, length, block sums)`` of a run written."""
 
@@ -818,7 +822,7 @@ class _ChunkCopier:
         """Write the runs of one source box (one task: runs are often a few KiB): each
         ``(run, file, source offset)`` is copied from the source bytes at that offset (its
         rows, in one piece), or, without an offset, cut chunk by chunk from the mapped rows."""
-        if self.pool is None:
+        if self.pool is None or sum(run.length for run, _, _ in runs) < INLINE_BYTES:
             self.done.extend(self._write(name, box, runs, sum_block, create))
         else:
             self.futures.append(self.pool.submit(self._write, name, box, runs, sum_block, create))

@@ -25,6 +25,7 @@ written once, when the array is defined (:func:`shard_grid`, :func:`write_runs`)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
 import json
@@ -518,6 +519,9 @@ class Store:
         self._chunk_info: dict[str, ChunkInfo] = {}
         self._crcs: dict[str, dict[str, ChunkSums]] | None = None
         self._records: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
+        self._origins: dict[tuple[str, str], list[int]] = {}
+        self._plain: dict[str, dict[str, ChunkSums]] | None = None
+        self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
 
     # --- creation -----------------------------------------------------------------
@@ -919,25 +923,38 @@ class Store:
         arrays, one record per run a rank wrote, keyed ``<shard key>@<offset>`` (its
         :attr:`~zckpt.checksums.ChunkSums.origin` and ``length`` say where it lies)."""
         if self._crcs is None:
-            crcs: dict[str, dict[str, ChunkSums]] = {}
+            crcs = {name: dict(per) for name, per in self._chunk_records().items()}
+            for name, key in list(self._run_texts()):
+                crcs.setdefault(name, {}).update(self.records_in(name, key))
+            self._crcs = crcs
+        return self._crcs
+
+    def _chunk_records(self) -> dict[str, dict[str, ChunkSums]]:
+        """The records of unsharded chunks (the run records are kept as text until asked)."""
+        if self._plain is None:
+            plain: dict[str, dict[str, ChunkSums]] = {}
+            texts: dict[tuple[str, str], list[str]] = {}
             for child in self._progress_attributes():
                 blocks: Any = child.attrs.get("crc32c_blocks", {})
                 if blocks:
                     size = int(blocks["block_bytes"])
                     for name, per in blocks.get("chunks", {}).items():
-                        crcs.setdefault(name, {}).update(
+                        plain.setdefault(name, {}).update(
                             {k: ChunkSums("crc32c", tuple(int(x) for x in v), size) for k, v in per.items()})
                     for name, shards in blocks.get("runs", {}).items():
-                        mine = crcs.setdefault(name, {})
                         for key, text in shards.items():
-                            for offset, length, v in decode_runs(text):
-                                mine[f"{key}@{offset}"] = ChunkSums("crc32c", v, size, offset, length)
+                            texts.setdefault((name, key), []).append(f"{size} {text}")
                 for algo in ("crc32c", "crc32"):
                     recorded: Any = child.attrs.get(algo, {})
                     for name, per in recorded.items():
-                        crcs.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
-            self._crcs = crcs
-        return self._crcs
+                        plain.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
+            self._plain, self._texts = plain, texts
+        return self._plain
+
+    def _run_texts(self) -> dict[tuple[str, str], list[str]]:
+        self._chunk_records()
+        assert self._texts is not None
+        return self._texts
 
     def _progress_attributes(self) -> list[Any]:
         """The attributes of every ``progress/rank_<r>`` group (as objects with ``attrs``):
@@ -961,16 +978,35 @@ class Store:
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in
-        file order (a chunk file has one record covering it, a shard one per run)."""
-        if not self._records:
-            index: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
-            for n, per in self.checksums().items():
-                for k, v in per.items():
-                    index.setdefault((n, k.partition("@")[0]), []).append((k, v))
-            for lst in index.values():
-                lst.sort(key=lambda kv: kv[1].origin)
-            self._records = index or {("", ""): []}
-        return self._records.get((name, file_key), [])
+        file order (a chunk file has one record covering it, a shard one per run). Run
+        records are decoded here, a file at a time: a task decodes only the files it reads."""
+        got = self._records.get((name, file_key))
+        if got is None:
+            per = self._chunk_records().get(name, {})
+            if file_key in per:
+                got = [(file_key, per[file_key])]
+            else:
+                got = []
+                for text in self._run_texts().get((name, file_key), []):
+                    size, _, body = text.partition(" ")
+                    got += [(f"{file_key}@{o}", ChunkSums("crc32c", v, int(size), o, n))
+                            for o, n, v in decode_runs(body)]
+                got.sort(key=lambda kv: kv[1].origin)
+            self._records[(name, file_key)] = got
+        return got
+
+    def records_over(self, name: str, file_key: str, start: int, stop: int) -> list[tuple[str, ChunkSums]]:
+        """The records of :meth:`records_in` that bytes ``[start, stop)`` of the file meet
+        (runs do not overlap, so they are found by bisection)."""
+        records = self.records_in(name, file_key)
+        if len(records) < 8:
+            return [r for r in records if r[1].covers(start, stop) is not None]
+        origins = self._origins.get((name, file_key))
+        if origins is None:
+            origins = self._origins[(name, file_key)] = [r[1].origin for r in records]
+        i = max(0, bisect.bisect_right(origins, start) - 1)
+        j = bisect.bisect_left(origins, stop)
+        return [r for r in records[i:j] if r[1].covers(start, stop) is not None]
 
     def verify_chunks(self, name: str, box: Box, done: Checked | None = None) -> int:
         """Check every recorded block of every chunk ``box`` touches; raise naming parameter
