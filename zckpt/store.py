@@ -518,8 +518,8 @@ class Store:
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
         self._crcs: dict[str, dict[str, ChunkSums]] | None = None
-        self._records: dict[tuple[str, str], list[tuple[str, ChunkSums]]] = {}
-        self._origins: dict[tuple[str, str], list[int]] = {}
+        self._records: dict[tuple[str, str, int], list[tuple[str, ChunkSums]]] = {}
+        self._index: dict[tuple[str, str], tuple[list[int], list[int], list[str]]] = {}
         self._plain: dict[str, dict[str, ChunkSums]] | None = None
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
@@ -978,35 +978,65 @@ class Store:
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in
-        file order (a chunk file has one record covering it, a shard one per run). Run
-        records are decoded here, a file at a time: a task decodes only the files it reads."""
-        got = self._records.get((name, file_key))
-        if got is None:
-            per = self._chunk_records().get(name, {})
-            if file_key in per:
-                got = [(file_key, per[file_key])]
-            else:
-                got = []
-                for text in self._run_texts().get((name, file_key), []):
-                    size, _, body = text.partition(" ")
-                    got += [(f"{file_key}@{o}", ChunkSums("crc32c", v, int(size), o, n))
-                            for o, n, v in decode_runs(body)]
-                got.sort(key=lambda kv: kv[1].origin)
-            self._records[(name, file_key)] = got
-        return got
+        file order (a chunk file has one record covering it, a shard one per run)."""
+        per = self._chunk_records().get(name, {})
+        if file_key in per:
+            return [(file_key, per[file_key])]
+        return self.records_over(name, file_key, 0, 2**63)
 
     def records_over(self, name: str, file_key: str, start: int, stop: int) -> list[tuple[str, ChunkSums]]:
-        """The records of :meth:`records_in` that bytes ``[start, stop)`` of the file meet
-        (runs do not overlap, so they are found by bisection)."""
-        records = self.records_in(name, file_key)
-        if len(records) < 8:
-            return [r for r in records if r[1].covers(start, stop) is not None]
-        origins = self._origins.get((name, file_key))
-        if origins is None:
-            origins = self._origins[(name, file_key)] = [r[1].origin for r in records]
-        i = max(0, bisect.bisect_right(origins, start) - 1)
-        j = bisect.bisect_left(origins, stop)
-        return [r for r in records[i:j] if r[1].covers(start, stop) is not None]
+        """The records of :meth:`records_in` that bytes ``[start, stop)`` of the file meet.
+        A shard's run records stay text until a range needs them: each rank's text is placed
+        by its first and last run (found without decoding it), and only the texts a range
+        can meet are decoded, so a task reading a part of a shard written by hundreds of
+        ranks decodes the few runs it reads."""
+        per = self._chunk_records().get(name, {})
+        if file_key in per:
+            return [(file_key, per[file_key])]
+        index = self._text_index(name, file_key)
+        if index is None:
+            return []
+        firsts, reach, texts = index
+        out: list[tuple[str, ChunkSums]] = []
+        k = bisect.bisect_left(firsts, stop) - 1
+        while k >= 0 and reach[k] > start:
+            for rec in self._decoded(name, file_key, k, texts[k]):
+                if rec[1].covers(start, stop) is not None:
+                    out.append(rec)
+            k -= 1
+        out.sort(key=lambda kv: kv[1].origin)
+        return out
+
+    def _text_index(self, name: str, file_key: str) -> tuple[list[int], list[int], list[str]] | None:
+        """The run texts of a shard sorted by first offset, with the furthest end reached by
+        any text up to each one (so a backward scan from a range's end can stop)."""
+        key = (name, file_key)
+        got = self._index.get(key)
+        if got is None:
+            texts = self._run_texts().get(key)
+            if not texts:
+                return None
+            placed = []
+            for text in texts:
+                body = text.partition(" ")[2]
+                first = body[: body.index(":")]
+                o, n, _ = body.rpartition(" ")[2].split(":")
+                placed.append((int(first), int(o) + int(n), text))
+            placed.sort(key=lambda x: x[0])
+            reach, far = [], 0
+            for _, end, _ in placed:
+                far = max(far, end)
+                reach.append(far)
+            got = self._index[key] = ([p[0] for p in placed], reach, [p[2] for p in placed])
+        return got
+
+    def _decoded(self, name: str, file_key: str, k: int, text: str) -> list[tuple[str, ChunkSums]]:
+        got = self._records.get((name, file_key, k))
+        if got is None:
+            size, _, body = text.partition(" ")
+            got = self._records[(name, file_key, k)] = [
+                (f"{file_key}@{o}", ChunkSums("crc32c", v, int(size), o, n)) for o, n, v in decode_runs(body)]
+        return got
 
     def verify_chunks(self, name: str, box: Box, done: Checked | None = None) -> int:
         """Check every recorded block of every chunk ``box`` touches; raise naming parameter
