@@ -39,6 +39,7 @@ from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
+from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
@@ -345,7 +346,8 @@ def ingest(
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
                              fingerprint=layout.fingerprint(), shards=layout.shards)
-            written, compared, ranks = (0, 0, ()) if state == "complete" else _run(plan, layout, store, options)
+            written, compared, ranks = ((0, 0, ()) if state == "complete"
+                                        else _run(plan, layout, store, options, prepared.indexes))
             complete = not plan.uncovered
             if complete and state != "complete":
                 store.mark_complete()
@@ -577,7 +579,8 @@ class RankJob:
 
 
 def _run(
-    plan: IngestPlan, layout: StoreLayout, store: Store, options: IngestOptions
+    plan: IngestPlan, layout: StoreLayout, store: Store, options: IngestOptions,
+    indexes: Mapping[int, Mapping[str, EntryInfo]] | None = None,
 ) -> tuple[int, int, tuple[int, ...]]:
     tensors = list(layout.tensors)
     chunks = layout.chunks
@@ -602,9 +605,14 @@ def _run(
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
                           progress=options.progress)
-        compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
-                           dict(plan.rank_files), client=client, label="verify", size=lambda j: j.check_bytes,
-                           name=_rank_name, progress=options.progress)
+        if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
+            checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
+            compared = run_all(compare_replicas, checks, options, client=client, label="verify",
+                               size=lambda j: j.nbytes, name=_rank_name, progress=options.progress)
+        else:
+            compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
+                               dict(plan.rank_files), client=client, label="verify", size=lambda j: j.check_bytes,
+                               name=_rank_name, progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
 
@@ -621,7 +629,7 @@ def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _rank_name(job: RankJob) -> str:
+def _rank_name(job: RankJob | CheckJob) -> str:
     return f"rank {job.rank}"
 
 
