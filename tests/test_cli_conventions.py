@@ -168,3 +168,22 @@ def test_a_dangling_output_link_is_refused_by_name(tmp_path: Path, command: str,
     if command != "api":
         assert "symbolic link" in capsys.readouterr().err
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_one_option_vocabulary_with_the_old_spellings_kept() -> None:
+    from zckpt.cli import _parser
+
+    p = _parser()
+    for cmd, new, old in (("ingest", "--src-strategy", "--strategy"), ("export", "--dst-strategy", "--strategy"),
+                          ("verify", "--src-strategy", "--strategy"), ("load", "--dst-strategy", "--strategy")):
+        fixed = {"ingest": ["SRC", "--store", "S"], "export": ["S", "--out", "O"], "verify": ["S"],
+                 "load": ["S", "--param", "p"]}[cmd]
+        assert p.parse_args([cmd, *fixed, new, "x.ckpt"]).strategy == "x.ckpt"
+        assert p.parse_args([cmd, *fixed, old, "x.ckpt"]).strategy == "x.ckpt"
+    a = p.parse_args(["ingest", "SRC", "--store", "S", "--block-size", "1GiB", "--chunk-size", "512KiB"])
+    assert (a.block_mb, a.chunk_mb) == (1024, 1)
+    assert p.parse_args(["export", "S", "--out", "O", "--block-mb", "64", "--max-file-size", "3GiB"]).max_file_mb \
+        == 3072
+    with pytest.raises(SystemExit) as bad:
+        p.parse_args(["export", "S", "--out", "O", "--block-size", "12XB"])
+    assert bad.value.code == EXIT_USAGE

@@ -33,14 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     ing.add_argument("src_dir", help="directory (or URL: s3://..., memory://...) with rank_<r>/*.ckpt or "
                                       "rank_<r>/*.safetensors")
     ing.add_argument(
-        "--strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
+        "--src-strategy", "--strategy", dest="strategy",
+        help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
     )
     ing.add_argument("--store", required=True, help="Zarr store to create (a directory or a URL)")
     _source_args(ing)
     ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
-    ing.add_argument("--chunk-mb", type=int, help="largest chunk (MiB; default min(64, max-mem/16))")
-    ing.add_argument("--block-mb", type=int, help="tensor data written per step (MiB; default max-mem/4)")
+    ing.add_argument("--chunk-size", "--chunk-mb", dest="chunk_mb", type=mib_arg,
+                     help="largest chunk, e.g. 64MiB (a plain number is MiB; default min(64 MiB, max-mem/16))")
+    ing.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
+                     help="tensor data written per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _engine_args(ing)
@@ -48,13 +51,15 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write destination rank files from a store")
     exp.add_argument("store", help="zckpt store (a directory or a URL)")
-    exp.add_argument("--strategy", help="destination strategy file, local or URL (omit: one rank with full tensors)")
+    exp.add_argument("--dst-strategy", "--strategy", dest="strategy",
+                     help="destination strategy file, local or URL (omit: one rank with full tensors)")
     exp.add_argument("--out", required=True, help="output directory or URL (rank_<r>/<prefix><r>.ckpt)")
     exp.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
     exp.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
     exp.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    exp.add_argument("--block-mb", type=int, help="tensor data materialised per step (MiB; default max-mem/4)")
+    exp.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
+                     help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
@@ -64,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     exp.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
                      help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
-    exp.add_argument("--max-file-mb", type=int, default=0,
+    exp.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
                      help="safetensors: split a rank larger than this into HF-style parts plus "
                           "<prefix><r>.safetensors.index.json (default: never split)")
     exp.add_argument("--json", action="store_true",
@@ -83,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     tr.add_argument("--overwrite", action="store_true", help="replace existing output files")
     tr.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    tr.add_argument("--block-mb", type=int, help="tensor data materialised per step (MiB; default max-mem/4)")
+    tr.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
+                     help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
     tr.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     tr.add_argument("--no-verify-crc", action="store_true", help="do not check the sources' crc_num")
     tr.add_argument("--per-stage", action="store_true",
@@ -91,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                          "strategy is one stage of the destination's, as in MindSpore)")
     tr.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
                     help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
-    tr.add_argument("--max-file-mb", type=int, default=0,
+    tr.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
                     help="safetensors: split a rank larger than this into HF-style parts plus "
                          "<prefix><r>.safetensors.index.json (default: never split)")
     tr.add_argument("--json", action="store_true",
@@ -128,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     ld = sub.add_parser("load", help="read one destination rank's slice of one parameter from a store")
     ld.add_argument("store")
     ld.add_argument("--rank", type=int, default=0, help="destination rank (default: 0)")
-    ld.add_argument("--strategy", help="destination strategy file or directory (omit: one rank, whole tensors)")
+    ld.add_argument("--dst-strategy", "--strategy", dest="strategy",
+                    help="destination strategy file or directory (omit: one rank, whole tensors)")
     ld.add_argument("--param", required=True, help="parameter (entry) name")
     ld.add_argument("--out", help="save the slice to this .npy file (bf16 as uint16 bits)")
     ld.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -257,6 +264,19 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise UsageError(f"size must be positive, got {text!r}")
     return int(value * unit)
+
+
+def mib_arg(text: str) -> int:
+    """A size option in whole MiB: ``64`` (MiB, the old ``--*-mb`` spelling) or ``64MiB``,
+    ``1GiB``, ``512KiB`` (rounded up to whole MiB)."""
+    s = text.strip()
+    if s.isdigit():
+        return int(s)
+    try:
+        n = parse_size(s)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+    return -(-n // MiB)
 
 
 def human_bytes(n: float) -> str:
@@ -474,7 +494,8 @@ def _verify_args(sub: Any) -> None:
     ver.add_argument("store", help="zckpt store (a directory or a URL)")
     ver.add_argument("src_dir", nargs="?", help="also compare these local source shards (rank_<r>/*.ckpt) with "
                                                 "the store")
-    ver.add_argument("--strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
+    ver.add_argument("--src-strategy", "--strategy", dest="strategy",
+                     help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
     _source_args(ver)
     ver.add_argument("--against", metavar="DST_DIR",
                      help="also compare a local export's rank files with the store")
@@ -483,7 +504,8 @@ def _verify_args(sub: Any) -> None:
     ver.add_argument("--any-order", action="store_true",
                      help="accept DST_DIR's .ckpt entries in any order (e.g. written by MindSpore); values are "
                           "still compared (safetensors files have no entry order)")
-    ver.add_argument("--block-mb", type=int, default=64, help="tensor data compared per step (MiB)")
+    ver.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg, default=64,
+                     help="tensor data compared per step, e.g. 64MiB (a plain number is MiB)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     _storage_args(ver)
 
