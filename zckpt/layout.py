@@ -11,6 +11,17 @@ number of the rank's coordinates on those (sub-)axes, outer first. This rule is 
 MindSpore's compiler applies when it slices parameters (checked against every fixture);
 ``opt_weight_shard_step`` is informational and not a rank stride.
 
+Two more strategy fields are honoured. ``param_split_shape`` (``Gather`` with
+``manual_split``) gives uneven dimension-0 pieces. ``field`` (``MatMul`` ``field_size``) is
+accepted and ignored: in MindSpore 2.10 neither the compiler's slicing
+(``_tensor._load_tensor``), nor ``save_checkpoint`` (also ``integrated_save``), nor
+``transform_checkpoints`` reads it; only ``merge_sliced_parameter`` (and
+``load_distributed_checkpoint`` through it) reorders rows by it, for a full tensor zckpt never
+builds that way. Fixture s20 shows compiled jobs holding the plain slices.
+
+A JSON layout in MindSpore's expanded form is folded here, where the shape is known
+(:func:`zckpt.formats.strategy.fold_layout`).
+
 Everything here is a pure function of (layout, global shape, rank): no I/O, no state.
 """
 
@@ -22,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from zckpt.errors import LayoutError
-from zckpt.formats.strategy import ParamLayout
+from zckpt.formats.strategy import ParamLayout, fold_candidates, fold_layout
 
 
 @dataclass(frozen=True, order=True)
@@ -157,15 +168,10 @@ def opt_shard_axes(layout: ParamLayout, *, param: str | None = None) -> tuple[tu
 def resolve(layout: ParamLayout, shape: Sequence[int], *, param: str | None = None) -> Sharding:
     """Check that ``layout`` fits ``shape`` and precompute its splits."""
     shape = tuple(int(s) for s in shape)
+    layout = fold_layout(layout, shape, param=param)
     if len(layout.tensor_map) != len(shape):
         raise LayoutError(
             f"tensor_map has {len(layout.tensor_map)} entries but the tensor has shape {list(shape)}", param=param
-        )
-    if layout.field_size > 0:
-        raise LayoutError(
-            f"field-split layouts (field={layout.field_size}, MindSpore's field-sliced EmbeddingLookup that "
-            "interleaves columns of every device's rows) are not supported",
-            param=param,
         )
     splits = tp_splits(layout)
     starts = uneven_dim0_starts(layout, param=param)
@@ -292,8 +298,31 @@ def replica_groups(sh: Sharding) -> tuple[tuple[int, ...], ...]:
 
 
 def global_shape(layout: ParamLayout, shard_shape: Sequence[int], *, param: str | None = None) -> tuple[int, ...]:
-    """Infer the global shape from the shape one rank holds."""
+    """Infer the global shape from the shape one rank holds.
+
+    For a JSON expanded layout every folding onto the shard's dimensions is tried; if two
+    give different global shapes the files cannot tell which one MindSpore meant, and the
+    parameter is refused rather than guessed.
+    """
     shard = tuple(int(s) for s in shard_shape)
+    if layout.is_expanded(len(shard)):
+        shapes = set()
+        for cand in fold_candidates(layout, len(shard), param=param):
+            try:
+                g = global_shape(cand, shard, param=param)
+                if g == cand.tensor_shape:
+                    resolve(cand, g, param=param)
+                    shapes.add(g)
+            except LayoutError:
+                continue
+        if len(shapes) != 1:
+            what = "fits none" if not shapes else f"fits several ({sorted(list(s) for s in shapes)})"
+            raise LayoutError(
+                f"the strategy's expanded tensor_shape {list(layout.tensor_shape or ())} {what} of the global "
+                f"shapes a shard of shape {list(shard)} can come from",
+                param=param,
+            )
+        return shapes.pop()
     if len(layout.tensor_map) != len(shard):
         raise LayoutError(
             f"tensor_map has {len(layout.tensor_map)} entries but the shard has shape {list(shard)}", param=param

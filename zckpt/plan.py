@@ -17,7 +17,7 @@ from typing import Literal
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import LayoutError, SourceError
 from zckpt.formats.ckpt import EntryInfo
-from zckpt.formats.strategy import ParamLayout, StrategyMap
+from zckpt.formats.strategy import ParamLayout, StrategyMap, fold_layout
 from zckpt.layout import Box, Sharding, global_shape, rank_box, resolve
 
 
@@ -272,6 +272,33 @@ def without_opt_shard(lay: ParamLayout) -> ParamLayout:
     return replace(lay, opt_shard_size=0, opt_shard_step=0)
 
 
+def with_owner_split(
+    name: str, per: Mapping[int, ParamLayout], layouts: Mapping[str, Mapping[int, ParamLayout]]
+) -> dict[int, ParamLayout]:
+    """An optimizer state's layouts with its parameter's uneven split where MindSpore omits it.
+
+    MindSpore lists the states of a ``manual_split`` ``Gather`` table (``moment1.table``...)
+    with the table's device matrix and tensor map but without ``param_split_shape`` /
+    ``indices_offset``, while their shards hold the table's uneven rows (fixtures s18, s19).
+    A state whose layout equals its parameter's apart from those two fields takes them.
+    """
+    owner = state_owner(name, layouts)
+    if owner is None:
+        return dict(per)
+    out = dict(per)
+    for stage, lay in per.items():
+        own = layouts[owner].get(stage)
+        if (own is not None and own.param_split_shape and not lay.param_split_shape
+                and (own.dev_matrix, own.tensor_map) == (lay.dev_matrix, lay.tensor_map)):
+            out[stage] = replace(lay, param_split_shape=own.param_split_shape, indices_offset=own.indices_offset)
+    return out
+
+
+def _folded(per: Mapping[int, ParamLayout], shape: tuple[int, ...], name: str) -> dict[int, ParamLayout]:
+    """Every stage's layout for the real ``shape`` (JSON expanded layouts folded)."""
+    return {s: fold_layout(lay, shape, param=name) for s, lay in per.items()}
+
+
 def _fits(
     per_stage: Mapping[int, ParamLayout],
     shape: tuple[int, ...],
@@ -312,7 +339,8 @@ def source_layouts(
     notes: dict[str, str] = {}
     if strategy is None:
         return layouts, notes
-    listed = {name: dict(strategy.layouts.get(name, {})) for name in order if strategy.layouts.get(name)}
+    listed = {name: with_owner_split(name, strategy.layouts[name], strategy.layouts)
+              for name in order if strategy.layouts.get(name)}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, per in listed.items():
         r = holders[name][0]
@@ -320,6 +348,7 @@ def source_layouts(
         if lay is not None and indexes[r][name].kind == "tensor":
             with contextlib.suppress(LayoutError):  # a misfit is reported later, by name
                 shapes[name] = global_shape(lay, indexes[r][name].shape, param=name)
+                listed[name] = _folded(per, shapes[name], name)
     layouts.update(listed)
     for name in order:
         ranks = holders[name]
@@ -419,6 +448,14 @@ def _plan_sharded(
         else:
             sh = next(s for s in shardings.values() if s.layout == lay)
         shardings[r] = sh
+        want = rank_box(sh, r % stage_dev).shape
+        if want != e.shape:
+            raise SourceError(
+                f"holds shape {list(e.shape)} but its strategy layout gives rank {r} the shape {list(want)} "
+                f"of global shape {list(g)}",
+                path=rank_files.get(r),
+                param=name,
+            )
     assert shape is not None
     primary = min(_stage_of(r, stage_dev) for r in ranks)
     by_box: dict[Box, list[int]] = {}
@@ -470,9 +507,11 @@ def destination_layouts(
     """The destination layout of every entry, per destination stage.
 
     An optimizer state the destination strategy does not list takes its parameter's layout
-    when both have the same global shape (older MindSpore saved strategies without them),
-    and ``accu_grads.*`` are laid out without the optimizer split their strategy entries
-    state, because MindSpore does not optimizer-shard them (fixture s07).
+    when both have the same global shape (older MindSpore saved strategies without them); a
+    listed state of a ``manual_split`` table takes the table's uneven split
+    (:func:`with_owner_split`, fixture s19); ``accu_grads.*`` are laid out without the
+    optimizer split their strategy entries state, because MindSpore does not
+    optimizer-shard them (fixture s07); JSON expanded layouts are folded onto the shape.
     """
     if strategy is None:
         return {}
@@ -484,10 +523,12 @@ def destination_layouts(
             owner = state_owner(t.name, strategy.layouts)
             if owner is not None and shapes.get(owner) == t.shape:
                 per = dict(strategy.layouts[owner])
+        elif per and shapes.get(state_owner(t.name, strategy.layouts) or "") == t.shape:
+            per = with_owner_split(t.name, per, strategy.layouts)
         if t.name.startswith("accu_grads."):
             per = {s: without_opt_shard(lay) for s, lay in per.items()}
         if per:
-            out[t.name] = per
+            out[t.name] = _folded(per, t.shape, t.name) if t.kind == "tensor" else per
     return out
 
 

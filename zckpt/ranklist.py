@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zckpt.errors import LayoutError, StrategyError
-from zckpt.formats.strategy import ParamLayout, StrategyMap
+from zckpt.formats.strategy import ParamLayout, StrategyMap, fold_candidates
 from zckpt.layout import Box, Sharding, coordinate, dev_index, normalized_shape, rank_box, resolve
 
 MsDim = int | list[int]
@@ -520,6 +520,45 @@ def _ms_layout_list(smap: StrategyMap, rank_id: int | None) -> dict[str, tuple[P
     return out
 
 
+def _foldings(lay: ParamLayout, param: str) -> dict[tuple[int, ...] | None, ParamLayout]:
+    """The layout for every real shape a JSON (expanded) layout may describe; ``None``: any shape."""
+    if lay.tensor_shape is None or len(lay.tensor_shape) != len(lay.tensor_map):
+        return {None: lay}
+    out: dict[tuple[int, ...] | None, ParamLayout] = {lay.tensor_shape: lay}
+    for k in range(1, len(lay.tensor_map)):
+        for cand in fold_candidates(lay, k, param=param):
+            out.setdefault(cand.tensor_shape, cand)
+    return out
+
+
+def fold_pairs(
+    src: ParamLayout, dst: ParamLayout | None, param: str
+) -> list[tuple[ParamLayout, ParamLayout | None]]:
+    """Both layouts of one parameter on the same real dimensions, for every shape they may describe.
+
+    JSON files write multi-axis maps expanded (see :mod:`zckpt.formats.strategy`) and the rank
+    list has no tensor shape to fold them with. The real shape is one both sides fold onto;
+    MindSpore expands only dimensions split over several axes, so it is among the candidates
+    with the most dimensions. When several remain, the files cannot tell which: the caller
+    takes the union of their rank lists, which is enough for any of them.
+    """
+    if dst is None:  # an unsharded destination reads every piece, however the dimensions are grouped
+        return [(src, None)]
+    a = _foldings(src, param)
+    b = _foldings(dst, param)
+    if None in a and None in b:
+        return [(src, dst)]
+    if None in a or None in b:
+        plain, known = (src, b) if None in a else (dst, a)
+        common = {k for k in known if k is not None and len(k) == len(plain.tensor_map)}
+    else:
+        common = {k for k in a if k is not None and k in b}
+    if not common:
+        raise LayoutError("the source and destination layouts describe no common tensor shape", param=param)
+    ndim = max(len(k) for k in common)
+    return [(a.get(k, src), b.get(k, dst)) for k in sorted(common) if len(k) == ndim]
+
+
 def _first_device_num(layouts: Mapping[str, tuple[ParamLayout, list[int]]]) -> int:
     return next(iter(layouts.values()))[0].device_num
 
@@ -618,16 +657,17 @@ def rank_arrays_for_transform_maps(
             sp = per_stage[key] = _stage_pairs(rank_id, src, dst, strict=strict)
         local = rank_id % sp.dst_devices if sp.dst_devices > 1 else rank_id
         needed = np.zeros(sp.src_devices, dtype=bool)
-        for lay, to, name in sp.pairs:
-            ndim = len(lay.tensor_map)
-            if (lay, to) not in gathers:
-                gathers[(lay, to)] = _ms_gather(lay, to, ndim, name, strict=strict)
-            g = gathers[(lay, to)]
-            if g is None:
-                assert to is not None
-                needed[sorted(_minimal_overlap(lay, to, local, ndim, name))] = True
-            else:
-                needed[_gather_array(g, local, name)] = True
+        for listed, listed_to, name in sp.pairs:
+            for lay, to in fold_pairs(listed, listed_to, name):
+                ndim = len(lay.tensor_map)
+                if (lay, to) not in gathers:
+                    gathers[(lay, to)] = _ms_gather(lay, to, ndim, name, strict=strict)
+                g = gathers[(lay, to)]
+                if g is None:
+                    assert to is not None
+                    needed[sorted(_minimal_overlap(lay, to, local, ndim, name))] = True
+                else:
+                    needed[_gather_array(g, local, name)] = True
         local_desc = np.flatnonzero(needed)[::-1]  # stage-local ranks < src_devices: no two stages collide
         offsets = np.array(sorted(sp.stages, reverse=True), dtype=np.int64) * sp.src_devices
         out[rank_id] = (offsets[:, None] + local_desc[None, :]).reshape(-1)

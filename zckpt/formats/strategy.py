@@ -8,20 +8,31 @@ generated test inputs) stay loadable by MindSpore.
 Pipeline jobs write one file per rank holding only its stage's parameters (their stage is
 in ``parallel_strategy_item``); ``merge_pipeline_strategys`` prefixes each name with
 ``"<stage>-"``. Both shapes are read into the same :class:`StrategyMap`.
+
+A tensor dimension split over several device axes (``mindspore.parallel.Layout`` with a
+tuple) is written two ways. Protobuf files give that dimension its own ``TensorMap``
+listing the axes. JSON files hold the *expanded* layout instead: the dimension becomes k
+dimensions in ``tensor_shape`` and ``tensor_map``, the first k-1 the size of their axis
+and the last one the rest, and a size-1 axis is dropped from ``dev_matrix`` (its entry is
+-1) yet still gives a dimension. Which expanded dimensions make up one real dimension is
+not written down, only the real shape tells, so a JSON layout is read as written and
+folded by :func:`fold_layout` once the tensor's shape is known; :func:`expand_layout`
+writes the expanded form back.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from zckpt.errors import StrategyError
+from zckpt.errors import LayoutError, StrategyError
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 
 _STAGE_PREFIX = re.compile(r"^([0-9]{1,10})-(.+)$", re.DOTALL)
@@ -57,6 +68,10 @@ class ParamLayout:
     @property
     def device_num(self) -> int:
         return math.prod(self.dev_matrix)
+
+    def is_expanded(self, ndim: int) -> bool:
+        """Whether this is a JSON layout in MindSpore's expanded form for a tensor of ``ndim`` dimensions."""
+        return self.tensor_shape is not None and len(self.tensor_map) > ndim
 
     def flat_tensor_map(self) -> tuple[int, ...] | None:
         """The single-axis tensor map MindSpore writes when no dimension has several axes."""
@@ -109,6 +124,141 @@ class StrategyMap:
 
     def _where(self) -> str | None:
         return ", ".join(self.sources) if self.sources else None
+
+
+MAX_FOLD_GROUPINGS = 4096
+"""Groupings of expanded dimensions tried when only a shard shape is known; a real layout
+has a handful of dimensions, a hostile file could make the search exponential."""
+
+
+def _axis_size(lay: ParamLayout, axes: Sequence[int]) -> int:
+    return math.prod(lay.dev_matrix[len(lay.dev_matrix) - 1 - a] for a in axes)
+
+
+def _fold_groups(lay: ParamLayout, groups: Sequence[Sequence[int]], param: str | None) -> ParamLayout:
+    """Merge expanded dimensions ``groups`` (consecutive index runs) into one dimension each.
+
+    The expanded tensor is the real one reshaped, so slicing it equals slicing the real
+    dimension into prod(sizes) pieces numbered mixed-radix, first dimension most
+    significant, as long as every expanded dimension before a split one is exactly one
+    piece per device of its axis; otherwise a rank's rows would not be one contiguous run
+    and no box describes them, which is refused.
+    """
+    assert lay.tensor_shape is not None
+    shape = lay.tensor_shape
+    real: list[int] = []
+    tmap: list[tuple[int, ...]] = []
+    for g in groups:
+        sizes = [_axis_size(lay, lay.tensor_map[j]) for j in g]
+        for j, n in zip(g, sizes, strict=True):
+            if shape[j] % n:
+                raise LayoutError(
+                    f"expanded tensor_shape {list(shape)}: dimension {j} of size {shape[j]} cannot be split "
+                    f"into {n} equal parts", param=param)
+        for k, j in enumerate(g[:-1]):
+            if shape[j] != sizes[k] and any(n > 1 for n in sizes[k + 1:]):
+                raise LayoutError(
+                    f"expanded tensor_shape {list(shape)} / tensor_map {[a[0] if a else -1 for a in lay.tensor_map]}: "
+                    f"dimension {j} is not one piece per device of its axis, so a rank's rows are not contiguous",
+                    param=param)
+        real.append(math.prod(shape[j] for j in g))
+        tmap.append(tuple(a for j in g for a in lay.tensor_map[j]))
+    return replace(lay, tensor_map=tuple(tmap), tensor_shape=tuple(real))
+
+
+def fold_layout(lay: ParamLayout, shape: Sequence[int], *, param: str | None = None) -> ParamLayout:
+    """The layout for a tensor of global ``shape``: a JSON expanded layout folded back to one
+    map entry per real dimension (several axes on a dimension, first listed most significant).
+
+    Layouts that are not expanded come back unchanged. Expanded dimensions of size 1 may be
+    grouped either way without changing any box (their axis has size 1), so the first
+    grouping whose products give ``shape`` is taken.
+    """
+    real = tuple(int(s) for s in shape)
+    if not lay.is_expanded(len(real)):
+        return lay
+    assert lay.tensor_shape is not None
+    exp = lay.tensor_shape
+    if len(exp) != len(lay.tensor_map):
+        raise LayoutError(
+            f"tensor_shape {list(exp)} and tensor_map have different lengths ({len(exp)}, {len(lay.tensor_map)})",
+            param=param)
+    groups: list[list[int]] = []
+    j = 0
+    for size in real:
+        if j >= len(exp):
+            break
+        g = [j]
+        prod = exp[j]
+        j += 1
+        while prod < size and j < len(exp):
+            g.append(j)
+            prod *= exp[j]
+            j += 1
+        groups.append(g)
+    while j < len(exp) and exp[j] == 1 and groups:
+        groups[-1].append(j)
+        j += 1
+    if j != len(exp) or len(groups) != len(real) or any(
+        math.prod(exp[i] for i in g) != n for g, n in zip(groups, real, strict=True)
+    ):
+        raise LayoutError(
+            f"the strategy's expanded tensor_shape {list(exp)} does not fold onto the tensor's shape {list(real)}",
+            param=param)
+    return _fold_groups(lay, groups, param)
+
+
+def fold_candidates(lay: ParamLayout, ndim: int, *, param: str | None = None) -> list[ParamLayout]:
+    """Every folding of an expanded layout into ``ndim`` dimensions that MindSpore could have
+    written, distinct by real shape (for ingest, which knows only the shard shapes)."""
+    assert lay.tensor_shape is not None
+    exp = lay.tensor_shape
+    n = len(exp)
+    if len(lay.tensor_map) != n:
+        raise LayoutError(
+            f"tensor_shape {list(exp)} and tensor_map have different lengths ({n}, {len(lay.tensor_map)})",
+            param=param)
+    if ndim < 1 or ndim > n:
+        return []
+    out: dict[tuple[int, ...], ParamLayout] = {}
+    for tried, cuts in enumerate(itertools.combinations(range(1, n), ndim - 1)):
+        if tried >= MAX_FOLD_GROUPINGS:
+            raise LayoutError(
+                f"expanded tensor_shape {list(exp)} has too many ways to fold onto {ndim} dimensions", param=param)
+        bounds = (0, *cuts, n)
+        groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+        try:
+            folded = _fold_groups(lay, groups, param)
+        except LayoutError:
+            continue
+        assert folded.tensor_shape is not None
+        out.setdefault(folded.tensor_shape, folded)
+    return list(out.values())
+
+
+def expand_layout(lay: ParamLayout) -> tuple[list[int], list[int]] | None:
+    """``(tensor_shape, tensor_map)`` in MindSpore's JSON expanded form, or ``None`` when the
+    layout has a dimension over several axes but no real shape to expand it with."""
+    multi = any(len(a) > 1 for a in lay.tensor_map)
+    if lay.tensor_shape is None or len(lay.tensor_shape) != len(lay.tensor_map):
+        return None if multi else ([] if lay.tensor_shape is None else list(lay.tensor_shape),
+                                   [a[0] if a else -1 for a in lay.tensor_map])
+    shape: list[int] = []
+    tmap: list[int] = []
+    for axes, size in zip(lay.tensor_map, lay.tensor_shape, strict=True):
+        if len(axes) <= 1:
+            shape.append(size)
+            tmap.append(axes[0] if axes else -1)
+            continue
+        rest = size
+        for a in axes[:-1]:
+            n = _axis_size(lay, (a,))
+            shape.append(n)
+            tmap.append(a)
+            rest //= n
+        shape.append(rest)
+        tmap.append(axes[-1])
+    return shape, tmap
 
 
 def read_strategy(path: str | Path) -> StrategyMap:
@@ -466,7 +616,12 @@ def encode_strategy(smap: StrategyMap, *, merged: bool | None = None, current_st
 
 
 def encode_strategy_json(smap: StrategyMap, *, merged: bool | None = None, current_stage: int = 0) -> str:
-    """Serialize to MindSpore's JSON form (the layout of ``StrategyCheckpointInfo::to_json``)."""
+    """Serialize to MindSpore's JSON form (the layout of ``StrategyCheckpointInfo::to_json``).
+
+    A layout whose ``tensor_shape`` is the real shape is written expanded, as MindSpore
+    does (:func:`expand_layout`), so that reading it back and folding it gives the same boxes;
+    size-1 axes stay in ``dev_matrix`` (MindSpore drops them; both read the same).
+    """
     prefix = smap.stage_num > 1 if merged is None else merged
     ops = {
         node: {"stage": stage, "parallel_strategy": [list(d) for d in dims]}
@@ -475,16 +630,17 @@ def encode_strategy_json(smap: StrategyMap, *, merged: bool | None = None, curre
     items: dict[str, dict[str, object]] = {}
     for name, per in smap.layouts.items():
         for stage, lay in sorted(per.items()):
-            flat = lay.flat_tensor_map()
+            expanded = expand_layout(lay)
             entry: dict[str, object] = {
                 "dev_matrix": list(lay.dev_matrix),
-                "tensor_map": list(flat) if flat is not None else [list(a) or [-1] for a in lay.tensor_map],
+                # without a real shape a multi-axis map cannot be expanded: zckpt's own nested-list form
+                "tensor_map": [list(a) or [-1] for a in lay.tensor_map] if expanded is None else expanded[1],
                 "field": lay.field_size,
                 "opt_weight_shard_step": lay.opt_shard_step,
                 "opt_weight_shard_size": lay.opt_shard_size,
             }
-            if lay.tensor_shape is not None:
-                entry["tensor_shape"] = list(lay.tensor_shape)
+            if expanded is not None and lay.tensor_shape is not None:
+                entry["tensor_shape"] = expanded[0]
             if lay.param_split_shape or lay.indices_offset:
                 entry["param_split_shape"] = list(lay.param_split_shape)
                 entry["indices_offset"] = list(lay.indices_offset)
