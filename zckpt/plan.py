@@ -245,14 +245,37 @@ def merge_orders(first: Sequence[str], second: Sequence[str]) -> list[str]:
         if i is None:
             pending.append(x)
         elif i >= taken:
-            out.extend(first[taken:i])
-            out.extend(pending)
+            out.extend(_merge_segment(first[taken:i], pending))
             out.append(x)
             pending = []
             taken = i + 1
-    out.extend(first[taken:])
-    out.extend(pending)
+    out.extend(_merge_segment(first[taken:], pending))
     return out
+
+
+def _state_prefix(name: str) -> str:
+    return next((p for p in STATE_PREFIXES if name.startswith(p)), "")
+
+
+def _merge_segment(first: Sequence[str], second: Sequence[str]) -> list[str]:
+    """Two stages' entries between the same anchors, grouped by kind when both are.
+
+    An optimizer lists all ``moment1.*`` before all ``moment2.*`` (fixture s21), so when
+    each stage's run is grouped by state prefix the groups are merged (each stage's order
+    kept inside a group); otherwise the first stage's entries come first.
+    """
+    groups: list[str] = []
+    for x in (*first, *second):
+        if _state_prefix(x) not in groups:
+            groups.append(_state_prefix(x))
+
+    def grouped(seq: Sequence[str]) -> bool:
+        keys = [groups.index(_state_prefix(x)) for x in seq]
+        return keys == sorted(keys)
+
+    if not (grouped(first) and grouped(second)):
+        return [*first, *second]
+    return [x for g in groups for seq in (first, second) for x in seq if _state_prefix(x) == g]
 
 
 STATE_PREFIXES = ("accu_grads.", "moments.", "moment1.", "moment2.", "adam_m.", "adam_v.", "exp_avg.", "exp_avg_sq.")
