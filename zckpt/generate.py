@@ -20,7 +20,10 @@ weights). This module writes them from first principles:
 :func:`random_layout` draws layouts of the kinds MindSpore's parallel compiler produces
 (factorised device matrices, left-most replication axes, unsplit dimensions, several axes
 on one dimension, optimizer sharding over one or more repeated axes, including an axis
-larger than the shard size still needs), and :func:`transformer_like` sizes a
+larger than the shard size still needs, ``manual_split`` uneven row splits, a ``field``
+value), :func:`with_optimizer_states` adds the optimizer states MindSpore saves with them
+(listed, as MindSpore does, without the uneven split of their parameter), JSON strategy files
+hold multi-axis maps in MindSpore's expanded form, and :func:`transformer_like` sizes a
 Megatron-style model for benchmarks.
 
 Everything is pure apart from :func:`write_model`, which only writes below ``out_dir``.
@@ -33,7 +36,7 @@ import os
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Literal
@@ -62,6 +65,9 @@ class TensorDef:
     shape: tuple[int, ...]
     ms_type: str
     layout: ParamLayout | None = None
+    listed_layout: ParamLayout | None = None
+    """The layout the strategy file lists when it differs from how the shards are cut
+    (MindSpore lists a ``manual_split`` table's optimizer states without the split)."""
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +202,8 @@ def random_layout(
     allow_opt: bool = True,
     allow_multi_axis: bool = True,
     unlisted_prob: float = 0.0,
+    uneven_prob: float = 0.0,
+    field_prob: float = 0.0,
 ) -> ParamLayout | None:
     """A random layout of ``shape`` on ``device_num`` devices that fits the shape.
 
@@ -205,7 +213,11 @@ def random_layout(
     ``allow_multi_axis``; some axes stay unmapped, i.e. replicate), and with
     ``allow_opt`` picks an optimizer shard size: ``0``, ``-1`` (all repeated axes) or any
     valid size, including one that takes only part of an axis. Returns ``None`` (an
-    unlisted tensor) with probability ``unlisted_prob``.
+    unlisted tensor) with probability ``unlisted_prob``. With probability ``uneven_prob`` a
+    dimension 0 split by one axis gets uneven pieces (``param_split_shape`` /
+    ``indices_offset``, ``Gather`` ``manual_split``; MindSpore then shards no optimizer state
+    of it), with ``field_prob`` a ``field`` value (``MatMul`` ``field_size``). Both draw from
+    ``rng`` only when their probability is positive, so older seeds give the same layouts.
     """
     shp = tuple(int(s) for s in shape)
     if device_num < 1:
@@ -247,7 +259,57 @@ def random_layout(
             opt_size = choices[int(rng.integers(0, len(choices)))]
             inner = max(i for i, n in enumerate(dev) if i not in used and n > 1)
             opt_step = math.prod(dev[inner + 1 :])
-    return make_layout(dev, [list(t) for t in tmap], opt_shard_step=opt_step, opt_shard_size=opt_size)
+    split: list[int] = []
+    offsets: list[int] = []
+    if uneven_prob > 0 and rng.random() < uneven_prob and shp and len(tmap[0]) == 1:
+        pieces = dev[ndim_dev - 1 - tmap[0][0]]
+        if shp[0] >= pieces > 1:
+            counts = _uneven_parts(rng, shp[0], pieces)
+            inner_count = math.prod(dev[ndim_dev - 1 - a] for axes_ in tmap[1:] for a in axes_)
+            starts = [sum(counts[:k]) for k in range(pieces)]
+            split = [c for c in counts for _ in range(inner_count)]
+            offsets = [o for o in starts for _ in range(inner_count)]
+            opt_size = opt_step = 0
+    field_size = int(rng.choice([2, 6, 39])) if field_prob > 0 and rng.random() < field_prob else 0
+    return make_layout(dev, [list(t) for t in tmap], opt_shard_step=opt_step, opt_shard_size=opt_size,
+                       field_size=field_size, param_split_shape=split, indices_offset=offsets)
+
+
+def _uneven_parts(rng: np.random.Generator, total: int, count: int) -> list[int]:
+    """``count`` positive row counts adding up to ``total``, not all equal when that is possible."""
+    for _ in range(8):
+        cuts = sorted(int(c) for c in rng.choice(np.arange(1, total), size=count - 1, replace=False))
+        parts = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+        if len(set(parts)) > 1:
+            return parts
+    return parts
+
+
+def with_optimizer_states(tensors: Sequence[TensorDef], prefixes: Sequence[str] = ("moment1.", "moment2.")
+                          ) -> list[TensorDef]:
+    """``tensors`` followed by an optimizer state per prefix for every tensor with a layout.
+
+    A state holds its parameter's shards. MindSpore lists it with the parameter's layout but,
+    for a ``manual_split`` table, without ``param_split_shape`` / ``indices_offset`` (fixtures
+    s18, s19): ``listed_layout`` says so, and the strategy file is written that way.
+    """
+    out = list(tensors)
+    for prefix in prefixes:
+        for t in tensors:
+            if t.layout is None:
+                continue
+            listed = replace(t.layout, param_split_shape=(), indices_offset=()) if t.layout.param_split_shape else None
+            out.append(TensorDef(prefix + t.name, t.shape, "Float32", t.layout, listed))
+    return out
+
+
+def strategy_of(tensors: Sequence[TensorDef], stage: int = 0) -> StrategyMap:
+    """The strategy file's content for ``tensors``: each listed layout with its real shape
+    (which lets the JSON form write multi-axis maps expanded, as MindSpore does)."""
+    return StrategyMap(layouts={
+        t.name: {stage: replace(t.listed_layout or t.layout, tensor_shape=t.shape)}
+        for t in tensors if t.layout is not None
+    })
 
 
 # --------------------------------------------------------------------------- model shapes
@@ -482,7 +544,7 @@ def write_model(
         for name, text in strs.items():
             for f in files if ref is None else [*files, ref]:
                 f.write(encode_string(name, text))
-    smap = StrategyMap(layouts={t.name: {0: t.layout} for t in defs if t.layout is not None}, sources=())
+    smap = strategy_of(defs)
     strategy_path: Path | None = None
     if strategy_format == "protobuf":
         strategy_path = root / "strategy.ckpt"
