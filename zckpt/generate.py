@@ -590,7 +590,7 @@ def _stage_map(tensors: Sequence[TensorDef], stage: int) -> StrategyMap:
     """A per-rank strategy file's content: the stage's layouts, and an operator strategy that
     carries the stage number (that is how MindSpore's files say which stage they describe)."""
     return StrategyMap(
-        layouts={t.name: {stage: t.layout} for t in tensors if t.layout is not None},
+        layouts={t.name: {stage: t.listed_layout or t.layout} for t in tensors if t.layout is not None},
         operator_strategies={f"MatMul-stage{stage}": (stage, ((1, 1), (1, 1)))},
     )
 

@@ -350,13 +350,15 @@ def source_layouts(
 ) -> tuple[dict[str, dict[int, ParamLayout]], dict[str, str]]:
     """The layout of every source entry per stage, where the shapes on disk prove it.
 
-    Two MindSpore habits need care. Optimizer states may be missing from the strategy
+    MindSpore habits that need care: optimizer states may be missing from the strategy
     (``only_trainable_params=True`` in older versions): such a state takes its parameter's
     layout when every holder's shard has exactly the shape that layout gives. And
     ``accu_grads.*`` are listed with their parameter's optimizer-shard fields although the
     saved tensors are not optimizer-sharded (fixture s07): a listed state whose shards do not
     fit its parameter's global shape is re-read without the optimizer split if that fits.
-    Anything else that does not fit is left to the checks that refuse it by name.
+    The states of a ``manual_split`` table are listed without its uneven split and take it
+    (:func:`with_owner_split`). JSON expanded layouts are folded onto the global shape the
+    shards imply. Anything else that does not fit is left to the checks that refuse it by name.
     """
     layouts: dict[str, dict[int, ParamLayout]] = {}
     notes: dict[str, str] = {}
