@@ -96,6 +96,18 @@ def test_manual_split_state_takes_its_tables_split() -> None:
     assert with_owner_split("moment2.t", layouts["moment2.t"], layouts)[0] == other  # another layout: untouched
 
 
+def test_manual_split_one_count_per_row_piece() -> None:
+    """MindSpore 2.10 writes a (4, 2) manual_split table on 8 devices with 4 counts (one per
+    dimension-0 piece; dev_matrix (4, 2), map [[1], [0]]), as compiled here with its dryrun."""
+    lay = make_layout((4, 2), [[1], [0]], param_split_shape=[10, 30, 5, 19], indices_offset=[0, 10, 40, 45])
+    sh = resolve(lay, (64, 32))
+    rows = [(0, 10), (10, 40), (40, 45), (45, 64)]
+    assert [rank_box(sh, r) for r in range(8)] == [
+        Box((rows[r // 2][0], 16 * (r % 2)), (rows[r // 2][1], 16 * (r % 2) + 16)) for r in range(8)]
+    per_slice = make_layout((4, 2), [[1], [0]], param_split_shape=[10, 10, 30, 30, 5, 5, 19, 19])
+    assert [rank_box(resolve(per_slice, (64, 32)), r) for r in range(8)] == [rank_box(sh, r) for r in range(8)]
+
+
 def test_uneven_split_with_optimizer_shard_is_refused_by_name() -> None:
     """MindSpore's compiler cannot produce it (docs/layouts.md); a file that states it is refused."""
     lay = make_layout((2, 2), [[0], []], opt_shard_size=2, param_split_shape=[3, 5, 3, 5][:2],

@@ -283,8 +283,10 @@ def test_param_split_shape_uneven_rows(tmp_path: Path) -> None:
 def test_bad_param_split_shape_is_refused_and_field_ignored() -> None:
     with pytest.raises(zckpt.LayoutError, match="adds up to 9 rows"):
         resolve(make_layout((2,), [[0], []], param_split_shape=[5, 4]), (10, 4))
-    with pytest.raises(zckpt.LayoutError, match="2 entries but the layout cuts the tensor into 4"):
-        resolve(make_layout((2, 2), [[1], [0]], param_split_shape=[5, 5]), (10, 4))
+    with pytest.raises(zckpt.LayoutError, match="3 entries but the layout cuts dimension 0 into 2 pieces"):
+        resolve(make_layout((2, 2), [[1], [0]], param_split_shape=[5, 5, 5]), (10, 4))
+    with pytest.raises(zckpt.LayoutError, match="running row offsets"):
+        resolve(make_layout((2,), [[0], []], param_split_shape=[6, 4], indices_offset=[0, 5]), (10, 4))
     # field (MatMul field_size) does not change a slice (fixture s20; see zckpt.layout)
     plain = make_layout((2,), [[0], []])
     field = dataclasses.replace(plain, field_size=39)

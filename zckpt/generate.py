@@ -264,11 +264,9 @@ def random_layout(
     if uneven_prob > 0 and rng.random() < uneven_prob and shp and len(tmap[0]) == 1:
         pieces = dev[ndim_dev - 1 - tmap[0][0]]
         if shp[0] >= pieces > 1:
-            counts = _uneven_parts(rng, shp[0], pieces)
-            inner_count = math.prod(dev[ndim_dev - 1 - a] for axes_ in tmap[1:] for a in axes_)
-            starts = [sum(counts[:k]) for k in range(pieces)]
-            split = [c for c in counts for _ in range(inner_count)]
-            offsets = [o for o in starts for _ in range(inner_count)]
+            # one count and offset per row piece, as MindSpore's compiler writes manual_split
+            split = _uneven_parts(rng, shp[0], pieces)
+            offsets = [sum(split[:k]) for k in range(pieces)]
             opt_size = opt_step = 0
     field_size = int(rng.choice([2, 6, 39])) if field_prob > 0 and rng.random() < field_prob else 0
     return make_layout(dev, [list(t) for t in tmap], opt_shard_step=opt_step, opt_shard_size=opt_size,

@@ -202,9 +202,12 @@ def resolve(layout: ParamLayout, shape: Sequence[int], *, param: str | None = No
 def uneven_dim0_starts(layout: ParamLayout, *, param: str | None = None) -> tuple[int, ...] | None:
     """Row boundaries of an uneven dimension-0 split given by ``param_split_shape``.
 
-    MindSpore lists one dimension-0 size per tensor slice, slices numbered mixed-radix over
-    the tensor dimensions (dimension 0 most significant), so slices that differ only in the
-    other dimensions must agree on their size. ``None`` when the split is even.
+    MindSpore's compiler writes ``Gather``'s ``manual_split`` as given: one row count per
+    dimension-0 piece, also when other dimensions are split too (a table sharded (4, 2) on 8
+    devices lists 4 counts). ``merge_sliced_parameter`` reads one count per tensor slice
+    instead, slices numbered mixed-radix with dimension 0 most significant; both forms are
+    read (slices sharing rows must then agree). ``indices_offset``, when given, must be the
+    pieces' running row offsets. ``None`` when the split is even.
     """
     sizes = layout.param_split_shape
     if not sizes:
@@ -213,12 +216,13 @@ def uneven_dim0_starts(layout: ParamLayout, *, param: str | None = None) -> tupl
     if not splits:
         raise LayoutError("param_split_shape given for a 0-d tensor", param=param)
     count = math.prod(splits)
-    if len(sizes) != count:
+    if len(sizes) not in (splits[0], count):
         raise LayoutError(
-            f"param_split_shape has {len(sizes)} entries but the layout cuts the tensor into {count} slices",
+            f"param_split_shape has {len(sizes)} entries but the layout cuts dimension 0 into {splits[0]} pieces "
+            f"and the tensor into {count} slices",
             param=param,
         )
-    inner = count // splits[0]
+    inner = len(sizes) // splits[0]
     pieces = []
     for k in range(splits[0]):
         group = set(sizes[k * inner : (k + 1) * inner])
@@ -232,6 +236,14 @@ def uneven_dim0_starts(layout: ParamLayout, *, param: str | None = None) -> tupl
     starts = [0]
     for p in pieces:
         starts.append(starts[-1] + p)
+    offsets = layout.indices_offset
+    if offsets and (len(offsets) != len(sizes) or any(
+        offsets[k * inner + j] != starts[k] for k in range(splits[0]) for j in range(inner)
+    )):
+        raise LayoutError(
+            f"indices_offset {list(offsets)} are not the running row offsets of param_split_shape {list(sizes)}",
+            param=param,
+        )
     return tuple(starts)
 
 
