@@ -138,3 +138,17 @@ def test_rank_list_folds_json_against_protobuf() -> None:
     # (4,384): rows 0-1 = tp 0: ranks 0 and 4; the union is every rank with tp < 2
     got = rank_list_for_transform_maps(0, StrategyMap({"w": {0: src}}), StrategyMap({"w": {0: dst}}))
     assert {0, 1, 4, 5} <= set(got)
+
+
+def test_load_distributed_checkpoint_refuses_a_field_reorder() -> None:
+    """MindSpore's load_distributed_checkpoint reorders field>1 rows when merging; zckpt names the parameter."""
+    from zckpt.loading import refuse_field_reorder
+
+    plain = make_layout((2, 2), [[1], []])
+    train = StrategyMap({"w": {0: dataclasses.replace(plain, field_size=2)}, "b": {0: plain},
+                         "one": {0: dataclasses.replace(plain, field_size=1)}})
+    with pytest.raises(zckpt.LayoutError, match="field 2") as err:
+        refuse_field_reorder(train, {"w", "b"})
+    assert "'w'" in str(err.value)
+    refuse_field_reorder(train, {"b", "one"})  # field 1 reorders nothing; parameters not loaded do not count
+    refuse_field_reorder(None, {"w"})

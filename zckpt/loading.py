@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from zckpt.dtypes import ms_dtype, public_array
-from zckpt.errors import SourceError, StrategyError, UsageError
+from zckpt.errors import LayoutError, SourceError, StrategyError, UsageError
 from zckpt.export import check_coverage
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
@@ -355,10 +355,33 @@ def load_distributed_checkpoint(
             raise UsageError("For 'Load_distributed_checkpoint', the length of 'checkpoint_filenames' should be equal "
                              "to the device count of training process. But got the length of 'checkpoint_filenames' "
                              f"is {len(files)} and the device count is {smap.device_num()}.")
+        refuse_field_reorder(smap, names)
         with ShardSlicer(dict(enumerate(files)), smap) as slicer:
             values = read_rank(slicer, dst, rank, names.__contains__)
     load_into_network(network, values, strict_load=strict_load)
     return True
+
+
+def refuse_field_reorder(train: StrategyMap | None, names: Collection[str]) -> None:
+    """Refuse training parameters whose merge MindSpore's function reorders.
+
+    MindSpore's ``load_distributed_checkpoint`` merges the training slices with
+    ``merge_sliced_parameter``, which reorders the rows of an evenly split parameter whose
+    layout has ``field`` > 1 on several devices (``_reshape_param_data_with_weight``): not
+    what the training job held, which zckpt reads (docs/layout-kinds.md). Loading either
+    would differ from the other, so such a parameter is refused by name.
+    """
+    if train is None:
+        return
+    for name in sorted(set(names) & set(train.layouts)):
+        for lay in train.layouts[name].values():
+            if lay.field_size > 1 and lay.device_num > 1 and not lay.param_split_shape:
+                raise LayoutError(
+                    f"its training layout has field {lay.field_size}: MindSpore's load_distributed_checkpoint "
+                    "reorders such a parameter's rows when it merges the slices (merge_sliced_parameter), which "
+                    "zckpt does not reproduce; convert with transform_checkpoints instead",
+                    param=name,
+                )
 
 
 def _unified_index(unified_dir: str | None) -> dict[int, Path]:
