@@ -186,3 +186,15 @@ def test_store_equals_mindspore_reference(sid: str, tmp_path: Path) -> None:
                 assert np.asarray(st.array(e.name)[...]).tobytes() == ref.array(e.name).tobytes(), e.name
                 compared += 1
     assert compared > 0
+
+
+@pytest.mark.parametrize("sid", SET2)
+def test_direct_transform_cli_matches_expected(sid: str, tmp_path: Path) -> None:
+    """The direct path (``zckpt transform``, no store) on the layout kinds of set 2."""
+    d = scenario(sid)
+    src = _strategy(d / "src") or str(d / "src" / "strategy")
+    dst = _strategy(d / "dst")
+    assert dst
+    assert cli_main(["transform", str(d / "src" / "checkpoints"), "--src-strategy", src, "--dst-strategy", dst,
+                     "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    assert _diff(sid, d / "dst" / "expected", tmp_path / "o") == []
