@@ -111,11 +111,11 @@ def test_generated_equals_reslicer_and_store_path(src_n: int, dst_n: int, tmp_pa
     rng = np.random.default_rng(src_n * 7 + dst_n)
     tensors = _model(rng, src_n, 10)
     model = write_model(tmp_path / "src", tensors, device_num=src_n, strings={"note": "direct"})
-    smap = _dst_strategy(rng, tensors, dst_n, tmp_path / "dst.ckpt")
+    _dst_strategy(rng, tensors, dst_n, tmp_path / "dst.ckpt")
     report = transform(tmp_path / "src", tmp_path / "direct", str(model.strategy_path), str(tmp_path / "dst.ckpt"),
                        options=TransformOptions(block_bytes=4096, workers=2, verify_replicas=True))
     assert len(report.ranks) == dst_n
-    assert _check_output(tmp_path / "direct", tensors, smap, dst_n) == 10 * dst_n
+    assert _check_output(tmp_path / "direct", tensors, tmp_path / "dst.ckpt", dst_n) == 10 * dst_n
     zckpt.ingest(str(tmp_path / "src"), tmp_path / "s.zarr", str(model.strategy_path))
     zckpt.export(tmp_path / "s.zarr", tmp_path / "store", str(tmp_path / "dst.ckpt"))
     for r in range(dst_n):
@@ -132,11 +132,11 @@ def test_split_values_crc_sources_and_tiny_bands(tmp_path: Path) -> None:
         src = tmp_path / f"src_{mode}"
         if not src.exists():
             model = write_model(src, tensors, device_num=4, crc=True, slice_bytes=512, split=mode)  # type: ignore[arg-type]
-        smap = _dst_strategy(np.random.default_rng(3), tensors, 2, tmp_path / f"dst_{mode}.ckpt")
+        _dst_strategy(np.random.default_rng(3), tensors, 2, tmp_path / f"dst_{mode}.ckpt")
         out = tmp_path / f"out_{mode}_{block}"
         transform(src, out, str(model.strategy_path), str(tmp_path / f"dst_{mode}.ckpt"),
                   options=TransformOptions(block_bytes=block))
-        assert _check_output(out, tensors, smap, 2) == 12
+        assert _check_output(out, tensors, tmp_path / f"dst_{mode}.ckpt", 2) == 12
 
 
 def test_damaged_crc_refused_before_writing(tmp_path: Path) -> None:
