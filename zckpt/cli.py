@@ -53,27 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("store", help="zckpt store (a directory or a URL)")
     exp.add_argument("--dst-strategy", "--strategy", dest="strategy",
                      help="destination strategy file, local or URL (omit: one rank with full tensors)")
-    exp.add_argument("--out", required=True, help="output directory or URL (rank_<r>/<prefix><r>.ckpt)")
-    exp.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
-    exp.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
-    exp.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    exp.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    exp.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
-                     help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
+    _output_args(exp, "output directory or URL (rank_<r>/<prefix><r>.ckpt)")
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
     exp.add_argument("--no-verify-checksums", action="store_true",
                      help="do not check chunks against the CRC-32C recorded at ingest")
-    exp.add_argument("--per-stage", action="store_true",
-                     help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
-    exp.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
-                     help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
-    exp.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
-                     help="safetensors: split a rank larger than this into HF-style parts plus "
-                          "<prefix><r>.safetensors.index.json (default: never split)")
-    exp.add_argument("--json", action="store_true",
-                     help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+    _format_args(exp, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     _storage_args(exp)
 
     tr = sub.add_parser("transform", help="write destination rank files straight from source shards (no store)")
@@ -83,25 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                                            "the full model)")
     tr.add_argument("--dst-strategy", help="destination strategy file or directory (omit: one rank with full "
                                            "tensors)")
-    tr.add_argument("--out", required=True, help="local output directory (rank_<r>/<prefix><r>.ckpt)")
-    tr.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
-    tr.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
-    tr.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    tr.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    tr.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
-                     help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
+    _output_args(tr, "local output directory (rank_<r>/<prefix><r>.ckpt)")
     tr.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     tr.add_argument("--no-verify-crc", action="store_true", help="do not check the sources' crc_num")
-    tr.add_argument("--per-stage", action="store_true",
-                    help="one <prefix><r>_part<s>.ckpt per source pipeline stage s (on by itself when the source "
-                         "strategy is one stage of the destination's, as in MindSpore)")
-    tr.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
-                    help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
-    tr.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
-                    help="safetensors: split a rank larger than this into HF-style parts plus "
-                         "<prefix><r>.safetensors.index.json (default: never split)")
-    tr.add_argument("--json", action="store_true",
-                    help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+    _format_args(tr, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (on by itself when the source "
+                     "strategy is one stage of the destination's, as in MindSpore)")
     _engine_args(tr)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
@@ -158,6 +130,29 @@ def _version() -> str:
         import zckpt
 
         return zckpt.__version__
+
+
+def _output_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    """Where and how destination rank files are named: shared by ``export`` and ``transform``."""
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
+    p.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
+    p.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
+                   help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
+
+
+def _format_args(p: argparse.ArgumentParser, per_stage_help: str) -> None:
+    """The destination files' format options: shared by ``export`` and ``transform``."""
+    p.add_argument("--per-stage", action="store_true", help=per_stage_help)
+    p.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
+                   help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
+    p.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
+                   help="safetensors: split a rank larger than this into HF-style parts plus "
+                        "<prefix><r>.safetensors.index.json (default: never split)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
