@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -149,9 +150,10 @@ def _python_snippets() -> list[tuple[str, str]]:
     """Every Python snippet the docs tell users to run: the README's block and the tutorial's
     ``python - <<'EOF'`` bodies."""
     snippets = [("README.md", readme_python_block())]
-    for block in runnable_blocks((DOCS / "tutorial.md").read_text(encoding="utf-8")):
-        snippets += [("docs/tutorial.md", body) for body in re.findall(r"python - <<'EOF'\n(.*?)^EOF$", block,
-                                                                         re.S | re.M)]
+    blocks = [("docs/tutorial.md", b) for b in runnable_blocks((DOCS / "tutorial.md").read_text(encoding="utf-8"))]
+    blocks += [("docs/faq.md", entry.block) for entry in faq_entries()]
+    for page, block in blocks:
+        snippets += [(page, body) for body in re.findall(r"python - <<'EOF'\n(.*?)^EOF$", block, re.S | re.M)]
     return snippets
 
 
@@ -166,3 +168,57 @@ def test_doc_snippets_import_only_what_the_install_brings() -> None:
                 for mod in mods:
                     assert mod.split(".")[0] in allowed, (
                         f"{page} imports {mod}, which `pip install -e .` does not install")
+
+
+@dataclass(frozen=True)
+class FaqEntry:
+    """One reproduced error of docs/faq.md: the commands, the exit code and the message shown."""
+
+    heading: str
+    block: str
+    code: int
+    message: str
+
+    def pattern(self) -> re.Pattern[str]:
+        """The message with each ``…`` standing for any text on its line."""
+        return re.compile("[^\n]*?".join(re.escape(part) for part in self.message.split("…")))
+
+
+FAQ = DOCS / "faq.md"
+
+
+def faq_setup() -> str:
+    found = re.findall(r"^<!-- faq-setup -->\n```bash\n(.*?)^```$", FAQ.read_text(encoding="utf-8"), re.S | re.M)
+    assert len(found) == 1
+    return str(found[0])
+
+
+def faq_entries() -> list[FaqEntry]:
+    """Each ``### heading`` section's reproduced error, in page order."""
+    entries = []
+    for section in re.split(r"^### ", FAQ.read_text(encoding="utf-8"), flags=re.M)[1:]:
+        found = re.search(r"^<!-- faq-error: (\d+) -->\n```bash\n(.*?)^```$\n\n```text\n(.*?)\n^```$", section,
+                          re.S | re.M)
+        if found:
+            entries.append(FaqEntry(section.split("\n", 1)[0], found.group(2), int(found.group(1)), found.group(3)))
+    return entries
+
+
+def test_faq_lists_its_entries() -> None:
+    text = FAQ.read_text(encoding="utf-8")
+    assert len(faq_entries()) == text.count("<!-- faq-error:") >= 8
+
+
+@pytest.mark.parametrize("entry", faq_entries(), ids=lambda e: e.heading)
+def test_faq_errors_are_what_zckpt_prints(entry: FaqEntry, tmp_path: Path) -> None:
+    shutil.copytree(DOCS / "example", tmp_path / "docs" / "example")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    setup = subprocess.run(["bash", "-euo", "pipefail", "-c", faq_setup()], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert setup.returncode == 0, setup.stderr
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", entry.block], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == entry.code, (proc.returncode, proc.stderr[-3000:])
+    assert entry.pattern().search(proc.stderr), f"docs/faq.md shows:\n{entry.message}\nzckpt printed:\n{proc.stderr}"
+    leftovers = [p for p in (tmp_path / "work").rglob("*") if p.name.endswith(".tmp-zckpt")]
+    assert leftovers == []

@@ -259,6 +259,13 @@ def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], option
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+def not_ours(count: int) -> str:
+    """Why a destination directory holding other files is refused, and the way out."""
+    what = "1 entry" if count == 1 else f"{count} entries"
+    return (f"destination directory already holds {what} not written by this same export "
+            "(--overwrite replaces them)")
+
+
 def resume_or_refuse(
     out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: str, overwrite: bool
 ) -> list[tuple[RankExport, Path]]:
@@ -278,10 +285,7 @@ def resume_or_refuse(
         except (OSError, ValueError, AttributeError):
             same = False
         if not same:
-            raise OutputError(
-                f"destination directory already holds {len(present)} entries (use overwrite to replace them)",
-                path=out,
-            )
+            raise OutputError(not_ours(len(present)), path=out)
         for stray in out.rglob("*.tmp-zckpt"):
             stray.unlink(missing_ok=True)
         todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
@@ -305,10 +309,7 @@ def resume_or_refuse_remote(
         except (OutputError, ValueError, AttributeError):
             same = False
         if not same:
-            raise OutputError(
-                f"destination directory already holds {len(present)} entries (use overwrite to replace them)",
-                path=out.url,
-            )
+            raise OutputError(not_ours(len(present)), path=out.url)
         files = set(remote.find(out, OutputError))
         for stray in sorted(f for f in files if f.endswith(".tmp-zckpt")):
             remote.remove(remote.Location(out.url_of(stray), out.fs, stray), OutputError)
@@ -366,7 +367,7 @@ def export_rank(
     check_coverage(store, plan)
     path = Path(target)
     if path.exists() and not options.overwrite:
-        raise OutputError("output file already exists (use overwrite)", path=path)
+        raise OutputError("output file already exists (--overwrite replaces it)", path=path)
     return StoreReader(store, options).write_rank(plan.ranks[0], path)
 
 

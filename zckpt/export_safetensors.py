@@ -142,7 +142,7 @@ def export_safetensors(
         else:
             clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
         if clash:
-            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
+            raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine.of(options)

@@ -430,7 +430,7 @@ def open_for_ingest(
         except StoreError:
             if path.is_dir() and not any(path.iterdir()):
                 return Store.create(path, overwrite=True), "new"
-            raise StoreError("exists and is not a zckpt store (use overwrite to replace it)", path=path) from None
+            raise StoreError("exists and is not a zckpt store (--overwrite replaces it)", path=path) from None
         found = existing.manifest.get("fingerprint")
         if found == fingerprint:
             if existing.complete:
@@ -439,7 +439,7 @@ def open_for_ingest(
             return existing, "resume"
         if found is None and not existing.complete:
             return Store.create(path, overwrite=True), "new"  # interrupted before it held anything
-        raise StoreError("store already exists and holds a different ingest (use overwrite to replace it)",
+        raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)",
                          path=path)
     return Store.create(path, overwrite=overwrite), "new"
 
@@ -455,13 +455,13 @@ def _open_remote_for_ingest(
         try:
             existing = Store.open(url, mode="r+", storage_options=storage_options)
         except StoreError:
-            raise StoreError("exists and is not a zckpt store (use overwrite to replace it)", path=url) from None
+            raise StoreError("exists and is not a zckpt store (--overwrite replaces it)", path=url) from None
         found = existing.manifest.get("fingerprint")
         if found == fingerprint:
             return existing, "complete" if existing.complete else "resume"
         if found is None and not existing.complete:
             return Store.create(url, overwrite=True, storage_options=storage_options), "new"
-        raise StoreError("store already exists and holds a different ingest (use overwrite to replace it)",
+        raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)",
                          path=url)
     return Store.create(url, overwrite=overwrite, storage_options=storage_options), "new"
 

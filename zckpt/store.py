@@ -544,7 +544,7 @@ class Store:
         p = remote.local_path(path)
         if p.exists():
             if not overwrite:
-                raise StoreError("store already exists (use overwrite to replace it)", path=p)
+                raise StoreError("store already exists (--overwrite replaces it)", path=p)
             if (p / "zarr.json").is_file() or not any(p.iterdir()):
                 shutil.rmtree(p)
             else:
@@ -559,7 +559,7 @@ class Store:
         children = remote.listdir(loc, StoreError)
         if children or remote.isfile(loc, StoreError):
             if not overwrite:
-                raise StoreError("store already exists (use overwrite to replace it)", path=url)
+                raise StoreError("store already exists (--overwrite replaces it)", path=url)
             if ("zarr.json", False) not in children:
                 raise StoreError("refusing to overwrite a location that is not a zarr store", path=url)
             remote.remove(loc, StoreError, recursive=True)

@@ -206,7 +206,7 @@ def transform_rank(
     if path.is_dir():
         raise OutputError("the destination file is a directory", path=path)
     if path.exists() and not options.overwrite:
-        raise OutputError("output file already exists (use overwrite)", path=path)
+        raise OutputError("output file already exists (--overwrite replaces it)", path=path)
     r = plan.export.ranks[0]
     return _run(plan, [DirectJob(r, str(path), plan.boxes(r))], str(path.parent), options, t0)
 
@@ -238,7 +238,7 @@ def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> l
     if not overwrite:
         clash = [str(p) for _, target in out for p in existing_outputs(target)]
         if clash:
-            raise OutputError(f"{len(clash)} output file(s) already exist (use overwrite)", path=clash[0])
+            raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
     return out
 
 
