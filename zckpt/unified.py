@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from zckpt.export import ExportOptions, StoreReader
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import publish
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
+from zckpt.formats.shards import choose_by_suffix, latest_by_numbers
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
 from zckpt.ingest import IngestOptions, ingest, load_strategy
@@ -67,36 +67,9 @@ def machine_share(count: int, split_dst_file: tuple[int, int]) -> range:
     return range(start, start + avg + (1 if k <= rem else 0))
 
 
-def _numbers(name: str) -> list[int]:
-    return [int(x) for x in re.findall(r"\d+", name)]
-
-
-_SUFFIX_FORMS = (
-    (re.compile(r"^_?\d+-\d+_\d+$"), "_", True),  # _{task}-{epoch}_{step}
-    (re.compile(r"^-?\d+_\d+$"), "-", False),  # -{epoch}_{step}
-    (re.compile(r"^_?\d+$"), "_", False),  # _{step}
-)
-
-
-def _pick(files: list[str], file_suffix: str | None, where: Path) -> str:
-    """MindSpore's ``_find_most_matching_file`` among a rank directory's candidates."""
-    if file_suffix is None:
-        return max(files, key=lambda f: (_numbers(f)[-2:], f))
-    for form, lead, not_rank in _SUFFIX_FORMS:
-        if form.match(file_suffix):
-            tail = (file_suffix if file_suffix.startswith(lead) else lead + file_suffix) + ".safetensors"
-            matched = [f for f in files if f.endswith(tail) and not (not_rank and f.endswith("rank" + tail))]
-            shortest = [f for f in matched if len(f) == min(map(len, matched))]
-            if len(shortest) == 1:
-                return shortest[0]
-            raise SourceError(f"file_suffix {file_suffix!r} matches {shortest or 'none'} of {files}; set "
-                              "file_suffix to the longest common suffix of the wanted files", path=where)
-    raise SourceError(f"cannot tell which of {files} file_suffix {file_suffix!r} names; set file_suffix to the "
-                      "longest common suffix of the wanted files", path=where)
-
-
 def collect_rank_files(src_dir: Path, file_suffix: str | None) -> dict[int, Path]:
-    """MindSpore's ``_collect_safetensor_files``: ``rank_<r>/*<file_suffix>.safetensors``."""
+    """MindSpore's ``_collect_safetensor_files``: ``rank_<r>/*<file_suffix>.safetensors``, several
+    narrowed by :func:`~zckpt.formats.shards.choose_by_suffix` (its ``_find_most_matching_file``)."""
     out: dict[int, Path] = {}
     for d in sorted(src_dir.glob("rank_[0-9]*")):
         rank = d.name.split("rank_")[-1]
@@ -104,8 +77,10 @@ def collect_rank_files(src_dir: Path, file_suffix: str | None) -> dict[int, Path
             continue
         tail = f"{file_suffix}.safetensors" if file_suffix is not None else ".safetensors"
         files = sorted(f.name for f in d.iterdir() if f.name.endswith(tail) and f.is_file())
-        if len(files) > 1:
-            out[int(rank)] = d / _pick(files, file_suffix, d)
+        if len(files) > 1 and file_suffix is not None:
+            out[int(rank)] = d / choose_by_suffix(files, "safetensors", str(d), file_suffix).name
+        elif len(files) > 1:  # a tie on the numbers goes to the last name (MindSpore: the listing's order)
+            out[int(rank)] = d / max(latest_by_numbers(files)[0])
         elif files:
             out[int(rank)] = d / files[0]
         elif file_suffix is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -91,6 +91,15 @@ def _numbers_key(name: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", name)][-2:]
 
 
+def latest_by_numbers(names: Sequence[str], path_of: Callable[[str], str] = str) -> tuple[list[str], list[int]]:
+    """The names whose last two numbers (MindSpore's ``-<epoch>_<step>`` key, read from
+    ``path_of(name)``) are largest, in the order given, and those numbers. Several names
+    mean a tie, which MindSpore settles by its directory listing's order."""
+    keys = {n: _numbers_key(path_of(n)) for n in names}
+    best = max(keys.values())
+    return [n for n in names if keys[n] == best], best
+
+
 @dataclass(frozen=True)
 class RankFileChoice:
     """Which checkpoint file a ``rank_<r>`` directory contributes, and why.
@@ -159,12 +168,10 @@ def choose_rank_file(
     if not found:
         return None
     if file_suffix is not None:
-        return _choose_by_suffix(found, fmt, where, file_suffix)
+        return choose_by_suffix(found, fmt, where, file_suffix)
     if len(found) == 1:
         return RankFileChoice(found[0], tuple(found), "only file")
-    keys = {n: _numbers_key(f"{dir_name}/{n}") for n in found}
-    best = max(keys.values())
-    newest = [n for n in found if keys[n] == best]
+    newest, best = latest_by_numbers(found, lambda n: f"{dir_name}/{n}")
     hint = ("choose one with --file-suffix (file_suffix=, e.g. the '<epoch>_<step>' of the file you want) or keep "
             "one checkpoint per rank directory")
     if fmt == "ckpt":
@@ -186,7 +193,7 @@ def choose_rank_file(
 def _choose_index(indexes: list[str], where: str, file_suffix: str | None) -> RankFileChoice:
     if file_suffix is not None:
         stems = {n[: -len(INDEX_SUFFIX)] + ".safetensors": n for n in indexes}
-        picked = _choose_by_suffix(sorted(stems), "safetensors", where, file_suffix)
+        picked = choose_by_suffix(sorted(stems), "safetensors", where, file_suffix)
         return RankFileChoice(stems[picked.name], tuple(indexes), picked.rule)
     if len(indexes) > 1:
         raise SourceError(f"rank directory holds {len(indexes)} split-checkpoint index files "
@@ -203,7 +210,7 @@ _SUFFIX_FORMS = (
 suffix lacks it, whether ``rank<suffix>`` names are excluded)."""
 
 
-def _choose_by_suffix(found: list[str], fmt: str, where: str, file_suffix: str) -> RankFileChoice:
+def choose_by_suffix(found: Sequence[str], fmt: str, where: str, file_suffix: str) -> RankFileChoice:
     """MindSpore's ``file_suffix`` selection: names ending in ``<file_suffix>.<fmt>``; when
     several do, the suffix read as ``_<task>-<epoch>_<step>``, ``-<epoch>_<step>`` or ``_<step>``
     (the separator added when missing), then the shortest matching name; a tie is refused."""
