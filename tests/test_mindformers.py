@@ -1,114 +1,137 @@
 """MindFormers' per-iteration checkpoints as a source (no strategy file: metadata.json says it).
 
-The bundled example's 8 source ranks are laid out as MindFormers saves a job
-(``iteration_<n>/`` with ``metadata.json``, ``common.json`` and per rank
-``<prefix>-model-<r>-<N>.safetensors`` / ``<prefix>-opt-...``, names and JSON as in
-``mindformers/checkpoint/utils.py`` and ``metadata.py``); reading it must give MindSpore's
-own 4-rank destination (``dst/expected``), with and without deduplicated storage.
+The iterations are written by ``tests/mindformers_writer.py``, a port of MindFormers 2.1's
+writer (metadata layouts from MindSpore's ``_layout_process``, chunks as slice numbers,
+``storage_data``, file names, ``common.json``). The rank files hold what MindSpore puts on each
+rank: generated values cut by ``tests/oracle.py`` (optimizer parallel included), or the
+shards MindSpore itself saved in fixture s22 (a MindFormers Qwen3 with pipeline and
+optimizer parallel). Expected values: :func:`zckpt.generate.global_value`, s22's
+``reference/global.ckpt`` and the bundled example's ``dst/expected``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from conftest import scenario
+from mindformers_writer import MsParam, write_iteration
+from oracle import read_layouts
 from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_file
 
 import zckpt
-from zckpt.errors import StrategyError
+from zckpt.errors import CheckpointFormatError, StrategyError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.strategy import read_strategy
-from zckpt.layout import rank_box, resolve
-from zckpt.loading import ShardSlicer, plan_rank, write_rank_file
+from zckpt.generate import global_value
 
-N = 8
+DP4_MP2 = (4, 2)  # axis 1 = dp (4), axis 0 = mp (2)
 
 
-def layout_dict(dev: tuple[int, ...], tmap: tuple[tuple[int, ...], ...]) -> dict[str, object]:
-    """MindSpore's ``Layout.to_dict()`` for a strategy layout (one stage, all ranks)."""
-    flat = [a[0] if len(a) == 1 else (list(a) if a else -1) for a in tmap]
-    alias = [f"a{i}" for i in range(len(dev))]
-    return {"device_matrix": list(dev), "tensor_map": flat, "interleaved_parallel": False, "alias_name": alias,
-            "rank_list": list(range(N))}
+def _opt_job() -> list[MsParam]:
+    """8 ranks, dp 4 x mp 2, optimizer parallel full (-1), partial (2) and off."""
+    weights = [
+        MsParam("layer.w1", (16, 8), DP4_MP2, ((0,), (-1,)), -1),
+        MsParam("layer.w2", (8, 16), DP4_MP2, ((-1,), (0,)), 2),
+        MsParam("layer.bias", (16,), DP4_MP2, ((-1,),), 0),
+        MsParam("layer.norm", (8,), DP4_MP2, ((-1,),), -1),
+        MsParam("layer.scale", (4,), DP4_MP2, ((-1,),), 0, layout=False),
+    ]
+    states = [MsParam(f"{s}.{p.name}", p.shape, p.dev_matrix, p.tensor_map, p.opt_weight_shard_size, optimizer=True)
+              for p in weights[:4] for s in ("adam_m", "adam_v")]
+    return weights + states
 
 
-def write_iteration(root: Path, *, dedup: bool = False, prefix: str | None = "llama", step: int = 10) -> Path:
-    """The example job saved as MindFormers' iteration ``step`` under ``root``."""
-    it = root / f"iteration_{step:08d}"
-    it.mkdir(parents=True)
-    lead = f"{prefix}-" if prefix else ""  # MindFormers' names without a user prefix start with model-/opt-
-    smap = read_strategy(SRC_STRATEGY)
-    state: dict[str, dict[str, object]] = {}
-    storage: dict[str, list[dict[str, object]]] = {}
-    stored: set[tuple[str, tuple[int, ...]]] = set()
-    for r in range(N):
-        model, opt = {}, {}
-        with CkptReader(SRC / f"rank_{r}" / f"checkpoint_{r}.ckpt") as src:
-            for name in src.entries:
-                arr = src.array(name).copy()
-                lay = smap.layout(name)
-                if lay is not None:
-                    box = rank_box(resolve(lay, _global_shape(name), param=name), r)
-                    key = (name, box.start)
-                    meta = state.setdefault(name, {"properties": {"dtype": "Float32", "replica_id": 0},
-                                                   "global_shape": list(_global_shape(name)),
-                                                   "axis_fragmentations": [], "layout": layout_dict(
-                                                       lay.dev_matrix, lay.tensor_map), "chunk": []})
-                    chunk = {"global_offset": list(box.start), "local_shape": list(box.shape)}
-                    if chunk not in meta["chunk"]:  # type: ignore[operator]
-                        meta["chunk"].append(chunk)  # type: ignore[attr-defined]
-                    if dedup and key in stored:
-                        continue
-                    stored.add(key)
-                    fname = f"{lead}{'model' if name.startswith('layer') else 'opt'}-{r:07d}-{N:07d}.safetensors"
-                    storage.setdefault(str((name, tuple(box.start))), []).append(
-                        {"file_name": fname, "storage_rank": r})
-                (model if name.startswith("layer") else opt)[name] = arr
-        save_file(model, str(it / f"{lead}model-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
-        save_file(opt, str(it / f"{lead}opt-{r:07d}-{N:07d}.safetensors"), metadata={"format": "ms"})
-    (it / "metadata.json").write_text(json.dumps({"state_dict_metadata": state, "storage_data": storage}, indent=4))
-    (it / "common.json").write_text(json.dumps({"epoch_num": 1, "step_num": step, "global_step": step,
-                                                "loss_scale": None, "global_batch_size": 8}))
-    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
-    return it
+def _pipeline_job() -> list[MsParam]:
+    """2 stages of 4 ranks (dp 2 x mp 2), optimizer parallel on the second stage."""
+    s0, s1 = (0, 1, 2, 3), (4, 5, 6, 7)
+    return [MsParam("s0.w", (8, 8), (2, 2), ((1,), (0,)), 0, s0),
+            MsParam("s1.w", (8, 8), (2, 2), ((0,), (-1,)), -1, s1),
+            MsParam("adam_m.s1.w", (8, 8), (2, 2), ((0,), (-1,)), -1, s1, optimizer=True)]
 
 
-def _global_shape(name: str) -> tuple[int, ...]:
-    with CkptReader(Path(__file__).resolve().parents[1] / "docs" / "example" / "dst" / "expected" / "rank_0" /
-                    "checkpoint_0.ckpt") as r:
-        shard = r.entries[name].shape
-    lay = read_strategy(DST_STRATEGY).layout(name)
-    assert lay is not None
-    from zckpt.layout import global_shape
-
-    return global_shape(lay, shard, param=name)
+def _step(value: int) -> dict[str, np.ndarray]:
+    return {"global_step": np.array([value], np.int32)}
 
 
-@pytest.mark.parametrize("dedup", [False, True])
-def test_mindformers_iteration_gives_mindsporess_destination(tmp_path: Path, dedup: bool) -> None:
-    write_iteration(tmp_path / "checkpoint", dedup=dedup)
-    store = tmp_path / "s.zarr"
-    zckpt.ingest(str(tmp_path / "checkpoint"), store)  # no strategy: metadata.json holds it
-    zckpt.export(store, tmp_path / "dst", str(DST_STRATEGY))
-    for r in range(4):
-        assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
+def _check_store(store: Path, params: list[MsParam]) -> None:
+    st = zckpt.open_store(store)
+    for p in params:
+        got = np.asarray(st.array(p.name)[...])
+        assert got.shape == p.shape and np.array_equal(got, global_value(p.name, p.shape, p.ms_type)), p.name
 
 
-def test_mindformers_iteration_loads_a_rank_directly(tmp_path: Path) -> None:
-    it = write_iteration(tmp_path / "checkpoint", step=20)
-    out = tmp_path / "out"
-    with ShardSlicer(str(it), None) as slicer:
-        for r in range(4):
-            entries = plan_rank(slicer, read_strategy(DST_STRATEGY), r, lambda _: True)
-            write_rank_file(entries, slicer.read, out / f"{r}.safetensors", "safetensors")
-            assert_rank_file(out / f"{r}.safetensors", r)
+@pytest.mark.parametrize("balanced", [False, True])
+def test_optimizer_parallel_iteration(tmp_path: Path, balanced: bool) -> None:
+    params = _opt_job()
+    it = write_iteration(tmp_path / "checkpoint", params, 8, balanced=balanced, extra_opt=_step(10), prefix="qwen")
+    meta = json.loads((it / "metadata.json").read_text())["state_dict_metadata"]
+    assert meta["layer.w1"]["layout"]["tensor_map"] == [[0, 1], -1]  # the optimizer split, folded by MindSpore
+    assert meta["layer.w1"]["chunk"][0] == {"global_offset": [0], "local_shape": [2, 8]}
+    zckpt.ingest(str(tmp_path / "checkpoint"), tmp_path / "s.zarr")
+    _check_store(tmp_path / "s.zarr", params)
+    st = zckpt.open_store(tmp_path / "s.zarr")
+    common = {e.name: (e.ms_type, e.shape) for e in st.entries() if "." not in e.name}
+    assert common == {"global_step": ("Int32", (1,)), "epoch_num": ("Int64", ()), "step_num": ("Int64", ()),
+                      "loss_scale": ("Float32", ()), "global_batch_size": ("Int64", ()),
+                      "consumed_samples": ("Int64", ())}
+    assert st.array("loss_scale")[...] == np.float32(1024.0) and st.array("consumed_samples")[...] == 80
+    assert st.array("global_step")[...].tolist() == [10]
 
 
-def test_mindformers_tracker_picks_the_iteration(tmp_path: Path) -> None:
+def test_balanced_files_belong_to_their_storage_rank(tmp_path: Path) -> None:
+    """With redundancy removed, file numbers count saving ranks: metadata's storage_rank decides."""
+    params = [p for p in _opt_job() if p.name.endswith(("layer.bias", "layer.w2"))]  # replicated pieces only
+    it = write_iteration(tmp_path / "c", params, 8, balanced=True)
+    from zckpt.formats.mindformers import rank_file_sets
+
+    doc = json.loads((it / "metadata.json").read_text())["storage_data"]
+    owners = {rec["file_name"]: rec["storage_rank"] for recs in doc.values() for rec in recs}
+    sets = rank_file_sets(it)
+    assert any(int(f.split("-")[1]) != r for f, r in owners.items())  # a file numbered unlike its rank
+    assert all(it / f in sets[r] for f, r in owners.items())
+    zckpt.ingest(str(tmp_path / "c"), tmp_path / "s.zarr")
+    _check_store(tmp_path / "s.zarr", params)
+
+
+def test_pipeline_iteration_and_common_json(tmp_path: Path) -> None:
+    params = _pipeline_job()
+    write_iteration(tmp_path / "checkpoint", params, 8, step=30, loss_scale=None)
+    zckpt.ingest(str(tmp_path / "checkpoint"), tmp_path / "s.zarr")
+    _check_store(tmp_path / "s.zarr", params)
+    names = {e.name for e in zckpt.open_store(tmp_path / "s.zarr").entries()}
+    assert "loss_scale" not in names and "ckpt_status" not in names  # null in common.json
+    assert zckpt.open_store(tmp_path / "s.zarr").array("global_step")[...].tolist() == [30]
+
+
+def test_a_file_value_that_contradicts_common_json_is_refused(tmp_path: Path) -> None:
+    write_iteration(tmp_path / "checkpoint", _opt_job(), 8, extra_opt=_step(9))  # common.json says 10
+    with pytest.raises(CheckpointFormatError, match="common.json says") as err:
+        zckpt.ingest(str(tmp_path / "checkpoint"), tmp_path / "s.zarr")
+    assert err.value.param == "global_step"
+
+
+def test_chunks_that_contradict_the_layout_are_refused(tmp_path: Path) -> None:
+    it = write_iteration(tmp_path / "checkpoint", _opt_job(), 8)
+    doc = json.loads((it / "metadata.json").read_text())
+    doc["state_dict_metadata"]["layer.w2"]["chunk"][0]["local_shape"][0] //= 2  # an optimizer split not stated
+    (it / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(StrategyError, match="not a piece of its layout") as err:
+        zckpt.ingest(str(it), tmp_path / "s.zarr")
+    assert err.value.param == "layer.w2"
+    doc["state_dict_metadata"]["layer.w2"]["chunk"][0]["local_shape"][0] *= 2
+    doc["state_dict_metadata"]["layer.w1"]["chunk"][0]["global_offset"] = [0, 0]  # per-dim offsets: not MindFormers'
+    (it / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(StrategyError, match="slice") as err:
+        zckpt.ingest(str(it), tmp_path / "t.zarr")
+    assert err.value.param == "layer.w1"
+
+
+def test_tracker_picks_the_iteration(tmp_path: Path) -> None:
     root = tmp_path / "checkpoint"
-    write_iteration(root, step=10, prefix=None)
+    write_iteration(root, _pipeline_job(), 8, step=10)
     (root / "iteration_00000020").mkdir()  # a later, incomplete save: the tracker says 10
     zckpt.ingest(str(root), tmp_path / "s.zarr")
     (root / "latest_checkpointed_iteration.txt").write_text("30")
@@ -116,20 +139,75 @@ def test_mindformers_tracker_picks_the_iteration(tmp_path: Path) -> None:
         zckpt.ingest(str(root), tmp_path / "t.zarr")
 
 
-def test_mindformers_chunks_that_contradict_the_layout_are_refused(tmp_path: Path) -> None:
-    it = write_iteration(tmp_path / "checkpoint")
-    doc = json.loads((it / "metadata.json").read_text())
-    doc["state_dict_metadata"]["layer2.weight"]["chunk"][0]["local_shape"][0] //= 2  # e.g. an unstated opt split
-    (it / "metadata.json").write_text(json.dumps(doc))
-    with pytest.raises(StrategyError, match="not a piece of its layout") as err:
-        zckpt.ingest(str(it), tmp_path / "s.zarr")
-    assert err.value.param == "layer2.weight"
+def _example_job() -> list[MsParam]:
+    """The bundled example's 8-rank layouts, as MindSpore's compiler would report them."""
+    out = []
+    with CkptReader(SRC / "rank_0" / "checkpoint_0.ckpt") as r0:
+        for name, lay in read_layouts(SRC_STRATEGY).items():
+            dev = lay["dev"]
+            assert lay["opt"] == 0  # no optimizer split: the global shape is the shard times its pieces
+            pieces = [math.prod(dev[len(dev) - 1 - a] for a in axes if a >= 0) for axes in lay["map"]]
+            shape = tuple(s * n for s, n in zip(r0.entries[name].shape, pieces, strict=True))
+            out.append(MsParam(name, shape, tuple(dev), tuple(tuple(a) for a in lay["map"]), lay["opt"],
+                               optimizer=not name.startswith("layer")))
+    return out
 
 
-def test_transform_checkpoints_takes_a_mindformers_directory(tmp_path: Path) -> None:
-    """MindSpore's function name, a MindFormers source and no source strategy file."""
-    write_iteration(tmp_path / "checkpoint")
-    zckpt.transform_checkpoints(str(tmp_path / "checkpoint"), str(tmp_path / "dst"), "checkpoint_", None,
+def _example_shards(p: MsParam, rank: int) -> np.ndarray:
+    with CkptReader(SRC / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+        return r.array(p.name).copy()
+
+
+def _example_extra(rank: int) -> dict[str, np.ndarray]:
+    listed = set(read_layouts(SRC_STRATEGY))
+    with CkptReader(SRC / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+        return {n: r.array(n).copy() for n, e in r.entries.items() if n not in listed and e.kind == "tensor"}
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_mindsporess_own_shards_give_its_destination(tmp_path: Path, balanced: bool) -> None:
+    """The example's MindSpore-written shards saved as MindFormers does: MindSpore's 4-rank
+    destination (``dst/expected``) through a store and through transform_checkpoints."""
+    write_iteration(tmp_path / "checkpoint", _example_job(), 8, balanced=balanced, shards=_example_shards,
+                    extra_opt=_example_extra, step=1, global_step=0)
+    zckpt.ingest(str(tmp_path / "checkpoint"), tmp_path / "s.zarr")
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "dst", str(DST_STRATEGY))
+    zckpt.transform_checkpoints(str(tmp_path / "checkpoint"), str(tmp_path / "api"), "checkpoint_", None,
                                 str(DST_STRATEGY))
     for r in range(4):
         assert_rank_file(tmp_path / "dst" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
+        assert_rank_file(tmp_path / "api" / f"rank_{r}" / f"checkpoint_{r}.ckpt", r)
+
+
+def test_mindformers_qwen3_s22_shards(tmp_path: Path) -> None:
+    """Fixture s22 (MindFormers 2.1 Qwen3, 2 pipeline stages x 2 ranks, optimizer parallel on the
+    norms, MindSpore-sliced shards) saved as MindFormers 2.1 saves it (no ``accu_grads.*``:
+    they belong to the train wrapper, not to a saved cell): the store equals the stand-alone
+    job's values (``reference/global.ckpt``)."""
+    d = scenario("s22")
+    params: list[MsParam] = []
+    for rank in range(4):
+        stage = (rank // 2 * 2, rank // 2 * 2 + 1)
+        for name, lay in read_layouts(d / "src" / "strategy" / f"strategy_{rank}.ckpt").items():
+            if name.startswith("accu_grads.") or any(p.name == name for p in params):
+                continue
+            with CkptReader(d / "reference" / "global.ckpt") as ref:
+                shape, ms_type = ref.entries[name].shape, ref.entries[name].ms_type
+            params.append(MsParam(name, shape, tuple(lay["dev"]), tuple(tuple(a) for a in lay["map"]), lay["opt"],
+                                  stage, optimizer=name.startswith(("adam_m.", "adam_v.")), ms_type=ms_type))
+
+    def shards(p: MsParam, rank: int) -> np.ndarray:
+        with CkptReader(d / "src" / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            return r.array(p.name).copy()
+
+    def extra(rank: int) -> dict[str, np.ndarray]:
+        with CkptReader(d / "src" / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            return {"global_step": r.array("global_step").copy()}
+
+    write_iteration(tmp_path / "checkpoint", params, 4, shards=shards, extra_opt=extra, step=1, global_step=0)
+    zckpt.ingest(str(tmp_path / "checkpoint"), tmp_path / "s.zarr")
+    st = zckpt.open_store(tmp_path / "s.zarr")
+    assert any(p.opt_weight_shard_size for p in params)
+    with CkptReader(d / "reference" / "global.ckpt") as ref:
+        for p in params:
+            assert np.asarray(st.array(p.name)[...]).tobytes() == ref.array(p.name).tobytes(), p.name

@@ -1,44 +1,72 @@
 """MindFormers' per-iteration checkpoint layout ("Checkpoint 2.0", ``use_legacy_format: False``).
 
-MindSpore Transformers saves each checkpoint as one directory per iteration
-(``mindformers/checkpoint/utils.py``, ``metadata.py``)::
+MindSpore Transformers (2.1) saves each checkpoint as one directory per iteration
+(``mindformers/checkpoint/checkpoint.py`` ``save_checkpoint``, ``metadata.py``, ``utils.py``)::
 
     checkpoint/
         latest_checkpointed_iteration.txt       the iteration to resume from
         iteration_00000010/                     (older releases: iter_00000010/)
-            common.json                         epoch_num, step_num, global_step, loss_scale, ...
+            common.json                         CommonInfo: epoch_num, step_num, global_step, loss_scale, ...
             metadata.json                       every parameter's layout and chunks, and which file holds each
-            [prefix-]model-0000000-0000008.safetensors   rank 0's model weights (rank, rank count: 7 digits)
+            [prefix-]model-0000000-0000008.safetensors   rank 0's model weights (file index, file count: 7 digits)
             [prefix-]opt-0000000-0000008.safetensors     rank 0's optimizer states
             ...
 
-``metadata.json`` is ``{"state_dict_metadata": {name: {"properties": {"dtype", ...},
-"global_shape", "axis_fragmentations", "layout": Layout.to_dict(), "chunk": [{"global_offset",
-"local_shape"}]}}, "storage_data": {"('name', (offsets))": [{"file_name", "storage_rank"}]}}``,
-where the layout is MindSpore's ``Layout.to_dict()``: ``device_matrix``, ``tensor_map``
-(MindSpore's axis numbering), ``interleaved_parallel``, ``alias_name``, ``rank_list``.
+``metadata.json`` is ``{"state_dict_metadata": {name: {"properties": {"dtype", "replica_id", ...},
+"global_shape", "axis_fragmentations", "layout", "chunk": [{"global_offset", "local_shape"}]}},
+"storage_data": {"('name', (k,))": [{"file_name", "storage_rank", "rank_group"}]}}``:
 
-zckpt reads such a directory as a sharded source: rank ``r`` is its model and optimizer
-files together (:class:`MindFormersRankReader`), and the strategy is the metadata's layouts
-(:func:`metadata_strategy`), checked against the chunks it records: a layout whose chunks
-are not the boxes zckpt derives from it (optimizer sharding the layout does not state,
-interleaved parallel) is refused, naming the parameter, rather than read wrongly.
+* ``layout`` is MindSpore's ``Layout.to_dict()`` of the layout ``get_strategy_metadata``
+  reports (``device_matrix``, ``tensor_map`` in MindSpore's axis numbering, several axes on
+  one dimension as a list, ``interleaved_parallel``, ``alias_name``, ``rank_list``), or
+  ``null`` for a tensor held whole. Optimizer parallel is in it: MindSpore folds the device
+  axes a parameter's optimizer shard uses into dimension 0's map (``strategy.py``
+  ``_layout_process``), so an optimizer-sharded parameter reads as a multi-axis layout.
+* a chunk's ``global_offset`` is not a per-dimension offset but the one-element *slice
+  number* of the piece (its coordinates in the ``axis_fragmentations`` grid, row-major), and
+  ``local_shape`` the piece's shape (``sharded_tensor.py``
+  ``get_sharded_tensor_from_strategy_metadata``);
+* ``storage_data`` names the file and the rank (``storage_rank``) that saved each piece.
+  Without redundancy removal every rank saves its own pieces into the files numbered by its
+  rank; with it (``fully_parallel.py`` ``save_balanced_metadata``) the files are numbered
+  by the ranks that received something, so the number in a name need not be the rank.
+
+zckpt reads such a directory as a sharded source: rank ``r`` is the files ``storage_data``
+gives to ``r`` (else the files numbered ``r``), read together by :class:`MindFormersRankReader`,
+and the strategy is the metadata's layouts (:func:`metadata_strategy`), checked against the
+chunks it records (slice numbers and shapes the layout cannot produce, or interleaved
+parallel, are refused, naming the parameter). ``common.json``'s numbers become entries of
+every rank as MindSpore's own checkpoints hold them (MindFormers' legacy ``CheckpointMonitor``
+saves them through ``append_dict``, i.e. ``Tensor(value)``): ``global_step`` an ``Int32``
+``(1,)`` (the optimizer's counter), other integers ``Int64`` scalars, floats ``Float32``
+scalars (``loss_scale``), ``null`` and non-numbers left out; a rank file that holds the same
+name already must hold the same value.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import io
 import json
+import math
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zckpt.errors import CheckpointFormatError, StrategyError
-from zckpt.formats.safetensors import SafetensorsReader
+import numpy as np
+
+from zckpt.dtypes import ms_name_for_numpy
+from zckpt.errors import CheckpointFormatError, LayoutError, StrategyError
+from zckpt.formats.safetensors import MS_METADATA, SafetensorsReader, TensorHeader, header_bytes
 from zckpt.formats.shards import SafetensorsSetReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
-from zckpt.layout import Box, all_boxes, resolve
+from zckpt.layout import resolve
 
 METADATA = "metadata.json"
+COMMON = "common.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^iter(?:ation)?_(\d+)$")
 RANK_FILE = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>model|opt)-(?P<rank>\d{7})-(?P<total>\d{7})\.safetensors$")
@@ -65,34 +93,89 @@ def find_iteration(root: Path) -> Path | None:
     return chosen
 
 
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+def read_metadata(iteration: Path) -> dict[str, Any]:
+    """``metadata.json`` parsed and checked for its two tables (parsed once per version of the
+    file: every rank's reader needs ``storage_data``)."""
+    where = iteration / METADATA
+    try:
+        return _parse_metadata(str(where), _stamp(where))
+    except OSError as err:
+        raise CheckpointFormatError(f"cannot read: {err}", path=where) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_metadata(where: str, stamp: tuple[int, int]) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(where).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"not MindFormers checkpoint metadata: {err}", path=where) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("state_dict_metadata"), dict):
+        raise CheckpointFormatError("not MindFormers checkpoint metadata: no state_dict_metadata table", path=where)
+    storage = doc.get("storage_data", {})
+    if not isinstance(storage, dict) or not all(isinstance(v, list) for v in storage.values()):
+        raise CheckpointFormatError("storage_data is not a table of shard -> list of files", path=where)
+    return doc
+
+
+def _shard_param(key: str) -> str:
+    """The parameter of a ``storage_data`` key ``"('name', (k,))"`` (``str`` of a tuple)."""
+    try:
+        name = ast.literal_eval(key)[0]
+    except (ValueError, SyntaxError, TypeError, IndexError, MemoryError, RecursionError):
+        return key
+    return name if isinstance(name, str) else key
+
+
+def rank_file_sets(iteration: Path) -> dict[int, tuple[Path, ...]]:
+    """Rank -> the files it saved (model file first): as ``storage_data`` records them, else
+    by the rank number in the file name."""
+    meta = iteration / METADATA
+    return _rank_file_sets(str(iteration), _stamp(iteration), _stamp(meta) if meta.is_file() else (0, 0))
+
+
+@functools.lru_cache(maxsize=4)
+def _rank_file_sets(where: str, _dir: tuple[int, int], _meta: tuple[int, int]) -> dict[int, tuple[Path, ...]]:
+    iteration = Path(where)
+    files = {p.name: m for p in iteration.iterdir() if (m := RANK_FILE.match(p.name)) and p.is_file()}
+    owner: dict[str, int] = {}
+    if (iteration / METADATA).is_file():
+        for key, records in read_metadata(iteration).get("storage_data", {}).items():
+            for rec in records:
+                try:
+                    fname, rank = str(rec["file_name"]), int(rec["storage_rank"])
+                except (KeyError, TypeError, ValueError):
+                    raise CheckpointFormatError(f"storage_data record {rec!r} has no file_name and storage_rank",
+                                                path=iteration / METADATA, param=_shard_param(key)) from None
+                if fname not in files:
+                    raise CheckpointFormatError(f"storage_data names {fname!r}, which is not a rank file of this "
+                                                "iteration", path=iteration / METADATA, param=_shard_param(key))
+                if owner.setdefault(fname, rank) != rank:
+                    raise CheckpointFormatError(f"storage_data gives {fname} to ranks {owner[fname]} and {rank}",
+                                                path=iteration / METADATA, param=_shard_param(key))
+    per_rank: dict[int, dict[str, Path]] = {}
+    totals: dict[str, set[int]] = {}
+    for name, m in sorted(files.items()):
+        kind = m.group("kind")
+        kinds = per_rank.setdefault(owner.get(name, int(m.group("rank"))), {})
+        if kind in kinds:
+            raise CheckpointFormatError(f"two {kind} files belong to one rank ({kinds[kind].name}, {name}); "
+                                        "keep one prefix", path=iteration)
+        kinds[kind] = iteration / name
+        totals.setdefault(kind, set()).add(int(m.group("total")))
+    for kind, seen in totals.items():
+        if len(seen) > 1:
+            raise CheckpointFormatError(f"{kind} files disagree on the file count: {sorted(seen)}", path=iteration)
+    return {r: tuple(kinds[k] for k in ("model", "opt") if k in kinds) for r, kinds in sorted(per_rank.items())}
+
+
 def rank_files(iteration: Path) -> dict[int, Path]:
-    """Rank -> its model file (or its optimizer file when it saved no model file)."""
-    found: dict[int, dict[str, Path]] = {}
-    totals: set[int] = set()
-    for p in iteration.iterdir():
-        m = RANK_FILE.match(p.name)
-        if m and p.is_file():
-            kinds = found.setdefault(int(m.group("rank")), {})
-            if m.group("kind") in kinds:
-                raise CheckpointFormatError(f"rank {int(m.group('rank'))} has two {m.group('kind')} files "
-                                            f"({kinds[m.group('kind')].name}, {p.name}); keep one prefix",
-                                            path=iteration)
-            kinds[m.group("kind")] = p
-            totals.add(int(m.group("total")))
-    if len(totals) > 1:
-        raise CheckpointFormatError(f"rank files disagree on the rank count: {sorted(totals)}", path=iteration)
-    return {r: kinds["model"] if "model" in kinds else kinds["opt"] for r, kinds in sorted(found.items())}
-
-
-def partner(path: Path) -> Path | None:
-    """The other file of the same rank (model <-> opt), when present."""
-    m = RANK_FILE.match(path.name)
-    if m is None:
-        return None
-    other = "opt" if m.group("kind") == "model" else "model"
-    prefix = f"{m.group('prefix')}-" if m.group("prefix") else ""
-    cand = path.with_name(f"{prefix}{other}-{m.group('rank')}-{m.group('total')}.safetensors")
-    return cand if cand.is_file() else None
+    """Rank -> the file standing for it (its model file, else its optimizer file)."""
+    return {r: paths[0] for r, paths in rank_file_sets(iteration).items()}
 
 
 def is_rank_file(path: Path) -> bool:
@@ -100,14 +183,63 @@ def is_rank_file(path: Path) -> bool:
     return RANK_FILE.match(path.name) is not None and (path.parent / METADATA).is_file()
 
 
+def common_entries(iteration: Path) -> dict[str, np.ndarray]:
+    """``common.json``'s numbers as the entries MindSpore's checkpoints hold for them."""
+    where = iteration / COMMON
+    if not where.is_file():
+        return {}
+    try:
+        doc = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"cannot read MindFormers' common info: {err}", path=where) from None
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError("is not a JSON object (MindFormers' CommonInfo)", path=where)
+    out: dict[str, np.ndarray] = {}
+    for key, value in doc.items():
+        if isinstance(value, bool):
+            out[key] = np.array(value, np.bool_)
+        elif isinstance(value, int):
+            dtype = np.int32 if key == "global_step" else np.int64
+            if not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+                raise CheckpointFormatError(f"{value} does not fit {np.dtype(dtype).name}", path=where, param=key)
+            out[key] = np.array([value] if key == "global_step" else value, dtype)
+        elif isinstance(value, float):
+            out[key] = np.array(value, np.float32)
+    return out
+
+
+class CommonInfoReader(SafetensorsReader):
+    """``common.json``'s entries served as a small in-memory safetensors file (so that they go
+    through the same reader interface as the rank files)."""
+
+    def __init__(self, path: str | os.PathLike[str], entries: Mapping[str, np.ndarray]) -> None:
+        heads = [TensorHeader(n, ms_name_for_numpy(a.dtype), tuple(a.shape)) for n, a in entries.items()]
+        head, order = header_bytes(heads, MS_METADATA)
+        self._image = head + b"".join(np.ascontiguousarray(entries[t.name]).tobytes() for t in order)
+        super().__init__(path, verify_crc=False)
+
+    def _map_file(self, path: str | os.PathLike[str]) -> int:
+        self.path = Path(path)
+        self._file = io.BytesIO()
+        self._map = None
+        self._buf = memoryview(self._image)
+        return len(self._image)
+
+
 class MindFormersRankReader(SafetensorsSetReader):
-    """One rank of a MindFormers iteration: its model and optimizer files as one shard."""
+    """One rank of a MindFormers iteration: its model and optimizer files, and ``common.json``."""
+
+    def _files(self) -> tuple[Path, ...]:
+        for paths in rank_file_sets(self.path.parent).values():
+            if self.path in paths:
+                return paths
+        raise CheckpointFormatError("is not a rank file of its iteration directory", path=self.path)
 
     def _read_index(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        for p in (self.path, partner(self.path)):
-            if p is None:
-                continue
+        held: dict[str, np.ndarray] = {}
+        common = common_entries(self.path.parent)
+        for p in self._files():
             with SafetensorsReader(p, verify_crc=False) as r:
                 for n, e in r.entries.items():
                     if e.kind != "tensor":
@@ -115,11 +247,24 @@ class MindFormersRankReader(SafetensorsSetReader):
                     if n in out:
                         raise CheckpointFormatError(f"is in {out[n]} and in {p.name}", path=self.path, param=n)
                     out[n] = p.name
+                    if n in common:
+                        held[n] = r.array(n).copy()
+        self._common = {n: v for n, v in common.items() if n not in held}
+        for n, value in common.items():
+            if n not in held:
+                out[n] = COMMON
+            elif held[n].shape != value.shape or not np.array_equal(held[n], value):
+                raise CheckpointFormatError(f"{out[n]} holds {held[n].tolist()} but {COMMON} says {value.tolist()}",
+                                            path=self.path.parent, param=n)
         return out
 
+    def _open_part(self, fname: str, verify_crc: bool) -> SafetensorsReader:
+        if fname == COMMON:
+            return CommonInfoReader(self.path.parent / COMMON, self._common)
+        return super()._open_part(fname, verify_crc)
 
-def _layout(name: str, meta: dict[str, Any], where: Path) -> tuple[int, ParamLayout]:
-    lay = meta.get("layout")
+
+def _layout(name: str, lay: Any, where: Path) -> tuple[int, ParamLayout]:
     if not isinstance(lay, dict) or "device_matrix" not in lay or "tensor_map" not in lay:
         raise StrategyError("metadata gives no layout (device_matrix, tensor_map)", path=where, param=name)
     if lay.get("interleaved_parallel"):
@@ -134,26 +279,57 @@ def _layout(name: str, meta: dict[str, Any], where: Path) -> tuple[int, ParamLay
     return min(ranks) // layout.device_num, layout
 
 
-def metadata_strategy(iteration: Path) -> StrategyMap:
-    """The source strategy a MindFormers iteration records, checked against its chunks."""
-    where = iteration / METADATA
-    try:
-        doc = json.loads(where.read_text(encoding="utf-8"))
-        params = doc["state_dict_metadata"]
-        assert isinstance(params, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
-        raise CheckpointFormatError(f"not MindFormers checkpoint metadata: {err!r}", path=where) from None
-    layouts: dict[str, dict[int, ParamLayout]] = {}
-    for name, meta in params.items():
-        stage, layout = _layout(name, meta, where)
-        shape = tuple(int(d) for d in meta.get("global_shape", ()))
-        boxes = set(all_boxes(resolve(layout, shape, param=name)))
-        for chunk in meta.get("chunk", []):
+def _pieces(layout: ParamLayout) -> tuple[int, ...]:
+    """Pieces per tensor dimension (MindSpore's ``_DistributedTensorInfo.sharding_strategy``)."""
+    dev = layout.dev_matrix
+    return tuple(math.prod(dev[len(dev) - 1 - a] for a in axes) for axes in layout.tensor_map)
+
+
+def _check_chunks(name: str, meta: dict[str, Any], shape: tuple[int, ...], pieces: tuple[int, ...],
+                  where: Path) -> None:
+    """Each chunk must be a piece of the layout: slice number in range, the piece's shape."""
+    local = tuple(s // p for s, p in zip(shape, pieces, strict=True))
+    frags = meta.get("axis_fragmentations")
+    if frags is not None and tuple(int(f) for f in frags) != pieces:
+        raise StrategyError(f"axis_fragmentations {list(frags)} are not the layout's pieces {list(pieces)}",
+                            path=where, param=name)
+    chunks = meta.get("chunk", [])
+    if not isinstance(chunks, list):
+        raise StrategyError("chunk is not a list", path=where, param=name)
+    for chunk in chunks:
+        try:
             offset = [int(x) for x in chunk["global_offset"]]
-            box = Box(tuple(offset), tuple(o + int(s) for o, s in zip(offset, chunk["local_shape"], strict=True)))
-            if box not in boxes:
-                raise StrategyError(f"chunk at {offset} of shape {chunk['local_shape']} is not a piece of its layout "
-                                    "(an optimizer split or an interleaved layout zckpt cannot derive): refused",
-                                    path=where, param=name)
+            got = tuple(int(x) for x in chunk["local_shape"])
+        except (KeyError, TypeError, ValueError):
+            raise StrategyError(f"chunk {chunk!r} has no global_offset and local_shape", path=where,
+                                param=name) from None
+        if len(offset) != 1 or not 0 <= offset[0] < math.prod(pieces) or got != local:
+            raise StrategyError(f"chunk (slice {offset}, shape {list(got)}) is not a piece of its layout, which cuts "
+                                f"{list(shape)} into {list(pieces)} pieces of {list(local)} (an optimizer split or "
+                                "an interleaved layout zckpt cannot derive): refused", path=where, param=name)
+
+
+def metadata_strategy(iteration: Path) -> StrategyMap:
+    """The source strategy a MindFormers iteration records, checked against its chunks.
+    Tensors held whole (``layout`` ``null``) are left unlisted, as unsharded entries are."""
+    where = iteration / METADATA
+    layouts: dict[str, dict[int, ParamLayout]] = {}
+    for name, meta in read_metadata(iteration)["state_dict_metadata"].items():
+        if not isinstance(meta, dict):
+            raise StrategyError("entry is not a JSON object", path=where, param=name)
+        try:
+            shape = tuple(int(d) for d in meta.get("global_shape", ()))
+        except (TypeError, ValueError):
+            raise StrategyError(f"global_shape {meta.get('global_shape')!r} is not a list of ints", path=where,
+                                param=name) from None
+        if meta.get("layout") is None:
+            _check_chunks(name, meta, shape, (1,) * len(shape), where)
+            continue
+        stage, layout = _layout(name, meta["layout"], where)
+        try:
+            resolve(layout, shape, param=name)
+        except LayoutError as err:
+            raise StrategyError(err.message, path=where, param=name) from None
+        _check_chunks(name, meta, shape, _pieces(layout), where)
         layouts.setdefault(name, {})[stage] = layout
     return StrategyMap(layouts, (str(where),))

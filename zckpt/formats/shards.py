@@ -271,7 +271,7 @@ class SafetensorsSetReader(SafetensorsReader):
             self.entries: dict[str, EntryInfo] = {}
             self.metadata: dict[str, str] = {}
             for fname, names in files.items():
-                part = SafetensorsReader(self.path.parent / fname, verify_crc=verify_crc)
+                part = self._open_part(fname, verify_crc)
                 self._parts.append(part)
                 tensors = {n for n, e in part.entries.items() if e.kind == "tensor"}
                 if tensors != set(names):
@@ -291,6 +291,10 @@ class SafetensorsSetReader(SafetensorsReader):
             raise
         self.has_crc = any(p.has_crc for p in self._parts)
         self.crc_expected = None
+
+    def _open_part(self, fname: str, verify_crc: bool) -> SafetensorsReader:
+        """The reader of one part named by the index (a file beside it)."""
+        return SafetensorsReader(self.path.parent / fname, verify_crc=verify_crc)
 
     def _read_index(self) -> dict[str, str]:
         try:
