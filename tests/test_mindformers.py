@@ -211,3 +211,22 @@ def test_mindformers_qwen3_s22_shards(tmp_path: Path) -> None:
     with CkptReader(d / "reference" / "global.ckpt") as ref:
         for p in params:
             assert np.asarray(st.array(p.name)[...]).tobytes() == ref.array(p.name).tobytes(), p.name
+
+
+@pytest.mark.mindspore
+def test_layout_port_is_mindsporess(tmp_path: Path) -> None:
+    """mindformers_writer.layout_process gives what MindSpore's own _layout_process reports, for
+    the optimizer-shard kinds of the jobs above and s22's (full, partial with a split axis, off)."""
+    from mindformers_writer import layout_process
+    from mindspore_env import run_ms_tool
+
+    cases = {f"{p.name}/{i}": p for i, p in enumerate(_opt_job() + _pipeline_job()) if p.layout}
+    cases["s22.norm"] = MsParam("n", (64,), (1, 1, 2), ((-1,),), -1, (2, 3))
+    cases["partial.inner"] = MsParam("x", (16, 4), (2, 4, 2), ((0,), (-1,)), 2)
+    cases["partial.outer"] = MsParam("x", (16, 4), (4, 2, 2), ((-1,), (0,)), 4)
+    spec = {c: {"dev_matrix": p.dev_matrix, "tensor_map": p.tensor_map, "opt": p.opt_weight_shard_size,
+                "rank_list": list(p.rank_list) or list(range(math.prod(p.dev_matrix)))} for c, p in cases.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    theirs = run_ms_tool("ms_layouts.py", str(tmp_path / "cases.json"))
+    for case, p in cases.items():
+        assert json.loads(json.dumps(layout_process(p))) == theirs[case], case
