@@ -87,13 +87,13 @@ def test_balanced_files_belong_to_their_storage_rank(tmp_path: Path) -> None:
     it = write_iteration(tmp_path / "c", params, 8, balanced=True)
     from zckpt.formats.mindformers import rank_file_sets
 
+    zckpt.ingest(str(tmp_path / "c"), tmp_path / "s.zarr")
+    _check_store(tmp_path / "s.zarr", params)
     doc = json.loads((it / "metadata.json").read_text())["storage_data"]
     owners = {rec["file_name"]: rec["storage_rank"] for recs in doc.values() for rec in recs}
     sets = rank_file_sets(it)
     assert any(int(f.split("-")[1]) != r for f, r in owners.items())  # a file numbered unlike its rank
     assert all(it / f in sets[r] for f, r in owners.items())
-    zckpt.ingest(str(tmp_path / "c"), tmp_path / "s.zarr")
-    _check_store(tmp_path / "s.zarr", params)
 
 
 def test_pipeline_iteration_and_common_json(tmp_path: Path) -> None:
