@@ -187,3 +187,30 @@ def test_load_distributed_checkpoint_from_a_store_into_a_cell(tmp_path: Path) ->
     with np.load(tmp_path / "st" / "mindspore.npz") as a, np.load(tmp_path / "st" / "zckpt.npz") as b:
         for name in shapes:
             assert np.array_equal(a[name], b[name]) and np.array_equal(b[name], want[name]), name
+
+
+def test_unified_directory_equals_mindsporess_with_accu_grads(tmp_path: Path) -> None:
+    """Fixture s07 (pipeline, optimizer parallel, ``accu_grads.*`` saved): zckpt's
+    unified_safetensors on MindSpore's own safetensors shards writes what MindSpore's does:
+    the same files and map, the same hyper_param.safetensors (rank 0's accu_grads shards
+    included), the same whole parameters."""
+    require_ms_python()
+    from conftest import scenario
+
+    d = scenario("s07")
+    strategy = str(d / "src" / "strategy_merged.ckpt")
+    doc = run_ms_tool("ms_unified.py", "unify", str(d / "src" / "checkpoints"), strategy, str(tmp_path / "ms"))
+    theirs, ours = Path(doc["unified"]), tmp_path / "ours"
+    zckpt.unified_safetensors(doc["st"], strategy, str(ours))
+    assert sorted(p.name for p in ours.iterdir()) == sorted(doc["files"])
+    assert json.loads((ours / "param_name_map.json").read_text()) == json.loads(
+        (theirs / "param_name_map.json").read_text())
+    for name in doc["files"]:
+        if not name.endswith(".safetensors"):
+            continue
+        with open_shard(theirs / name) as a, open_shard(ours / name) as b:
+            assert sorted(a.entries) == sorted(b.entries), name
+            for n in a.entries:
+                assert a.array(n).shape == b.array(n).shape and a.array(n).tobytes() == b.array(n).tobytes(), n
+    with open_shard(ours / "hyper_param.safetensors") as hyper:
+        assert any(n.startswith("accu_grads.") for n in hyper.entries)

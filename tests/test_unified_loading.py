@@ -21,6 +21,7 @@ from zckpt.errors import SourceError, UsageError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import open_shard
 from zckpt.formats.strategy import read_strategy
+from zckpt.formats.unified import HYPER_FILE
 from zckpt.loading import ShardSlicer, read_rank
 from zckpt.store import Store
 
@@ -230,3 +231,26 @@ def test_info_names_the_sources_ingest_reads(unified: Path, capsys: pytest.Captu
     assert main(["info", str(unified)]) == 0
     out = capsys.readouterr().out
     assert "1 rank(s)" in out and "param_name_map.json" in out
+
+
+def test_hyper_param_holds_rank0s_accu_grads_as_mindspore_writes_them(tmp_path: Path) -> None:
+    """MindSpore 2.10's unified_safetensors (``_save_hyper_param``) puts every entry of rank 0's
+    file that no part holds into hyper_param.safetensors, as rank 0 saved it: the shards of
+    ``accu_grads.*`` (fixture s07: pipeline, optimizer parallel) and of the parameters
+    ``choice_func`` drops, under their own names; the parts and the map hold neither."""
+    from conftest import scenario
+
+    d = scenario("s07")
+    src, strategy = d / "src" / "checkpoints", d / "src" / "strategy_merged.ckpt"
+    drop = "moments.layer1.weight"
+    zckpt.unified_safetensors(str(src), str(strategy), str(tmp_path / "u"),
+                              choice_func=lambda n: n != drop and "net." + n)
+    weight_map = json.loads((tmp_path / "u" / "param_name_map.json").read_text())["weight_map"]
+    assert not any("accu_grads" in n or n == "net." + drop for n in weight_map)
+    with CkptReader(src / "rank_0" / "checkpoint_0.ckpt") as r0, open_shard(tmp_path / "u" / HYPER_FILE) as hyper:
+        in_parts = {n for n in r0.entries if "net." + n in weight_map}
+        want = sorted(set(r0.entries) - in_parts)
+        assert any(n.startswith("accu_grads.") for n in want) and drop in want
+        assert sorted(hyper.entries) == want
+        for n in want:
+            assert hyper.array(n).shape == r0.array(n).shape and bits(hyper.array(n)) == bits(r0.array(n)), n

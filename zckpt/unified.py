@@ -12,11 +12,17 @@ The sources go through a temporary zckpt store beside ``dst_dir`` (read once, bo
 memory, any layout zckpt reads: ``.ckpt`` or ``.safetensors`` shards); each part is then
 streamed from the store into its file, ``max_process_num`` parts at a time.
 
-Differences from MindSpore, deliberate: ``accu_grads.*`` and entries ``choice_func`` drops
-are left out entirely (MindSpore puts rank 0's *shard* of them into
-``hyper_param.safetensors``); optimizer states the strategy omits are merged like their
-parameter (MindSpore also copies rank 0's shard of those); string entries go to
-``hyper_param.safetensors``'s metadata (zckpt's convention).
+``hyper_param.safetensors`` is MindSpore's (``_save_hyper_param``): every entry of rank 0's
+file that no part holds, as rank 0 saved it, under its own name (``choice_func`` neither
+renames nor drops it). That includes rank 0's *shard* of ``accu_grads.*`` (never merged into
+a part) and of the parameters ``choice_func`` drops. From a store (:func:`unify_store`
+without ``rank0_file``) there is no rank 0 file: the hyper-parameters are then the store's
+whole entries that are not parameters, and ``accu_grads.*`` are left out.
+
+Differences from MindSpore, deliberate: optimizer states the strategy omits are merged like
+their parameter into the parts (MindSpore copies rank 0's shard of those into
+``hyper_param.safetensors``); string entries go to ``hyper_param.safetensors``'s metadata
+(zckpt's convention).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from zckpt.export import ExportOptions, StoreReader
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import publish
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import choose_by_suffix, latest_by_numbers
+from zckpt.formats.shards import choose_by_suffix, latest_by_numbers, open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
 from zckpt.ingest import IngestOptions, ingest, load_strategy
@@ -121,6 +127,25 @@ def write_part(store_path: str, names: Sequence[tuple[str, str]], target: Path, 
     return target
 
 
+def copy_hyper(rank0_file: str | os.PathLike[str], in_parts: set[str], target: Path,
+               options: ExportOptions) -> Path | None:
+    """MindSpore's ``_save_hyper_param``: the entries of rank 0's file no part holds, streamed
+    as saved into ``target``; ``None`` when there are none."""
+    with open_shard(rank0_file, verify_crc=False) as r:
+        rest = {n: e for n, e in r.entries.items() if n not in in_parts}
+        if not rest:
+            return None
+        for n, e in rest.items():
+            if e.kind == "map":
+                raise UsageError("MapParameter entries have no safetensors form", path=rank0_file, param=n)
+        tensors = [TensorHeader(n, e.ms_type, e.shape) for n, e in rest.items() if e.kind == "tensor"]
+        meta = dict(MS_METADATA) | {STRING_PREFIX + n: r.string(n) for n, e in rest.items() if e.kind == "str"}
+        with SafetensorsWriter(target, tensors, meta, fsync=options.fsync) as w:
+            for t in w.order:
+                w.write_tensor(t.name, (block for _, block in r.row_blocks(t.name, options.block_bytes)))
+    return target
+
+
 def _write_json(path: Path, doc: object) -> None:
     tmp = path.with_name(path.name + ".tmp-zckpt")
     f = open(tmp, "wb")  # noqa: SIM115 (publish closes it)
@@ -137,13 +162,15 @@ def unify_store(
     split_dst_file: tuple[int, int] | tuple[()] = (),
     max_process_num: int = 64,
     part_bytes: int = PART_BYTES,
+    rank0_file: str | os.PathLike[str] | None = None,
 ) -> list[Path]:
     """Write a store's whole tensors as a unified directory; the files written, parts first.
 
     The parts hold the entries ``strategy`` (the source's) lists, with optimizer states of a
-    listed parameter; ``hyper_param.safetensors`` holds the rest. Without a strategy, the
-    hyper-parameters are the entries of at most one element (``global_step``,
-    ``learning_rate``, ``momentum``).
+    listed parameter, except ``accu_grads.*``. ``hyper_param.safetensors`` holds, with
+    ``rank0_file`` (the source's rank 0 file), every entry of that file no part holds, copied
+    as saved (MindSpore's rule); without it, the store's other entries but ``accu_grads.*``.
+    Without a strategy, the parameters are the entries of more than one element.
     """
     store = Store.open(store_path)
     dst = Path(dst_dir)
@@ -177,7 +204,10 @@ def unify_store(
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-unified") as pool:
         written = list(pool.map(lambda j: write_part(store.url, j[0], j[1], options), jobs))
     if first_machine:
-        if hyper or strings:
+        if rank0_file is not None:
+            copied = copy_hyper(rank0_file, set(rename), dst / HYPER_FILE, options)
+            written += [copied] if copied is not None else []
+        elif hyper or strings:
             written.append(write_part(store.url, hyper, dst / HYPER_FILE, options, strings))
         weight_map = {rename[n]: part_file(i) for i, g in enumerate(groups) for n in g}
         _write_json(dst / MAP_FILE, {"metadata": {"total_size": sum(p[2] for p in params)}, "weight_map": weight_map})
@@ -241,5 +271,6 @@ def unified_safetensors(
     sources: dict[int, Path] | str = st_files if st_files else str(src)
     with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=dst) as tmp:
         store = Path(tmp) / "store.zarr"
-        ingest(sources, store, smap, IngestOptions(workers=1))
-        unify_store(store, dst, smap, choice_func=choice_func, split_dst_file=split, max_process_num=max_process_num)
+        report = ingest(sources, store, smap, IngestOptions(workers=1))
+        unify_store(store, dst, smap, choice_func=choice_func, split_dst_file=split, max_process_num=max_process_num,
+                    rank0_file=report.rank_files.get(0))
