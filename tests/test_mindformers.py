@@ -230,3 +230,18 @@ def test_layout_port_is_mindsporess(tmp_path: Path) -> None:
     theirs = run_ms_tool("ms_layouts.py", str(tmp_path / "cases.json"))
     for case, p in cases.items():
         assert json.loads(json.dumps(layout_process(p))) == theirs[case], case
+
+
+def test_a_rank_loads_straight_from_an_iteration(tmp_path: Path) -> None:
+    """load_distributed_checkpoint's reader (ShardSlicer): each destination rank's slices read
+    straight from the iteration's files (saved with redundancy removed)."""
+    from zckpt.formats.strategy import read_strategy
+    from zckpt.loading import ShardSlicer, plan_rank, write_rank_file
+
+    it = write_iteration(tmp_path / "checkpoint", _example_job(), 8, shards=_example_shards,
+                         extra_opt=_example_extra, step=20, global_step=0, balanced=True)
+    with ShardSlicer(str(it), None) as slicer:
+        for r in range(4):
+            entries = plan_rank(slicer, read_strategy(DST_STRATEGY), r, lambda _: True)
+            write_rank_file(entries, slicer.read, tmp_path / "out" / f"{r}.safetensors", "safetensors")
+            assert_rank_file(tmp_path / "out" / f"{r}.safetensors", r)
