@@ -283,7 +283,7 @@ def test_remote_ingest_resumes_after_an_interruption(s3: Any, job: dict[str, Pat
     base = _prefix()
     store = f"s3://{base}/store.zarr"
     zckpt.ingest(str(job["src"]), store, str(job["src_strategy"]))
-    s3.rm(f"{base}/store.zarr/progress/rank_2", recursive=True)
+    s3.rm(f"{base}/store.zarr/progress/rank_2.json")
     meta = json.loads(s3.cat_file(f"{base}/store.zarr/zarr.json"))
     meta["attributes"]["zckpt"]["complete"] = False
     s3.pipe(f"{base}/store.zarr/zarr.json", json.dumps(meta).encode())

@@ -43,7 +43,7 @@ from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
-from zckpt.store import Run, Store, chunk_shape, encode_runs, shard_grid, write_runs
+from zckpt.store import ChunkInfo, EntryRecord, Run, Store, chunk_shape, encode_runs, shard_grid, write_runs
 from zckpt.unsharded import SameModel, check_same_model
 
 MiB = 1024 * 1024
@@ -576,6 +576,20 @@ class RankJob:
     """Bytes of the replicas this rank's file is compared on (the size of its verify task)."""
     shards: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Inner chunks per shard of the sharded arrays among ``chunks``."""
+    target: StoreTarget | None = None
+    """A local store: what the task writes into, known at plan time (it need not open the store)."""
+    index: Mapping[str, EntryInfo] | None = None
+    """The source file's entries as planning parsed them (local sources: not parsed again)."""
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """What an ingest task needs of a local store, computed once by the client: its format
+    version, the entries the task writes and their chunk layouts (:meth:`Store.attach`)."""
+
+    version: int
+    entries: tuple[EntryRecord, ...]
+    infos: Mapping[str, ChunkInfo]
 
 
 def _run(
@@ -588,6 +602,7 @@ def _run(
     ranks = plan.ranks_to_read(verify_replicas=options.verify_replicas)
     itemsizes = {t.name: t.nbytes // max(1, math.prod(t.shape)) for t in tensors}
     jobs = []
+    local = not store.is_remote
     for rank in ranks:
         ws = tuple(x for x in plan.writes_of(rank) if _kind(plan, x.name) != "str")
         if rank in done:
@@ -596,8 +611,10 @@ def _run(
         names = {x.name for x in ws} | {c.name for c in cs}
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         check_bytes = sum(c.box.size * itemsizes.get(c.name, 1) for c in cs)
+        target = _target(store, layout, {x.name for x in ws}) if local else None
+        index = indexes.get(rank) if indexes and local and not remote.is_remote(plan.rank_files[rank]) else None
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes, check_bytes,
-                            {n: layout.shards[n] for n in names if n in layout.shards}))
+                            {n: layout.shards[n] for n in names if n in layout.shards}, target, index))
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
@@ -615,6 +632,16 @@ def _run(
                                name=_rank_name, progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
+
+
+def _target(store: Store, layout: StoreLayout, names: set[str]) -> StoreTarget:
+    """The :class:`StoreTarget` of a task writing ``names`` (layouts as the plan made them,
+    or read from the store once here when it is of an older format)."""
+    for n in names:
+        store.assume_layout(n, layout.chunks[n], layout.shards.get(n))
+    ordered = sorted(names)
+    return StoreTarget(store.version, tuple(store.entry(n) for n in ordered),
+                       {n: store.chunk_info(n) for n in ordered})
 
 
 def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
@@ -635,13 +662,17 @@ def _rank_name(job: RankJob | CheckJob) -> str:
 
 def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
-    store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
-    store.prefetch(w.name for w in job.writes)
-    for w in job.writes:
-        store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
+    if job.target is not None:
+        t = job.target
+        store = Store.attach(Path(store_path), t.entries, t.infos, t.version)
+    else:
+        store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
+        store.prefetch(w.name for w in job.writes)
+        for w in job.writes:
+            store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
     written = 0
     known = _RankSums(options.checksum_block_bytes)
-    with open_source(job.path, options.storage_options, verify_crc=False) as reader, \
+    with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)

@@ -20,8 +20,15 @@ from pathlib import Path
 
 from zckpt import remote
 from zckpt.errors import SourceError
-from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import INDEX_SUFFIX, RankFileChoice, check_single_format, choose_rank_file, open_shard
+from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.shards import (
+    INDEX_SUFFIX,
+    RankFileChoice,
+    check_single_format,
+    choose_rank_file,
+    open_indexed,
+    open_shard,
+)
 from zckpt.source_layouts import discover_other_layout
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -157,16 +164,19 @@ def check_rank_map(
 
 @contextlib.contextmanager
 def open_source(
-    path: SourceFile, storage_options: remote.StorageOptions = None, *, verify_crc: bool = True
+    path: SourceFile, storage_options: remote.StorageOptions = None, *, verify_crc: bool = True,
+    index: Mapping[str, EntryInfo] | None = None,
 ) -> Iterator[CkptReader]:
     """Open a source shard, local or remote (a reader context).
 
     A remote shard is first copied to a local temporary file (readers map their file; the
     copy is streamed in blocks and deleted when the reader closes); a split safetensors
-    rank brings its parts along. Errors name the URL, not the temporary copy.
+    rank brings its parts along. Errors name the URL, not the temporary copy. ``index``:
+    the local shard's entries as planning parsed them (not parsed again, see
+    :func:`zckpt.formats.shards.open_indexed`).
     """
     if not (isinstance(path, str) and remote.is_remote(path)):
-        with open_shard(path, verify_crc=verify_crc) as reader:
+        with open_shard(path, verify_crc=verify_crc) if index is None else open_indexed(path, index) as reader:
             yield reader
         return
     with (spool(path, storage_options) as local, remote.named_by_url(local.parent, path),

@@ -12,7 +12,8 @@ stored them as ``uint16``); importing this module registers that type with zarr-
 (:mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them as their ``uint16`` bit
 patterns (:func:`bits_view`), as it does every other bf16 value.
 Each array's attributes say which source rank wrote which box ("writers"); a region is
-present when its writer's rank has its ``progress/rank_<r>`` group. Chunks divide the
+present when its writer's rank has its progress record, ``progress/rank_<r>.json`` (format 5;
+a ``progress/rank_<r>`` group before, see :mod:`zckpt.records`). Chunks divide the
 source shard shape, so two writers never touch the same chunk.
 
 Format 4 groups the chunks of a local store into shards (Zarr's ``sharding_indexed``
@@ -44,8 +45,9 @@ from zarr.core.array import AsyncArray
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
-from zarr.storage import FsspecStore, LocalStore
+from zarr.storage import FsspecStore
 
+from zckpt import records as rank_records
 from zckpt import remote, zarr_bfloat16
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
@@ -55,11 +57,15 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 4
-"""4: local stores group chunks into shards (``sharding_indexed``), checksums per block of
+VERSION = 5
+"""5: progress records are plain files (:mod:`zckpt.records`), not zarr groups; 4: local
+stores group chunks into shards (``sharding_indexed``), checksums per block of
 each writer's run of a shard; 3: chunk checksums per block (``crc32c_blocks``); 2: one per
-chunk; 2 to 4: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older
+chunk; 2 and later: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older
 versions are still read."""
+
+SHARDED_LAYOUTS = (4, 5)
+"""Versions whose arrays ingest defines raw, ``.``-separated, sharded as :func:`shard_grid` says."""
 
 NO_CHUNK = 2**64 - 1
 """Offset and size of an absent inner chunk in a shard index (Zarr's sharding codec)."""
@@ -499,7 +505,7 @@ class Store:
     def __init__(
         self,
         path: Path,
-        group: zarr.Group,
+        group: zarr.Group | None,
         mode: Literal["r", "r+", "a", "w", "w-"] = "r",
         location: remote.Location | None = None,
     ) -> None:
@@ -509,7 +515,7 @@ class Store:
         """Where a remote store lives (``None`` for a local directory)."""
         self.url = location.url if location is not None else str(path)
         """The store as the user named it: what tasks reopen and what messages show."""
-        self.group = group
+        self._group = group
         self._mode: Literal["r", "r+", "a", "w", "w-"] = "r" if mode == "r" else "r+"
         self._entries: dict[str, EntryRecord] | None = None
         self._writers: dict[str, list[tuple[int, Box]]] = {}
@@ -523,6 +529,35 @@ class Store:
         self._plain: dict[str, dict[str, ChunkSums]] | None = None
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
+
+    @classmethod
+    def attach(
+        cls, path: Path, entries: Iterable[EntryRecord], infos: Mapping[str, ChunkInfo], version: int
+    ) -> Store:
+        """A local store as an ingest task writes it, from what its plan already knows (its
+        entries and their chunk layouts): zarr opens it only if a write needs zarr (scalars,
+        MapParameters), so that hundreds of rank tasks do not each open the store."""
+        store = cls(path, None, mode="r+")
+        store._entries = {e.name: e for e in entries}
+        store._chunk_info = dict(infos)
+        store._version = version
+        return store
+
+    @property
+    def group(self) -> zarr.Group:
+        if self._group is None:
+            try:
+                self._group = zarr.open_group(str(self.path), mode=self._mode, zarr_format=3)
+            except Exception as err:  # zarr raises several unrelated types for a broken store
+                raise StoreError(f"cannot open zarr store: {err}", path=self.path) from None
+        return self._group
+
+    @property
+    def version(self) -> int:
+        """The store's format version (its manifest's ``version``)."""
+        if self._version is None:
+            self._version = int(self.manifest.get("version", 0))
+        return self._version
 
     # --- creation -----------------------------------------------------------------
     @property
@@ -651,16 +686,47 @@ class Store:
         return bool(self.manifest.get("complete"))
 
     def ingested_ranks(self) -> set[int]:
-        """Source ranks whose writes are complete: one ``progress/rank_<r>`` group each, so
-        that parallel ingest workers never write the same key."""
+        """Source ranks whose writes are complete: one progress record each (:mod:`zckpt.records`),
+        so that parallel ingest workers never write the same key."""
         if self._ingested is None:
-            try:
-                node = self.group["progress"]
-            except KeyError:
-                return set()
-            assert isinstance(node, zarr.Group)
-            self._ingested = {int(k.split("_", 1)[1]) for k in node.group_keys() if k.startswith("rank_")}
+            if self.location is None:
+                self._ingested = rank_records.local_ranks(self.path)
+            else:
+                self._ingested = set(self._remote_records(read=False))
         return set(self._ingested)
+
+    def _remote_records(self, *, read: bool) -> dict[int, dict[str, Any]]:
+        """Records of a remote store (file objects and format-4 groups); with ``read=False``
+        only which ranks have one (the documents are left empty)."""
+        assert self.location is not None
+        folder = self.location.child(rank_records.FOLDER)
+        try:
+            present = remote.listdir(folder, StoreError)
+        except StoreError:
+            return {}
+        out: dict[int, dict[str, Any]] = {}
+        files: dict[int, str] = {}
+        for name, is_dir in present:
+            got = rank_records.rank_of(name)
+            if got is None or got[1] == is_dir:
+                continue
+            if got[1]:
+                files[got[0]] = folder.child(name).path
+            elif not read:
+                out[got[0]] = {}
+            else:
+                node = self.group[f"{rank_records.FOLDER}/{name}"]
+                out[got[0]] = dict(node.attrs) if isinstance(node, zarr.Group) else {}
+        if files and read:
+            with remote.remote_errors(StoreError, self.url, "cannot read progress records"):
+                fetched = folder.fs.cat(list(files.values()))
+            by_name = {str(k).rstrip("/").rsplit("/", 1)[-1]: v for k, v in fetched.items()}
+            for rank in files:
+                name = rank_records.file_name(rank)
+                out[rank] = rank_records.decode(by_name.get(name, b""), rank, self.where(rank_records.FOLDER, name))
+        else:
+            out.update({rank: {} for rank in files})
+        return out
 
     def define(
         self,
@@ -738,7 +804,7 @@ class Store:
         created = _gather([c for _, c in pending])
         for (name, _), node in zip(pending, created, strict=True):
             self._keep(name, zarr.Array(node))
-        self.group.require_group("progress")
+        rank_records.define_folder(self.group)
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
 
     @staticmethod
@@ -793,9 +859,16 @@ class Store:
         return remote.remote_errors(StoreError, self.url, what)
 
     def mark_ingested(self, rank: int, **info: Any) -> None:
-        # One atomic write of the group with its attributes: a crash can never leave a
-        # rank marked done without the checksums that prove its chunks.
-        self.group.create_group(f"progress/rank_{rank}", attributes=dict(info), overwrite=True)
+        """Write rank ``rank``'s progress record (in one atomic write: a crash can never
+        leave a rank marked done without the checksums that prove its chunks). A store of
+        format 4 or older being resumed keeps its zarr group records."""
+        if self.version < rank_records.FILE_VERSION:
+            self.group.create_group(f"progress/rank_{rank}", attributes=dict(info), overwrite=True)
+        elif self.location is None:
+            rank_records.write(self.path, rank, info)
+        else:
+            remote.write_bytes(self.location.child(rank_records.FOLDER).child(rank_records.file_name(rank)),
+                               rank_records.encode(rank, info), StoreError)
         self._ingested = None
 
     def mark_complete(self) -> None:
@@ -838,7 +911,7 @@ class Store:
         info = self._chunk_info.get(name)
         if info is None:
             e = self.entry(name)
-            root = Path(self.group.store.root) if isinstance(self.group.store, LocalStore) else None
+            root = self.path if self.location is None else None
             doc: Any = None
             if root is not None:
                 try:
@@ -862,9 +935,7 @@ class Store:
         (an ingest task writes into every array; reading each one's metadata per source
         rank costs more than the data at hundreds of ranks). Only for local stores of this
         format, whose arrays ingest defines raw with ``.``-separated keys; others are read."""
-        if self._version is None:
-            self._version = int(self.manifest.get("version", 0))
-        if self.location is not None or name in self._chunk_info or self._version != VERSION:
+        if self.location is not None or name in self._chunk_info or self.version not in SHARDED_LAYOUTS:
             return
         e = self.entry(name)
         if e.kind != "tensor" or not e.shape:
@@ -957,24 +1028,11 @@ class Store:
         return self._texts
 
     def _progress_attributes(self) -> list[Any]:
-        """The attributes of every ``progress/rank_<r>`` group (as objects with ``attrs``):
-        read as plain JSON files on a local disk (opening hundreds of groups through zarr
-        costs more than parsing them), through zarr elsewhere."""
-        root = Path(self.group.store.root) / "progress" if isinstance(self.group.store, LocalStore) else None
-        if root is not None:
-            out = []
-            names = sorted(os.listdir(root)) if root.is_dir() else []
-            for n in names:
-                meta = root / n / "zarr.json"
-                if n.startswith("rank_") and meta.is_file():
-                    doc = json.loads(meta.read_text(encoding="utf-8"))
-                    out.append(_Attrs(dict(doc.get("attributes") or {})))
-            return out
-        try:
-            node = self.group["progress"]
-        except KeyError:
-            return []
-        return [child for _, child in node.groups()] if isinstance(node, zarr.Group) else []
+        """Every progress record (as objects with ``attrs``), in rank order: record files
+        and format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
+        through zarr costs more than parsing them)."""
+        found = rank_records.read_local(self.path) if self.location is None else self._remote_records(read=True)
+        return [_Attrs(found[r]) for r in sorted(found)]
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in

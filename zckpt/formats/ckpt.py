@@ -23,7 +23,7 @@ import mmap
 import os
 import stat
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +131,20 @@ class CkptReader:
         if self.has_crc and verify_crc:
             self.verify_crc()
         self.release_pages()
+
+    @classmethod
+    def indexed(cls, path: str | os.PathLike[str], entries: Mapping[str, EntryInfo]) -> CkptReader:
+        """A reader over an index parsed before (by the plan of an ingest): the file is mapped,
+        not walked again. Refused when the file no longer holds the payloads (it shrank)."""
+        self = cls.__new__(cls)
+        size = self._map_file(path)
+        self.has_crc, self.crc_expected, self.content_end = False, None, size
+        self.entries = dict(entries)
+        end = max((s.offset + s.length for e in self.entries.values() for s in e.segments), default=0)
+        if end > size:
+            self.close()
+            raise self._fail(f"is {size} bytes but its index reaches byte {end}: the file changed after planning")
+        return self
 
     def _map_file(self, path: str | os.PathLike[str]) -> int:
         """Open and map ``path`` read-only (shared by every shard reader); returns its size."""

@@ -80,6 +80,14 @@ def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True) -> Ckpt
     return CkptReader(path, verify_crc=verify_crc)
 
 
+def open_indexed(path: str | os.PathLike[str], entries: Mapping[str, EntryInfo]) -> CkptReader:
+    """Open a source shard whose index was parsed before (a ``.ckpt``: mapped, not walked
+    again; other formats are opened as :func:`open_shard` does, without their CRC check)."""
+    if shard_format(path) == "ckpt":
+        return CkptReader.indexed(path, entries)
+    return open_shard(path, verify_crc=False)
+
+
 def _is_mindformers_rank(path: Path) -> bool:
     from zckpt.formats.mindformers import is_rank_file
 
