@@ -438,6 +438,10 @@ def _plan_sharded(
 ) -> tuple[TensorSpec, list[Write], list[ReplicaCheck], tuple[tuple[Box, tuple[int, ...]], ...]]:
     shape: tuple[int, ...] | None = None
     shardings: dict[int, Sharding] = {}
+    boxes: dict[int, Box] = {}
+    # hundreds of ranks share a few layouts: each (layout, shard shape) is resolved once
+    globals_of: dict[tuple[ParamLayout, tuple[int, ...]], tuple[int, ...]] = {}
+    resolved: dict[ParamLayout, Sharding] = {}
     for r in ranks:
         lay = listed[r]
         e = indexes[r][name]
@@ -452,10 +456,12 @@ def _plan_sharded(
             raise SourceError(
                 f"dtype {e.ms_type} differs from rank {ranks[0]}'s {first.ms_type}", path=rank_files.get(r), param=name
             )
-        try:
-            g = global_shape(lay, e.shape, param=name)
-        except LayoutError as err:
-            raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
+        g = globals_of.get((lay, e.shape))
+        if g is None:
+            try:
+                g = globals_of[(lay, e.shape)] = global_shape(lay, e.shape, param=name)
+            except LayoutError as err:
+                raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
         if shape is None:
             shape = g
         elif g != shape:
@@ -465,15 +471,15 @@ def _plan_sharded(
                 path=rank_files.get(r),
                 param=name,
             )
-        if lay not in [s.layout for s in shardings.values()]:
+        sh = resolved.get(lay)
+        if sh is None:
             try:
-                sh = resolve(lay, g, param=name)
+                sh = resolved[lay] = resolve(lay, g, param=name)
             except LayoutError as err:
                 raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
-        else:
-            sh = next(s for s in shardings.values() if s.layout == lay)
         shardings[r] = sh
-        want = rank_box(sh, r % stage_dev).shape
+        boxes[r] = rank_box(sh, r % stage_dev)
+        want = boxes[r].shape
         if want != e.shape:
             raise SourceError(
                 f"holds shape {list(e.shape)} but its strategy layout gives rank {r} the shape {list(want)} "
@@ -486,14 +492,14 @@ def _plan_sharded(
     by_box: dict[Box, list[int]] = {}
     for r in ranks:
         if _stage_of(r, stage_dev) == primary:
-            by_box.setdefault(rank_box(shardings[r], r % stage_dev), []).append(r)
+            by_box.setdefault(boxes[r], []).append(r)
     writes = [Write(name, rs[0], box) for box, rs in by_box.items()]
     writers = {w.rank for w in writes}
     checks = []
     for r in ranks:
         if r in writers:
             continue
-        box = rank_box(shardings[r], r % stage_dev)
+        box = boxes[r]
         same_as = tuple(w.rank for w in writes if w.box.intersect(box) is not None)
         reason: Literal["shared", "replica"] = "shared" if _stage_of(r, stage_dev) != primary else "replica"
         checks.append(ReplicaCheck(name, r, box, same_as, reason))
