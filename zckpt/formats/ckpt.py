@@ -123,6 +123,8 @@ class CkptReader:
             self.crc_expected = int.from_bytes(self._buf[size - 10 : size], "big")
             end = size - CRC_TRAILER_LEN
         self.content_end = end
+        if self.has_crc and verify_crc and self._map is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
+            self._map.madvise(mmap.MADV_SEQUENTIAL)  # the whole file is read: ahead in large steps, not per fault
         try:
             self.entries: dict[str, EntryInfo] = self._index(end)
         except BaseException:
