@@ -318,7 +318,7 @@ def ingest(
     """Build a complete store from source shards.
 
     Rerunning the same ingest after a crash resumes it: source ranks already written
-    (``progress/rank_<r>``) are skipped, the others are rewritten, and the result is the
+    (a progress record ``progress/rank_<r>.json``) are skipped, the others are rewritten, and the result is the
     store an uninterrupted run makes, byte for byte. A store holding a different ingest is
     refused unless ``overwrite``. When the input turns out to be bad (a zckpt error), the
     incomplete store is removed; after an interruption it is kept, marked incomplete.
