@@ -124,7 +124,7 @@ def export_safetensors(
     t0 = time.perf_counter()
     so = options.storage_options
     store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-    plan = plan_export(store, strategy, ranks, so)
+    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
     check_coverage(store, plan)
     kinds = {e.name: e.kind for e in store.entries()}
     for r in plan.ranks:
