@@ -9,19 +9,26 @@ zckpt's plans. MindSpore's own pipeline job (fixture s06) is used where present.
 
 from __future__ import annotations
 
+import errno
+import importlib
 import json
+import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from conftest import scenario
 
 from zckpt.cli import main as cli_main
-from zckpt.errors import LayoutError, SourceError
+from zckpt.errors import DiskFullError, LayoutError, SourceError, StoreError
 from zckpt.export import export
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.generate import PipelineModel, TensorDef, write_pipeline_model
+from zckpt.generate import GeneratedModel, PipelineModel, TensorDef, write_model, write_pipeline_model
 from zckpt.ingest import IngestOptions, ingest
 from zckpt.store import Store
 from zckpt.transform import TransformOptions, transform
@@ -204,3 +211,121 @@ def test_fixture_s06_stage_missing(tmp_path: Path) -> None:
     _names_in(str(info.value), stage1)
     doc = json.loads(json.dumps(report.left_behind))
     assert set(stage1) <= set(doc["params"])
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+def _small_job(tmp_path: Path) -> GeneratedModel:
+    """About 12 MiB over 4 ranks: more than the 8 MiB device below holds."""
+    lay = make_layout((4,), [[0], []])
+    return write_model(tmp_path / "big", [TensorDef(f"w{i}", (512, 1024), "Float32", lay) for i in range(6)],
+                       device_num=4)
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs (needs root and a kernel that lets this process mount: skipped otherwise)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root (the monkeypatched ENOSPC tests run everywhere)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (container without CAP_SYS_ADMIN?): {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith((".partial", ".tmp-zckpt"))]
+
+
+def _check_store_values(store: Path, job: GeneratedModel) -> None:
+    s = Store.open(store)
+    assert s.complete
+    for t in job.tensors:
+        if t.layout is not None:
+            got = np.asarray(s.array(t.name)[...])
+            assert np.array_equal(got, job.global_value(t.name)), t.name
+
+
+def test_disk_full_tmpfs_ingest_names_a_store_file_and_resumes(tmp_path: Path, full_disk: Path) -> None:
+    job = _small_job(tmp_path)
+    store = full_disk / "s.zarr"
+    with pytest.raises(DiskFullError) as info:
+        ingest(job.root, store, job.strategy_path)
+    assert str(store) in str(info.value) and "no space left" in str(info.value)
+    assert isinstance(info.value, OSError)
+    assert not Store.open(store).complete  # never looks complete
+    assert not _leftovers(full_disk)
+    with pytest.raises(StoreError, match="incomplete"):
+        export(store, tmp_path / "out", None)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(full_disk)], check=True)
+    report = ingest(job.root, store, job.strategy_path)  # space freed: the same ingest resumes
+    assert report.resumed and report.complete
+    _check_store_values(store, job)
+
+
+@pytest.mark.parametrize("path", ["export", "transform"])
+def test_disk_full_tmpfs_output_names_the_rank_file(tmp_path: Path, full_disk: Path, path: str) -> None:
+    job = _small_job(tmp_path)
+    out = full_disk / "out"
+    with pytest.raises(DiskFullError) as info:
+        if path == "export":
+            ingest(job.root, tmp_path / "s.zarr", job.strategy_path)
+            export(tmp_path / "s.zarr", out, None)
+        else:
+            transform(job.root, out, job.strategy_path, None)
+    assert str(out / "rank_0" / "checkpoint_0.ckpt") in str(info.value)
+    assert not list(out.rglob("*.ckpt")) and not _leftovers(out)
+
+
+def _enospc(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_disk_full_patched_ingest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ingest_mod = importlib.import_module("zckpt.ingest")  # the package exports the function under this name
+    job = _small_job(tmp_path)
+    store = tmp_path / "s.zarr"
+    with monkeypatch.context() as m:
+        m.setattr(ingest_mod, "copy_range_at", _enospc)
+        m.setattr(ingest_mod, "write_at", _enospc)
+        with pytest.raises(DiskFullError) as info:
+            ingest(job.root, store, job.strategy_path)
+    assert str(store / "tensors") in str(info.value)
+    assert not Store.open(store).complete and not _leftovers(store)
+    assert cli_main(["export", str(store), "--out", str(tmp_path / "o")]) != 0
+    ingest(job.root, store, job.strategy_path)
+    _check_store_values(store, job)
+
+
+@pytest.mark.parametrize("path", ["export", "transform"])
+def test_disk_full_patched_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    from zckpt.formats.ckpt import CkptWriter
+
+    job = _small_job(tmp_path)
+    if path == "export":
+        ingest(job.root, tmp_path / "s.zarr", job.strategy_path)
+    original = CkptWriter.write_blocks
+    calls = []
+
+    def second_fails(self: CkptWriter, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            _enospc()
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CkptWriter, "write_blocks", second_fails)
+    out = tmp_path / "out"
+    with pytest.raises(DiskFullError) as info:
+        if path == "export":
+            export(tmp_path / "s.zarr", out, None)
+        else:
+            transform(job.root, out, job.strategy_path, None)
+    assert str(out / "rank_0" / "checkpoint_0.ckpt") in str(info.value)
+    assert not list(out.rglob("*.ckpt")) and not _leftovers(out)

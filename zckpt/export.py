@@ -29,7 +29,7 @@ from zckpt import remote
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
-from zckpt.fileio import write_atomic
+from zckpt.fileio import disk_full_named, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
@@ -253,7 +253,8 @@ def write_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
-        return reader.write_rank(rank, Path(target), ticker)
+        with disk_full_named(target):
+            return reader.write_rank(rank, Path(target), ticker)
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
         result = reader.write_rank(rank, local, ticker)
@@ -385,7 +386,8 @@ def export_rank(
     path = Path(target)
     if path.exists() and not options.overwrite:
         raise OutputError("output file already exists (--overwrite replaces it)", path=path)
-    return StoreReader(store, options).write_rank(plan.ranks[0], path)
+    with disk_full_named(path):
+        return StoreReader(store, options).write_rank(plan.ranks[0], path)
 
 
 class StoreReader:

@@ -31,8 +31,8 @@ import numpy as np
 from zckpt import fileio, remote
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import SourceError, StoreError, StrategyError, UsageError, ZckptError
-from zckpt.fileio import copy_range_at, write_at
+from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
+from zckpt.fileio import as_disk_full, copy_range_at, disk_full_named, write_at
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
@@ -361,9 +361,18 @@ def ingest(
             complete = not plan.uncovered
             if complete and state != "complete":
                 store.mark_complete()
+        except DiskFullError:
+            _drop_temporaries(target)
+            raise
         except ZckptError:
             store.remove()
             raise
+        except OSError as err:
+            full = as_disk_full(err, target)
+            if full is None:
+                raise
+            _drop_temporaries(target)
+            raise full from None
     return IngestReport(
         store=store.url,
         ranks_read=ranks,
@@ -475,6 +484,13 @@ def _open_remote_for_ingest(
         raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)",
                          path=url)
     return Store.create(url, overwrite=overwrite, storage_options=storage_options), "new"
+
+
+def _drop_temporaries(target: str | Path) -> None:
+    """After a full disk: the store stays, never marked complete (a rerun resumes once space
+    is freed); only the temporary files of the writes that failed are removed."""
+    if isinstance(target, Path):
+        remove_partial_files(target)
 
 
 def remove_partial_files(root: Path) -> None:
@@ -848,8 +864,12 @@ class _ChunkCopier:
 
     def _write(self, name: str, box: Box, runs: list[tuple[Run, Path, int | None]], sum_block: int,
                create: bool) -> list[_Written]:
-        return [self._copy(name, run, path, offset, sum_block, create) if offset is not None
-                else self._cut(name, run, path, box, sum_block, create) for run, path, offset in runs]
+        done = []
+        for run, path, offset in runs:
+            with disk_full_named(path):
+                done.append(self._copy(name, run, path, offset, sum_block, create) if offset is not None
+                            else self._cut(name, run, path, box, sum_block, create))
+        return done
 
     def _buffer(self) -> bytearray:
         buf = getattr(self.local, "buffer", None)

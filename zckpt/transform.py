@@ -26,6 +26,7 @@ from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
+from zckpt.fileio import disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
@@ -276,7 +277,8 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
 def write_direct_file(job: DirectJob, options: TransformOptions, report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
-    with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
+    with (disk_full_named(job.target),
+          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader):
         if options.format == "safetensors":
             from zckpt.export_safetensors import write_rank
 
