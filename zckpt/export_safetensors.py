@@ -163,7 +163,8 @@ def write_safetensors_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
-        return write_rank(reader, rank, Path(target), options, ticker)
+        with fileio.disk_full_named(target):
+            return write_rank(reader, rank, Path(target), options, ticker)
     return _write_remote_rank(reader, rank, target, options, ticker)
 
 
