@@ -187,12 +187,14 @@ def _held_as(whole: np.ndarray, shards: dict[int, np.ndarray], cands: list[oracl
     return f"no reading of the strategy gives the shard shapes {[h.shape for h in shards.values()]}"
 
 
-def judge_source(job: Path, strategy: Path, out: Path) -> Verdict:
-    """Convert ``job`` read with ``strategy`` to one unsharded rank and judge the tensors."""
+def judge_source(job: Path, strategy: Path, out: Path, *, verify_replicas: bool = False) -> Verdict:
+    """Convert ``job`` read with ``strategy`` to one unsharded rank and judge the tensors
+    (every rank's shard, replicas included: a damaged replica that the conversion does not
+    read is only refused with ``verify_replicas``)."""
     from zckpt.transform import TransformOptions, transform
 
-    refused = _attempt(lambda: transform(job, out, strategy, None, options=TransformOptions(overwrite=True,
-                                                                                          fsync=False)))
+    options = TransformOptions(overwrite=True, fsync=False, verify_replicas=verify_replicas)
+    refused = _attempt(lambda: transform(job, out, strategy, None, options=options))
     if refused is not None:
         return refused
     layouts = oracle_layouts(strategy)
@@ -265,11 +267,13 @@ def judge_destination(job: Path, strategy: Path, out: Path) -> Verdict:
 
 def judge_shard(job: Path, rank: int, data: bytes, scratch: Path) -> Verdict:
     """Replace ``rank``'s shard by ``data`` in a copy of ``job`` and judge the conversion
-    read with the job's own strategy (a shard that protobuf cannot decode is unjudged)."""
+    read with the job's own strategy, every replica compared (a damaged replica is not
+    read by default), a shard that protobuf cannot decode unjudged."""
     import shutil
 
     if scratch.exists():
         shutil.rmtree(scratch)
     shutil.copytree(job, scratch)
     (scratch / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").write_bytes(data)
-    return judge_source(scratch, scratch / "strategy.ckpt", scratch.parent / (scratch.name + "-out"))
+    return judge_source(scratch, scratch / "strategy.ckpt", scratch.parent / (scratch.name + "-out"),
+                        verify_replicas=True)

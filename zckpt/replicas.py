@@ -4,9 +4,9 @@ against the copy of the rank whose bytes are used instead.
 Ingest and the direct path both refuse a job whose replicas differ where the layouts say
 they are equal (an unlisted tensor that is really sharded, a tied parameter whose pipeline
 stages disagree). Replicas inside one stage are compared in full only when asked
-(``verify_replicas``); otherwise, for every box written and every device axis it is
-replicated over, the replica one step along that axis is spot-checked (its first and last
-bytes, :data:`SAMPLE_BYTES` each): a strategy that calls different shards
+(``verify_replicas``); otherwise, for every entry and every device axis its layout calls
+replicated, one replica one step along that axis is spot-checked (its first and last bytes,
+:data:`SAMPLE_BYTES` each): a strategy that calls different shards
 replicas (a damaged or foreign ``tensor_map``, a missing optimizer split) would else make
 one rank's shard the whole tensor, and those shards differ everywhere. Comparing the two
 source files with ``pread`` at their index offsets needs no store: at 512 ranks, comparing
@@ -84,24 +84,29 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
 
 
 def _spot_checks(source: IngestPlan) -> set[ReplicaCheck]:
-    """The in-stage replicas whose device coordinates differ from their writer's on one
-    axis only: one per replicated axis and box, so that a true split along any axis the
-    layout calls replicated is seen, at a cost that does not grow with the replica count."""
+    """Per entry, stage and device axis the layout calls replicated, one replica: the first
+    one step from its writer along that axis. A layout that calls a true split replicated
+    does so for every box of the entry, so one box per axis shows it, at a cost that grows
+    neither with the replica count nor with the boxes."""
     specs = {t.name: t for t in source.tensors}
     stage_dev = max(1, source.stage_device_num)
-    out = set()
+    chosen: dict[tuple[str, int, int], ReplicaCheck] = {}
     for c in source.checks:
         if c.reason != "replica" or len(c.same_as) != 1:
             continue
-        lay = specs[c.name].layouts.get(c.rank // stage_dev) if c.name in specs else None
+        stage = c.rank // stage_dev
+        lay = specs[c.name].layouts.get(stage) if c.name in specs else None
         dev = lay.dev_matrix if lay is not None else ()
-        if math.prod(dev) != stage_dev:
-            out.add(c)  # no coordinates to reason with: check it
+        if math.prod(dev) != stage_dev:  # no coordinates to reason with: one check per rank
+            chosen[(c.name, stage, -1 - c.rank)] = c
             continue
         mine, theirs = _coords(c.rank % stage_dev, dev), _coords(c.same_as[0] % stage_dev, dev)
-        if sum(a != b for a, b in zip(mine, theirs, strict=True)) == 1:
-            out.add(c)
-    return out
+        steps = [(i, a - b) for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
+        if len(steps) == 1 and steps[0][1] == 1:
+            key = (c.name, stage, steps[0][0])
+            if key not in chosen or c.rank < chosen[key].rank:
+                chosen[key] = c
+    return set(chosen.values())
 
 
 def _coords(rank: int, dev: tuple[int, ...]) -> tuple[int, ...]:
@@ -140,9 +145,12 @@ def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | Non
     ticker = Ticker(report)
     compared = 0
     shards = ShardFiles(job.files, job.entries)
+    writes: dict[str, list[Write]] = {}
+    for w in job.writes:
+        writes.setdefault(w.name, []).append(w)
     try:
         for c in job.checks:
-            n = _compare(c, shards, job, options.block_bytes)
+            n = _compare(c, shards, job, options.block_bytes, writes.get(c.name, []))
             compared += n
             ticker.add(c.name, n)
     finally:
@@ -151,7 +159,7 @@ def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | Non
     return compared
 
 
-def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: int) -> int:
+def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: int, writes: list[Write]) -> int:
     entry = job.entries[c.rank].get(c.name)
     who = ", ".join(f"rank {r} ({job.files.get(r)})" for r in c.same_as)
     if entry is None or entry.shape != c.box.shape:
@@ -159,8 +167,8 @@ def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: in
         raise SourceError(f"holds {held}, which differs from the copy of {who}", path=job.files[c.rank],
                           param=c.name)
     itemsize = int(ms_dtype(entry.ms_type).storage.itemsize)
-    for w in job.writes:
-        if w.name != c.name or w.rank not in c.same_as:
+    for w in writes:  # the writes of c.name (scanning every write per check was quadratic)
+        if w.rank not in c.same_as:
             continue
         common = w.box.intersect(c.box) if c.box.ndim else w.box
         if common is None:
