@@ -297,6 +297,7 @@ def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str]) -> None:
 
 def _cmd_ingest(a: argparse.Namespace) -> int:
     from zckpt.ingest import IngestOptions, ingest
+    from zckpt.partial_inputs import partial_line
 
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, a.chunk_mb)
     opts = IngestOptions(
@@ -313,13 +314,14 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
          "tensors": r.tensors, "bytes_written": r.bytes_written,
          "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete,
          "rank_files": {str(k): v for k, v in r.rank_files.items()}, "file_choices": choices_json(choices),
-         "same_as_rank0": list(r.same_as_rank0)},
+         "same_as_rank0": list(r.same_as_rank0), "left_behind": dict(r.left_behind)},
         a.json,
         source_lines(dict(r.rank_files), choices, r.same_as_rank0)
         + [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
          f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
          f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]
-        + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else []),
+        + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else [])
+        + ([partial_line(r.left_behind)] if r.left_behind else []),
     )
     return 0
 

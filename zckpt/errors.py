@@ -61,3 +61,9 @@ class OutputError(ZckptError, ValueError):
 
 class UsageError(ZckptError, ValueError):
     """Arguments are invalid."""
+
+
+class DiskFullError(ZckptError, OSError):
+    """The device (or quota) holding a file zckpt writes is full: the error names that file.
+    Nothing it leaves looks complete: temporary files are removed, a store stays marked
+    incomplete (rerun the ingest once space is freed: it resumes)."""

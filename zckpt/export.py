@@ -29,11 +29,12 @@ from zckpt import remote
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
-from zckpt.fileio import write_atomic
+from zckpt.fileio import disk_full_named, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
+from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
@@ -119,9 +120,25 @@ def plan_export(
     strategy: StrategyArg,
     ranks: Iterable[int] | None = None,
     storage_options: remote.StorageOptions = None,
+    *,
+    require_supplied: bool = False,
 ) -> ExportPlan:
+    """The export plan; ``require_supplied`` refuses a destination strategy that lists
+    parameters the store does not hold (:func:`refuse_store_unsupplied`)."""
     smap: StrategyMap | None = load_strategy(strategy, storage_options)
-    return build_export_plan(store.specs(), smap, ranks=ranks)
+    plan = build_export_plan(store.specs(), smap, ranks=ranks)
+    if require_supplied:
+        refuse_store_unsupplied(store, plan, smap)
+    return plan
+
+
+def refuse_store_unsupplied(store: Store, plan: ExportPlan, smap: StrategyMap | None) -> None:
+    """Fail by name when the destination ranks planned need parameters the store lacks (a
+    partial pipeline source), rather than write files without them."""
+    source = store.manifest.get("source") or {}
+    refuse_unsupplied(needed_params(smap, (r.rank for r in plan.ranks)), (e.name for e in store.entries()),
+                      left_out=source.get("left_out") or (), behind=source.get("left_behind"),
+                      source=f"store {store.url}", dst=smap)
 
 
 def check_coverage(store: Store, plan: ExportPlan) -> None:
@@ -166,7 +183,7 @@ def export(
     t0 = time.perf_counter()
     so = options.storage_options
     store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-    plan = plan_export(store, strategy, ranks, so)
+    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
     check_coverage(store, plan)
     out_loc, out = output_dir(out_dir, so)
     jobs = output_jobs(store, plan, out, options)
@@ -236,7 +253,8 @@ def write_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
-        return reader.write_rank(rank, Path(target), ticker)
+        with disk_full_named(target):
+            return reader.write_rank(rank, Path(target), ticker)
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
         result = reader.write_rank(rank, local, ticker)
@@ -363,12 +381,13 @@ def export_rank(
     options: ExportOptions = ExportOptions(),
 ) -> RankResult:
     """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``)."""
-    plan = plan_export(store, strategy, [rank])
+    plan = plan_export(store, strategy, [rank], require_supplied=True)
     check_coverage(store, plan)
     path = Path(target)
     if path.exists() and not options.overwrite:
         raise OutputError("output file already exists (--overwrite replaces it)", path=path)
-    return StoreReader(store, options).write_rank(plan.ranks[0], path)
+    with disk_full_named(path):
+        return StoreReader(store, options).write_rank(plan.ranks[0], path)
 
 
 class StoreReader:

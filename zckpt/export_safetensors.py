@@ -124,7 +124,7 @@ def export_safetensors(
     t0 = time.perf_counter()
     so = options.storage_options
     store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-    plan = plan_export(store, strategy, ranks, so)
+    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
     check_coverage(store, plan)
     kinds = {e.name: e.kind for e in store.entries()}
     for r in plan.ranks:
@@ -163,7 +163,8 @@ def write_safetensors_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
-        return write_rank(reader, rank, Path(target), options, ticker)
+        with fileio.disk_full_named(target):
+            return write_rank(reader, rank, Path(target), options, ticker)
     return _write_remote_rank(reader, rank, target, options, ticker)
 
 

@@ -6,12 +6,14 @@ pass)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from zckpt.checksums import Sink
+from zckpt.errors import DiskFullError
 
 BLOCK = 1024 * 1024
 """Copy buffer size: large enough for few system calls, small enough that the bytes just
@@ -80,6 +82,38 @@ def copy_range(
         buffered_copy(src, dst, offset + done, length - done, buf, sink)
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+"""``OSError`` numbers of a full device or an exhausted quota."""
+
+
+@contextlib.contextmanager
+def disk_full_named(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn "No space left on device" (or "Disk quota exceeded") raised inside into a
+    :class:`~zckpt.errors.DiskFullError` naming the file being written (the OSError's own
+    file name when it has one, else ``path``): the bare OSError names none."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as err:
+        full = as_disk_full(err, path)
+        if full is None:
+            raise
+        raise full from None
+
+
+def as_disk_full(err: OSError, path: str | os.PathLike[str]) -> DiskFullError | None:
+    """``err`` as a :class:`~zckpt.errors.DiskFullError` naming its file (else ``path``), or
+    ``None`` when it is not about a full device."""
+    if isinstance(err, DiskFullError):
+        return err
+    if err.errno not in FULL:
+        return None
+    where = err.filename if err.filename is not None else path
+    return DiskFullError(f"no space left on the device while writing ({os.strerror(err.errno)}); free space "
+                         "and rerun", path=os.fspath(where))
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new name in ``path`` durable: until its directory is synced, a
     crash can lose the new name even though the file's own bytes were synced."""
@@ -108,7 +142,7 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
     :func:`publish` it; the temporary file is removed on any failure."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp-zckpt")
     try:
-        with open(tmp, "xb") as f:
+        with disk_full_named(path), open(tmp, "xb") as f:
             f.write(data)
             publish(f, tmp, path, fsync)
     except BaseException:

@@ -31,12 +31,13 @@ import numpy as np
 from zckpt import fileio, remote
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import SourceError, StoreError, StrategyError, UsageError, ZckptError
-from zckpt.fileio import copy_range_at, write_at
+from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
+from zckpt.fileio import as_disk_full, copy_range_at, disk_full_named, write_at
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
+from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
@@ -126,6 +127,8 @@ class IngestReport:
     """Ranks whose directory held several checkpoint files: which was chosen, among which, and why."""
     same_as_rank0: tuple[int, ...] = ()
     """Without a source strategy: the other rank files, found byte-identical to rank 0's."""
+    left_behind: Mapping[str, Any] = field(default_factory=dict)
+    """Pipeline stages, ranks and parameters of rank files outside the strategy's stages (not ingested)."""
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -297,15 +300,22 @@ def prepare_ingest(
     if smap is None:
         same = check_same_model(found, storage_options, block_bytes=block_bytes, keep=keep)
     files = relevant_ranks(found, smap)
+    if smap is not None:
+        refuse_stageless(smap, found, files, require_complete=require_complete)
     indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options)
+    left_out: set[str] = set()
     if keep is not None:
-        indexes = {r: {n: e for n, e in idx.items() if keep(n)} for r, idx in indexes.items()}
+        left_out = {n for idx in indexes.values() for n in idx if not keep(n)}
+        indexes = {r: {n: e for n, e in idx.items() if n not in left_out} for r, idx in indexes.items()}
     if smap is not None:
         _refuse_foreign_strategy(smap, found, files, indexes, storage_options)
     plan = build_ingest_plan(
         indexes, {r: str(p) for r, p in files.items()}, smap, require_complete=require_complete
     )
-    plan = replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files) - set(same.ranks))))
+    behind = (left_behind(smap, found, files, [*(t.name for t in plan.tensors), *left_out], storage_options)
+              if smap is not None else None)
+    plan = replace(plan, ignored_ranks=tuple(sorted(set(found) - set(files) - set(same.ranks))),
+                   left_behind=behind.to_json() if behind is not None else {}, left_out=tuple(sorted(left_out)))
     return PreparedIngest(plan, smap, sources, same, indexes)
 
 
@@ -351,9 +361,18 @@ def ingest(
             complete = not plan.uncovered
             if complete and state != "complete":
                 store.mark_complete()
+        except DiskFullError:
+            _drop_temporaries(target)
+            raise
         except ZckptError:
             store.remove()
             raise
+        except OSError as err:
+            full = as_disk_full(err, target)
+            if full is None:
+                raise
+            _drop_temporaries(target)
+            raise full from None
     return IngestReport(
         store=store.url,
         ranks_read=ranks,
@@ -368,6 +387,7 @@ def ingest(
         rank_files={r: str(p) for r, p in prepared.sources.files.items()},
         file_choices=prepared.sources.several(),
         same_as_rank0=prepared.same_model.ranks,
+        left_behind=plan.left_behind,
     )
 
 
@@ -464,6 +484,13 @@ def _open_remote_for_ingest(
         raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)",
                          path=url)
     return Store.create(url, overwrite=overwrite, storage_options=storage_options), "new"
+
+
+def _drop_temporaries(target: str | Path) -> None:
+    """After a full disk: the store stays, never marked complete (a rerun resumes once space
+    is freed); only the temporary files of the writes that failed are removed."""
+    if isinstance(target, Path):
+        remove_partial_files(target)
 
 
 def remove_partial_files(root: Path) -> None:
@@ -791,7 +818,7 @@ def _source_record(
         "stage_device_num": plan.stage_device_num,
         "stages": list(smap.stages) if smap is not None else [0],
         "rank_files": files,
-    }
+    } | partial_record(plan)
 
 
 def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -873,8 +900,12 @@ class _ChunkCopier:
 
     def _write(self, name: str, box: Box, runs: list[tuple[Run, str, int | None]], sum_block: int,
                create: bool) -> list[_Written]:
-        return [self._copy(name, run, path, offset, sum_block, create) if offset is not None
-                else self._cut(name, run, path, box, sum_block, create) for run, path, offset in runs]
+        done = []
+        for run, path, offset in runs:
+            with disk_full_named(path):
+                done.append(self._copy(name, run, path, offset, sum_block, create) if offset is not None
+                            else self._cut(name, run, path, box, sum_block, create))
+        return done
 
     def _buffer(self) -> bytearray:
         buf = getattr(_THREAD, "buffer", None)

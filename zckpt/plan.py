@@ -89,6 +89,11 @@ class IngestPlan:
     kinds: Mapping[str, str] = field(default_factory=dict)
     ignored_ranks: tuple[int, ...] = ()
     """Source rank files present but outside the strategy's pipeline stages."""
+    left_behind: Mapping[str, object] = field(default_factory=dict)
+    """What those rank files hold and the plan does not take (stages, ranks, params; see
+    :mod:`zckpt.partial_inputs`)."""
+    left_out: tuple[str, ...] = ()
+    """Entries the sources hold that ``choice_func`` left out."""
 
     def kind_of(self, name: str) -> str:
         return self.kinds[name]
@@ -563,6 +568,20 @@ def destination_layouts(
     return out
 
 
+def _refuse_unlisted_stages(strategy: StrategyMap, ranks: Sequence[int], stage_dev: int) -> None:
+    """A destination rank whose pipeline stage the strategy does not list would get no
+    listed parameter, only unlisted ones written whole (a file of another stage's tensors):
+    the strategy is one stage's file of a pipeline job, or lacks stages."""
+    listed = set(strategy.stages)
+    for r in ranks:
+        if _stage_of(r, stage_dev) not in listed:
+            raise LayoutError(
+                f"destination rank {r} is in pipeline stage {_stage_of(r, stage_dev)}, which the destination "
+                f"strategy does not list (it lists stage(s) {sorted(listed)} only): give the merged strategy of "
+                "every stage (merge-strategies) or the directory of every rank's strategy file",
+                path=", ".join(strategy.sources) or None)
+
+
 def build_export_plan(
     tensors: Sequence[TensorSpec],
     strategy: StrategyMap | None,
@@ -586,6 +605,8 @@ def build_export_plan(
     for r in wanted:
         if not 0 <= r < device_num:
             raise LayoutError(f"destination rank {r} is outside the destination's {device_num} ranks")
+    if strategy is not None:
+        _refuse_unlisted_stages(strategy, wanted, stage_dev)
     shardings: dict[tuple[str, int], Sharding] = {}
     out: list[RankExport] = []
     for r in wanted:

@@ -3,13 +3,19 @@ against the copy of the rank whose bytes are used instead.
 
 Ingest and the direct path both refuse a job whose replicas differ where the layouts say
 they are equal (an unlisted tensor that is really sharded, a tied parameter whose pipeline
-stages disagree). Comparing the two source files with ``pread`` at their index offsets
-needs no store: at 512 ranks, comparing three unlisted scalars through zarr per rank was a
-third of an ingest.
+stages disagree). Replicas inside one stage are compared in full only when asked
+(``verify_replicas``); otherwise, for every entry and every device axis its layout calls
+replicated, one replica one step along that axis is spot-checked (its first and last bytes,
+:data:`SAMPLE_BYTES` each): a strategy that calls different shards
+replicas (a damaged or foreign ``tensor_map``, a missing optimizer split) would else make
+one rank's shard the whole tensor, and those shards differ everywhere. Comparing the two
+source files with ``pread`` at their index offsets needs no store: at 512 ranks, comparing
+three unlisted scalars through zarr per rank was a third of an ingest.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +25,7 @@ import numpy as np
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError
 from zckpt.formats.ckpt import EntryInfo
-from zckpt.layout import c_order_pieces
+from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import IngestPlan, ReplicaCheck, Write
 from zckpt.progress import Report, Ticker
 from zckpt.source_reader import ShardFiles
@@ -42,6 +48,8 @@ class CheckJob:
     files: Mapping[int, str]
     entries: Mapping[int, Mapping[str, EntryInfo]]
     nbytes: int
+    sampled: frozenset[str] = frozenset()
+    """Entries of ``checks`` only spot-checked (:func:`sample_boxes`), not compared in full."""
 
 
 def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInfo]], names: set[str] | None,
@@ -50,9 +58,13 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
     parameters shared by pipeline stages; others with ``verify_replicas``), of ``names``
     (``None``: every entry)."""
     by_rank: dict[int, list[ReplicaCheck]] = {}
+    sampled: dict[int, set[str]] = {}
+    spot = set() if verify_replicas else _spot_checks(source)
     for c in source.checks:
-        if (names is None or c.name in names) and (c.required or verify_replicas):
+        if (names is None or c.name in names) and (c.required or verify_replicas or c in spot):
             by_rank.setdefault(c.rank, []).append(c)
+            if c in spot:
+                sampled.setdefault(c.rank, set()).add(c.name)
     itemsizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in source.tensors if t.kind == "tensor"}
     writes_of: dict[tuple[str, int], Write] = {(w.name, w.rank): w for w in source.writes}
     jobs = []
@@ -66,8 +78,65 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
         for w in writes:
             entries[w.rank][w.name] = indexes[w.rank][w.name]
         jobs.append(CheckJob(rank, tuple(checks), writes, files, entries,
-                             sum(c.box.size * itemsizes.get(c.name, 1) for c in checks)))
+                             sum(c.box.size * itemsizes.get(c.name, 1) for c in checks),
+                             frozenset(sampled.get(rank, ()))))
     return jobs
+
+
+def _spot_checks(source: IngestPlan) -> set[ReplicaCheck]:
+    """Per entry, stage and device axis the layout calls replicated, one replica: the first
+    one step from its writer along that axis. A layout that calls a true split replicated
+    does so for every box of the entry, so one box per axis shows it, at a cost that grows
+    neither with the replica count nor with the boxes."""
+    specs = {t.name: t for t in source.tensors}
+    stage_dev = max(1, source.stage_device_num)
+    chosen: dict[tuple[str, int, int], ReplicaCheck] = {}
+    for c in source.checks:
+        if c.reason != "replica" or len(c.same_as) != 1:
+            continue
+        stage = c.rank // stage_dev
+        lay = specs[c.name].layouts.get(stage) if c.name in specs else None
+        dev = lay.dev_matrix if lay is not None else ()
+        if math.prod(dev) != stage_dev:  # no coordinates to reason with: one check per rank
+            chosen[(c.name, stage, -1 - c.rank)] = c
+            continue
+        mine, theirs = _coords(c.rank % stage_dev, dev), _coords(c.same_as[0] % stage_dev, dev)
+        steps = [(i, a - b) for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
+        if len(steps) == 1 and steps[0][1] == 1:
+            key = (c.name, stage, steps[0][0])
+            if key not in chosen or c.rank < chosen[key].rank:
+                chosen[key] = c
+    return set(chosen.values())
+
+
+def _coords(rank: int, dev: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(dev):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+SAMPLE_BYTES = 4096
+"""Bytes compared at each end of a spot-checked replica."""
+
+
+def sample_boxes(box: Box, itemsize: int) -> list[Box]:
+    """The first and the last C-order corner of ``box`` holding at most about
+    :data:`SAMPLE_BYTES` (its first/last row, narrowed dimension by dimension)."""
+    out = []
+    for last in (False, True):
+        start, stop = list(box.start), list(box.stop)
+        for d in range(box.ndim):
+            inner = math.prod(stop[k] - start[k] for k in range(d + 1, box.ndim))
+            keep = max(1, SAMPLE_BYTES // max(1, inner * itemsize))
+            if stop[d] - start[d] > keep:
+                if last:
+                    start[d] = stop[d] - keep
+                else:
+                    stop[d] = start[d] + keep
+        out.append(Box(tuple(start), tuple(stop)))
+    return out if out[0] != out[1] else out[:1]
 
 
 def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | None = None) -> int:
@@ -76,9 +145,12 @@ def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | Non
     ticker = Ticker(report)
     compared = 0
     shards = ShardFiles(job.files, job.entries)
+    writes: dict[str, list[Write]] = {}
+    for w in job.writes:
+        writes.setdefault(w.name, []).append(w)
     try:
         for c in job.checks:
-            n = _compare(c, shards, job, options.block_bytes)
+            n = _compare(c, shards, job, options.block_bytes, writes.get(c.name, []))
             compared += n
             ticker.add(c.name, n)
     finally:
@@ -87,7 +159,7 @@ def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | Non
     return compared
 
 
-def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: int) -> int:
+def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: int, writes: list[Write]) -> int:
     entry = job.entries[c.rank].get(c.name)
     who = ", ".join(f"rank {r} ({job.files.get(r)})" for r in c.same_as)
     if entry is None or entry.shape != c.box.shape:
@@ -95,13 +167,19 @@ def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: in
         raise SourceError(f"holds {held}, which differs from the copy of {who}", path=job.files[c.rank],
                           param=c.name)
     itemsize = int(ms_dtype(entry.ms_type).storage.itemsize)
-    for w in job.writes:
-        if w.name != c.name or w.rank not in c.same_as:
+    for w in writes:  # the writes of c.name (scanning every write per check was quadratic)
+        if w.rank not in c.same_as:
             continue
         common = w.box.intersect(c.box) if c.box.ndim else w.box
         if common is None:
             continue
-        for piece in c_order_pieces(common, max(1, block_bytes // 4 // itemsize)) if c.box.ndim else [common]:
+        if not c.box.ndim:
+            pieces = [common]
+        elif c.name in job.sampled:
+            pieces = sample_boxes(common, itemsize)
+        else:
+            pieces = c_order_pieces(common, max(1, block_bytes // 4 // itemsize))
+        for piece in pieces:
             if not _same_bytes(shards.rows(c.rank, c.name, c.box, piece), shards.rows(w.rank, c.name, w.box, piece)):
                 _differ(c, who, job.files[c.rank])
     return entry.nbytes

@@ -75,15 +75,17 @@ def discover_sources(
         return SourceSet(dict(sorted(other.items())))
     out: dict[int, SourceFile] = {}
     choices: dict[int, RankFileChoice] = {}
-    for child in root.iterdir():
+    dirs: dict[int, str] = {}
+    for child in sorted(root.iterdir()):
         m = _RANK_DIR.match(child.name)
         if not m or not child.is_dir():
             continue
         names = [p.name for p in child.iterdir() if p.is_file()]
         found = choose_rank_file(names, child.name, str(child), file_suffix)  # as MindSpore does, never a guess
         if found is not None:
-            out[int(m.group(1))] = child / found.name
-            choices[int(m.group(1))] = found
+            rank = _claim_rank(dirs, m, child.name, root)
+            out[rank] = child / found.name
+            choices[rank] = found
     return _checked(out, choices, root)
 
 
@@ -94,7 +96,8 @@ def discover_remote(url: str, storage_options: remote.StorageOptions, file_suffi
         raise SourceError("source checkpoint directory does not exist or is not a directory", path=url)
     out: dict[int, SourceFile] = {}
     choices: dict[int, RankFileChoice] = {}
-    for name, is_dir in remote.listdir(root, SourceError):
+    dirs: dict[int, str] = {}
+    for name, is_dir in sorted(remote.listdir(root, SourceError)):
         m = _RANK_DIR.match(name)
         if not m or not is_dir:
             continue
@@ -102,9 +105,21 @@ def discover_remote(url: str, storage_options: remote.StorageOptions, file_suffi
         files = [n for n, d in remote.listdir(sub, SourceError) if not d]
         found = choose_rank_file(files, name, sub.url, file_suffix)
         if found is not None:
-            out[int(m.group(1))] = sub.child(found.name).url
-            choices[int(m.group(1))] = found
+            rank = _claim_rank(dirs, m, name, url)
+            out[rank] = sub.child(found.name).url
+            choices[rank] = found
     return _checked(out, choices, url)
+
+
+def _claim_rank(dirs: dict[int, str], m: re.Match[str], name: str, root: str | Path) -> int:
+    """The rank a ``rank_<r>`` directory holds, refusing a second directory of the same
+    rank (``rank_1`` and ``rank_01``): which of them is current cannot be told."""
+    rank = int(m.group(1))
+    other = dirs.setdefault(rank, name)
+    if other != name:
+        raise SourceError(f"directories {other!r} and {name!r} both hold rank {rank}: zckpt will not guess which "
+                          "is current (remove or rename the stale one)", path=root)
+    return rank
 
 
 def _checked(out: dict[int, SourceFile], choices: dict[int, RankFileChoice], root: str | Path) -> SourceSet:

@@ -26,9 +26,11 @@ from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
+from zckpt.fileio import disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
+from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
@@ -173,6 +175,8 @@ def transform(
         raise OutputError("output path exists and is not a directory", path=out)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
+    if not per_stage:
+        refuse_source_unsupplied(plan, src)
     stages = {t.name: t.stages for t in plan.source.tensors}
     jobs = stage_jobs(stages, plan.export, out, options)
     if options.format == "safetensors":
@@ -207,8 +211,19 @@ def transform_rank(
         raise OutputError("the destination file is a directory", path=path)
     if path.exists() and not options.overwrite:
         raise OutputError("output file already exists (--overwrite replaces it)", path=path)
+    refuse_source_unsupplied(plan, files)
     r = plan.export.ranks[0]
     return _run(plan, [DirectJob(r, str(path), plan.boxes(r))], str(path.parent), options, t0)
+
+
+def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int, str | Path]) -> None:
+    """Fail by name when the destination files need parameters no source file holds (a
+    partial pipeline source), rather than write them without those parameters."""
+    refuse_unsupplied(needed_params(plan.dst_strategy, (r.rank for r in plan.export.ranks)),
+                      (t.name for t in plan.source.tensors), left_out=plan.source.left_out,
+                      behind=plan.source.left_behind,
+                      source="the source files" if isinstance(src, Mapping) else f"source {src}",
+                      dst=plan.dst_strategy)
 
 
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
@@ -262,7 +277,8 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
 def write_direct_file(job: DirectJob, options: TransformOptions, report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
-    with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
+    with (disk_full_named(job.target),
+          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader):
         if options.format == "safetensors":
             from zckpt.export_safetensors import write_rank
 

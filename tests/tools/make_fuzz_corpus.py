@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import data_judge as dj  # noqa: E402
 import fuzz_support as fs  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -252,8 +253,46 @@ def found_cases() -> dict[str, tuple[bytes, str, str, str]]:
     return out
 
 
+def data_cases() -> dict[str, tuple[bytes, dict[str, object]]]:
+    """Inputs judged by their data (tests/data_judge.py): mutated strategies of the judge's
+    job that zckpt converted with wrong data, and a mutated shard it read otherwise than
+    protobuf does, before the fixes named. name -> (bytes, manifest entry)."""
+    seeds = {"job": dj.strategy_bytes()}
+    why = ("found by the data-judging fuzzer (seed {}): {}; converted to wrong data before the fix in "
+           "zckpt/replicas.py (replicas spot-checked along every replicated axis)")
+    replica = "differs from the one held by"
+    out: dict[str, tuple[bytes, dict[str, object]]] = {}
+    for seed, what in (
+        (2403, "w's tensor_map [1, 0] became [-1, -1]: its four different shards called replicas"),
+        (2582, "b's tensor_map [1] became [-1]: two of its replicas are real, the third is the other half"),
+        (1874, "o's opt_weight_shard_size 2 became 0: its optimizer shards called replicas"),
+        (1543, "moments.w's tensor_map [1, 0] became [-1, 0]: its row halves called replicas"),
+        (4166, "w's tensor_map became [-1, 0] and o's dev_matrix was given twice"),
+    ):
+        data = fs.mutate_strategy_pb(fs.RandomChooser(seed), seeds)[0]
+        out[f"source_strategy_seed_{seed}.ckpt"] = (data, {
+            "kind": "source-strategy", "expect": "refused", "match": replica, "why": why.format(seed, what)})
+    c = fs.RandomChooser(2752)
+    rank = c.integer(0, dj.DEVICES - 1)
+    data = fs.mutate_ckpt(c, {"shard": _job_shard(rank)})[0]
+    out["shard_seed_2752.ckpt"] = (data, {
+        "kind": "shard", "rank": rank, "expect": "refused", "match": "holds its tensor twice",
+        "why": ("found by the data-judging fuzzer (seed 2752): a Value holding its TensorProto twice; protobuf (and "
+                "so MindSpore) merges them, joining their dims; zckpt read the last one, before the fix in "
+                "zckpt/formats/ckpt.py (_parse_value)")})
+    return out
+
+
+def _job_shard(rank: int) -> bytes:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dj.write_job(Path(tmp))
+        return (job / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").read_bytes()
+
+
 def main() -> None:
-    manifest: dict[str, dict[str, str]] = {}
+    manifest: dict[str, dict[str, object]] = {}
     for sub, cases in (("ckpt", ckpt_cases()), ("strategy", strategy_cases())):
         folder = ROOT / sub
         folder.mkdir(parents=True, exist_ok=True)
@@ -267,6 +306,10 @@ def main() -> None:
         if not (ROOT / rel).exists():
             (ROOT / rel).write_bytes(data)
         manifest[rel] = {"expect": expect, "match": match, "why": why}
+    (ROOT / "data").mkdir(exist_ok=True)
+    for name, (data, entry) in sorted(data_cases().items()):
+        (ROOT / "data" / name).write_bytes(data)
+        manifest[f"data/{name}"] = {k: v for k, v in entry.items()}  # type: ignore[misc]
     (ROOT / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"{len(manifest)} corpus files, {total} bytes in {ROOT}")

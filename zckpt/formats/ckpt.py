@@ -294,6 +294,8 @@ class CkptReader:
                 except UnicodeDecodeError:
                     raise self._fail(f"tag at byte {f.value} is not UTF-8") from None
             elif f.number in (2, 3) and f.wire_type == wire.WIRE_LEN:
+                if body is not None:  # protobuf would merge two tensors into one (their dims joined)
+                    raise self._fail(f"Value at byte {start} holds its tensor twice", tag)
                 body = ("tensor" if f.number == 2 else "map", f.value, f.value + f.length)
         if tag is None:
             raise self._fail(f"Value at byte {start} has no tag")
