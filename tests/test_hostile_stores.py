@@ -12,6 +12,7 @@ the refusal tells the cases apart.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,8 +24,9 @@ import numpy as np
 import pytest
 
 import zckpt
+from zckpt import safe_paths
 from zckpt.cli import main as cli_main
-from zckpt.errors import StoreError, ZckptError
+from zckpt.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import make_layout
 from zckpt.generate import TensorDef, global_value, write_model
@@ -227,19 +229,30 @@ def test_dangling_lock_link_is_refused_and_creates_nothing(work: Path, capsys: p
     assert not victim.exists() and not os.path.lexists(victim)
 
 
-def test_lock_taken_after_its_holder_released_it_is_taken_again(tmp_path: Path) -> None:
-    """A lock file whose holder unlinked it (finishing) must not be held by two ingests: one
-    that locked the unlinked file drops it and takes the file now under the name."""
-    store = tmp_path / "s.zarr"
-    lock = tmp_path / "s.zarr.lock"
+def test_lock_on_a_file_its_holder_removed_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ingest that opened the lock file just before its holder finished (the holder
+    unlinks it, then unlocks) would lock a file that no longer has the name, while a third
+    ingest locks a new one: both would write. It must see that and take the name again."""
+    store, lock = tmp_path / "s.zarr", tmp_path / "s.zarr.lock"
     lock.write_bytes(b"")
-    stale = os.open(lock, os.O_RDWR)  # a second ingest opened the file before the holder removed it
+    stale = os.open(lock, os.O_RDWR)
     lock.unlink()
-    os.close(stale)
+    opened: list[object] = []
+    real = safe_paths.open_write
+
+    def first_stale(path: Path, flags: int, err: type[ZckptError], mode: int = 0o644) -> int:
+        opened.append(path)
+        return stale if len(opened) == 1 else real(path, flags, err, mode)
+
+    monkeypatch.setattr(safe_paths, "open_write", first_stale)
     with store_lock(store):
-        assert lock.is_file()
-        with pytest.raises(StoreError, match="lock held"), store_lock(store):
-            pass
+        assert len(opened) == 2 and lock.is_file()
+        other = os.open(lock, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):  # the file under the name is the one held
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
     assert not lock.exists()
 
 
@@ -334,3 +347,28 @@ def test_prefix_that_escapes_is_refused(work: Path, capsys: pytest.CaptureFixtur
     code, err = _run(["export", str(work / "s.zarr"), "--out", str(work / "out"), "--prefix", prefix], capsys)
     assert code != 0 and "prefix" in err, err
     assert {k for k in _tree(work) if k not in before and not k.startswith("out")} == set()
+
+
+def test_load_distributed_checkpoint_refuses_a_linked_rank_folder(work: Path) -> None:
+    out = work / "out"
+    out.mkdir()
+    (work / "outside" / "rank_0").mkdir()
+    os.symlink(work / "outside" / "rank_0", out / "rank_0")
+    with pytest.raises(ZckptError, match="symbolic link") as info:
+        zckpt.load_distributed_checkpoint(None, format="safetensors", store=str(work / "s.zarr"),
+                                          dst_safetensors_dir=str(out))
+    assert str(out / "rank_0") in str(info.value)
+    assert list((work / "outside" / "rank_0").iterdir()) == []
+
+
+def test_export_replaces_a_linked_marker_it_does_not_need(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output directory holding only a marker link: nothing to resume, so the marker is
+    not read, and writing it replaces the link instead of writing through it."""
+    out = work / "out"
+    out.mkdir()
+    victim = _victim(work)
+    os.symlink(victim, out / ".zckpt-export.json")
+    code, err = _run(["export", str(work / "s.zarr"), "--out", str(out)], capsys)
+    assert code == 0, err
+    assert victim.read_bytes() == b"not zckpt's to write"
+    assert not (out / ".zckpt-export.json").is_symlink()
