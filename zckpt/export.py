@@ -292,9 +292,9 @@ def resume_or_refuse(
             stray.unlink(missing_ok=True)
         todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
     check_out_dir(out).mkdir(parents=True, exist_ok=True)
-    output_folders(out, [p for _, p in jobs])
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
         write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
+    output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
     return todo
 
 
@@ -325,6 +325,7 @@ def resume_or_refuse_remote(
 def output_folders(out: Path, paths: Iterable[Path]) -> None:
     """Create the folders of ``paths`` below ``out`` (``rank_<r>/``), refusing by name one
     that is a symbolic link: files written there would land wherever it points."""
+    check_out_dir(out).mkdir(parents=True, exist_ok=True)
     for folder in sorted({p.parent for p in paths}):
         if folder != out:
             safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError, create=True)

@@ -181,7 +181,6 @@ def transform(
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
         jobs = _safetensors_jobs(jobs, options.overwrite)
-        out.mkdir(parents=True, exist_ok=True)
         output_folders(out, [p for _, p in jobs])
     else:
         jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
