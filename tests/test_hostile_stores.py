@@ -206,6 +206,24 @@ def test_resumed_ingest_never_writes_through_a_link(pristine: Path, work: Path, 
     assert code != 0 and str(link) in err and "symbolic link" in err, err
 
 
+@pytest.mark.parametrize("separator", ["/../../../outside/", "/../../"])
+def test_resumed_ingest_never_writes_through_a_hostile_separator(pristine: Path, work: Path,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 separator: str) -> None:
+    """Resuming writes where the layout says, never where a store's ``zarr.json`` points."""
+    store = work / "s.zarr"
+    _interrupt(store, 0)
+    for name in ("w", "b"):
+        meta = store / "tensors" / name / "zarr.json"
+        doc = json.loads(meta.read_text())
+        doc["chunk_key_encoding"]["configuration"]["separator"] = separator
+        meta.write_text(json.dumps(doc))
+    outside = {k: v for k, v in _tree(work).items() if not k.startswith("s.zarr")}
+    code, err = _run(_ingest_args(pristine, store), capsys)
+    assert {k: v for k, v in _tree(work).items() if not k.startswith("s.zarr")} == outside, err
+    assert code != 0 and "separator" in err, err
+
+
 def test_resumed_ingest_still_works_without_links(pristine: Path, work: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The control for the case above: the same interrupted store resumes and exports right."""
