@@ -162,8 +162,8 @@ def real_dirs(root: Path, rel: str, err: ErrorClass, *, create: bool = False) ->
 
 
 class Confined:
-    """A root directory and the folders below it already checked (:func:`real_dirs`), so
-    that each folder costs one ``lstat`` walk per process however many files it holds."""
+    """A root directory and the folders below it already checked (as :func:`real_dirs`
+    does), so that each folder costs one ``lstat`` per process however many files it holds."""
 
     def __init__(self, root: Path, err: ErrorClass) -> None:
         self.root = root
@@ -171,12 +171,22 @@ class Confined:
         self._seen: set[str] = set()
 
     def folder(self, rel: str) -> Path:
-        """``root / rel`` (a folder), checked: a plain relative key, no link on the way."""
+        """``root / rel`` (a folder), checked: a plain relative key, no link on the way. A
+        folder checked once is not checked again (one ``lstat`` per folder); one not made
+        yet is checked again once it exists."""
         if rel in self._seen:
             return self.root / rel
-        path = real_dirs(self.root, rel, self.err)
-        if os.path.lexists(path):  # a folder not made yet is checked again once it is
-            self._seen.add(rel)
+        head, _, name = check_key(rel, self.err, path=self.root / rel, what="folder").rpartition("/")
+        path = (self.folder(head) if head else self.root) / name
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return path
+        if stat.S_ISLNK(st.st_mode):
+            raise link_refused(path, self.err)
+        if not stat.S_ISDIR(st.st_mode):
+            raise self.err("is not a directory", path=path)
+        self._seen.add(rel)
         return path
 
     def file(self, key: str) -> Path:
