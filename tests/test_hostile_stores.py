@@ -390,3 +390,19 @@ def test_export_replaces_a_linked_marker_it_does_not_need(work: Path, capsys: py
     assert code == 0, err
     assert victim.read_bytes() == b"not zckpt's to write"
     assert not (out / ".zckpt-export.json").is_symlink()
+
+
+@pytest.mark.parametrize("command", ["export", "verify", "load-b"])
+def test_fifo_in_store_is_refused_without_waiting(work: Path, command: str) -> None:
+    """A FIFO planted as a chunk file would block a reader until some writer appears."""
+    import subprocess
+    import sys
+
+    chunk = work / "s.zarr" / "tensors" / "b" / "c.0"
+    chunk.unlink()
+    os.mkfifo(chunk)
+    proc = subprocess.run([sys.executable, "-m", "zckpt.cli", *READERS[command](work / "s.zarr", work)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(Path(zckpt.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode != 0 and str(chunk) in proc.stderr + proc.stdout, proc.stderr + proc.stdout

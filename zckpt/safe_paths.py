@@ -46,7 +46,7 @@ def check_key(key: str, err: ErrorClass, *, path: str | os.PathLike[str] | None 
     empty, ``.`` or ``..`` component, not absolute, no backslash or NUL."""
     parts = key.split("/")
     if not key or key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
-        raise err(f"{what} {key!r} is not a plain relative name (it could lead outside the store)", path=path,
+        raise err(f"{what} {key!r} is not a plain relative name (it could lead outside its directory)", path=path,
                   param=param)
     return key
 
@@ -95,12 +95,16 @@ def regular_size(path: str | os.PathLike[str], err: ErrorClass, param: str | Non
 
 
 def refuse_link(path: str | os.PathLike[str], err: ErrorClass, param: str | None = None) -> None:
-    """Raise when ``path`` is a symbolic link (anything else, or nothing, passes)."""
+    """Raise when ``path`` is a symbolic link, or a FIFO, socket or device (reading a FIFO
+    waits for a writer forever); a regular file, a folder or nothing passes."""
     try:
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            raise link_refused(path, err, param)
-    except FileNotFoundError:
-        pass
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISLNK(mode):
+        raise link_refused(path, err, param)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise err("is not a regular file", path=path, param=param)
 
 
 def refuse_links_below(folder: Path, err: ErrorClass, param: str | None = None) -> None:
@@ -118,9 +122,10 @@ def refuse_links_below(folder: Path, err: ErrorClass, param: str | None = None) 
 
 
 def open_write(path: str | os.PathLike[str], flags: int, err: ErrorClass, mode: int = 0o644) -> int:
-    """``os.open(path, flags)`` for writing, refusing a symbolic link as the last component."""
+    """``os.open(path, flags)`` for writing, refusing a symbolic link as the last component
+    (and not waiting for a reader of a planted FIFO: ``O_NONBLOCK`` makes that an error)."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise link_refused(path, err) from None
