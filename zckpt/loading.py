@@ -413,6 +413,7 @@ def _save_ranks(source: ShardSlicer | Store, dst: StrategyMap | None, ranks: lis
                 output_format: str, name_map: Mapping[str, str] | None, workers: int) -> None:
     """``out/rank_<r>/net.<output_format>`` for each rank, ``workers`` ranks at a time."""
     back = {v: k for k, v in (name_map or {}).items()}  # name_map: {network name: checkpoint name}
+    out.mkdir(parents=True, exist_ok=True)  # the directory named; its rank folders are made without following links
 
     def one(rank: int) -> Path:
         folder = safe_paths.real_dirs(out, f"rank_{rank}", OutputError, create=True)  # never through a link
