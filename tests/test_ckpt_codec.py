@@ -731,7 +731,7 @@ def test_many_small_file_ranges_open_each_source_once_and_copy_runs_whole(
     out = tmp_path / "out.ckpt"
     with CkptWriter(out, fsync=False) as w:
         w.write_blocks("t", "Float32", (1200, 16), pieces)
-    assert sorted(opened) == sorted(str(p) for p in sources)
+    assert sorted(p for p in opened if not p.endswith(".tmp-zckpt")) == sorted(str(p) for p in sources)
     assert len(copies) == 12  # 12 runs of 100 consecutive pieces
     with CkptReader(out) as r:
         assert r.array("t").tobytes() == expected

@@ -24,6 +24,9 @@ from typing import Any, Literal
 import google_crc32c
 import numpy as np
 
+from zckpt import safe_paths
+from zckpt.errors import StoreError
+
 BLOCK_BYTES = 256 * 1024
 """Checksum block of new stores. Smaller blocks read less beyond a range's edges, larger
 ones record fewer sums. On the 4 GiB benchmark model (bench/RESULTS.md) export read
@@ -209,7 +212,7 @@ class SpanCheck:
             self._finish()
 
     def _feed_from_file(self, offset: int, length: int) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = safe_paths.open_read(self.path, StoreError)
         try:
             self.summer.feed(offset, _pread_exact(fd, self.base + offset, length, self.path))
         finally:
@@ -262,7 +265,7 @@ def file_sums(path: Path, block_bytes: int | None, algo: Algo = "crc32c",
     or of ``length`` bytes from ``start`` (a run of a shard file; the size returned is what
     the file holds of them), read through one buffer (faster than summing mapped pages: no
     page faults)."""
-    with open(path, "rb", buffering=0) as f:
+    with safe_paths.open_binary(path, StoreError) as f:
         size = os.fstat(f.fileno()).st_size - start
         if length is not None:
             size = max(0, min(size, length))

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from zckpt import remote
+from zckpt import remote, safe_paths
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
@@ -299,7 +299,9 @@ def resume_or_refuse(
     todo = jobs
     if present and not overwrite:
         try:
-            same = json.loads(marker.read_text(encoding="utf-8")).get("fingerprint") == fingerprint
+            same = json.loads(safe_paths.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
+        except OutputError:
+            raise  # a planted link is refused by name, not taken for another export's marker
         except (OSError, ValueError, AttributeError):
             same = False
         if not same:
@@ -310,6 +312,7 @@ def resume_or_refuse(
     check_out_dir(out).mkdir(parents=True, exist_ok=True)
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
         write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
+    output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
     return todo
 
 
@@ -337,9 +340,19 @@ def resume_or_refuse_remote(
     return todo
 
 
+def output_folders(out: Path, paths: Iterable[Path]) -> None:
+    """Create the folders of ``paths`` below ``out`` (``rank_<r>/``), refusing by name one
+    that is a symbolic link: files written there would land wherever it points."""
+    check_out_dir(out).mkdir(parents=True, exist_ok=True)
+    for folder in sorted({p.parent for p in paths}):
+        if folder != out:
+            safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError, create=True)
+
+
 def _complete_file(path: Path, rank: RankExport) -> bool:
-    """A file written earlier by this export: it parses and holds the planned entries."""
-    if not path.is_file():
+    """A file written earlier by this export: it parses and holds the planned entries (a
+    symbolic link is not one: it is replaced)."""
+    if path.is_symlink() or not path.is_file():
         return False
     try:
         with CkptReader(path, verify_crc=True) as r:
@@ -581,7 +594,7 @@ class StoreReader:
         """A raw chunk (or shard) file, open for reading, refused by name when missing or of
         the wrong size."""
         try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115
+            f = safe_paths.open_binary(path, StoreError, name)
         except FileNotFoundError:
             raise _chunk_missing(name, key, path) from None
         try:
@@ -639,10 +652,9 @@ class StoreReader:
             return None
         out = []
         for sp in spans:
-            try:
-                size = sp.path.stat().st_size
-            except FileNotFoundError:
-                raise _chunk_missing(name, sp.key, sp.path) from None
+            size = safe_paths.regular_size(sp.path, StoreError, name)  # the writer opens it by name
+            if size is None:
+                raise _chunk_missing(name, sp.key, sp.path)
             _check_chunk_size(name, sp.key, sp.path, size, sp.file_bytes)
             check = self._span_check(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length)
             out.append(FileRange(sp.path, sp.offset, sp.length, check))

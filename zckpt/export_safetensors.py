@@ -42,6 +42,7 @@ from zckpt.export import (
     StoreReader,
     check_coverage,
     output_dir,
+    output_folders,
     output_jobs,
     plan_export,
     target_name,
@@ -143,6 +144,8 @@ def export_safetensors(
             clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
         if clash:
             raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
+    if out_loc is None:
+        output_folders(out, [p for _, p in jobs])
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine.of(options)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from zckpt import safe_paths
 from zckpt.checksums import Sink
 from zckpt.errors import DiskFullError
 
@@ -138,11 +139,12 @@ def publish(f: BinaryIO, tmp_path: Path, path: Path, fsync: bool) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write a small file whole under a temporary name in its directory, then
+    """Write a small file whole under a temporary name in its directory (created anew,
+    never through a planted link: :func:`zckpt.safe_paths.create_temp`), then
     :func:`publish` it; the temporary file is removed on any failure."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp-zckpt")
+    f, tmp = safe_paths.create_temp(path)
     try:
-        with disk_full_named(path), open(tmp, "xb") as f:
+        with disk_full_named(path), f:
             f.write(data)
             publish(f, tmp, path, fsync)
     except BaseException:

@@ -130,6 +130,7 @@ def _describe_store(path: str | Path, storage_options: remote.StorageOptions = N
     from zckpt.store import Store
 
     st = Store.open(path, storage_options=storage_options)
+    st.check_links()
     entries = [e.to_json() for e in st.entries()]
     rows = [["name", "kind", "dtype", "shape"]] + [
         [e["name"], e["kind"], e["ms_type"], str(tuple(e["shape"]))] for e in entries

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zckpt import fileio, remote
+from zckpt import fileio, remote, safe_paths
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
@@ -397,12 +397,8 @@ def store_lock(path: Path) -> Iterator[None]:
     rather than let two writers interleave (readers need no lock)."""
     lock = path.with_name(path.name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _take_lock(lock)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreError("another zckpt ingest is writing this store (lock held)", path=lock) from None
         try:
             yield
         finally:
@@ -410,6 +406,28 @@ def store_lock(path: Path) -> Iterator[None]:
                 lock.unlink()
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
+        os.close(fd)
+
+
+def _take_lock(lock: Path) -> int:
+    """The lock file, open and locked. Never through a link (a planted ``.lock`` link would
+    make ingest create or truncate the file it names). The holder unlinks the file before
+    it unlocks, so a lock taken on a file that no longer has the name was released: it is
+    dropped and the name opened again."""
+    while True:
+        fd = safe_paths.open_write(lock, os.O_RDWR | os.O_CREAT, StoreError)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError("another zckpt ingest is writing this store (lock held)", path=lock) from None
+        held = os.fstat(fd)
+        try:
+            now = os.lstat(lock)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
         os.close(fd)
 
 
@@ -917,7 +935,7 @@ class _ChunkCopier:
     def _open(path: str, create: bool) -> int:
         flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
-            return os.open(path, flags, 0o644)
+            return safe_paths.open_write(path, flags, StoreError)  # never through a link planted in the store
         except FileNotFoundError:
             raise StoreError("shard file is missing: the store is damaged", path=path) from None
 

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
-from zckpt.errors import LayoutError, SourceError, StrategyError, UsageError
+from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
 from zckpt.export import check_coverage
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
@@ -412,10 +413,10 @@ def _save_ranks(source: ShardSlicer | Store, dst: StrategyMap | None, ranks: lis
                 output_format: str, name_map: Mapping[str, str] | None, workers: int) -> None:
     """``out/rank_<r>/net.<output_format>`` for each rank, ``workers`` ranks at a time."""
     back = {v: k for k, v in (name_map or {}).items()}  # name_map: {network name: checkpoint name}
+    out.mkdir(parents=True, exist_ok=True)  # the directory named; its rank folders are made without following links
 
     def one(rank: int) -> Path:
-        folder = out / f"rank_{rank}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = safe_paths.real_dirs(out, f"rank_{rank}", OutputError, create=True)  # never through a link
         entries = plan_rank(source, dst, rank, lambda _: True)
         return write_rank_file(entries, lambda n, b: read_entry(source, n, b), folder / f"net.{output_format}",
                                output_format, back)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from zckpt import safe_paths
 from zckpt.errors import StoreError
 from zckpt.fileio import write_atomic
 
@@ -108,10 +109,10 @@ def read_local(root: Path) -> dict[int, dict[str, Any]]:
         rank, is_file = got
         if is_file:
             path = folder / n
-            out[rank] = decode(path.read_bytes(), rank, str(path))
+            out[rank] = decode(safe_paths.read_bytes(path, StoreError), rank, str(path))
             continue
         meta = folder / n / "zarr.json"
         if meta.is_file():
-            doc = json.loads(meta.read_text(encoding="utf-8"))
+            doc = json.loads(safe_paths.read_bytes(meta, StoreError))
             out.setdefault(rank, dict(doc.get("attributes") or {}))
     return out

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from zckpt import safe_paths
 from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
 from zckpt.export import check_coverage
@@ -497,9 +498,9 @@ def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> Path:
     if p.is_dir():
         raise UsageError("--out is a directory; give a file name", path=p)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp-zckpt")
+    f, tmp = safe_paths.create_temp(p)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             np.save(f, np.ascontiguousarray(array), allow_pickle=False)
         os.replace(tmp, p)
     except BaseException:

@@ -34,21 +34,22 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import zarr
+from zarr.abc.store import ByteRequest
 from zarr.core.array import AsyncArray
-from zarr.core.buffer import default_buffer_prototype
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
-from zarr.storage import FsspecStore
+from zarr.storage import FsspecStore, LocalStore
 
 from zckpt import records as rank_records
-from zckpt import remote, zarr_bfloat16
+from zckpt import remote, safe_paths, zarr_bfloat16
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
@@ -293,6 +294,9 @@ class ChunkInfo:
         raw = _raw_bytes_codec(codecs) or inner is not None
         enc = doc.get("chunk_key_encoding") or {}
         sep = str((enc.get("configuration") or {}).get("separator", "/"))
+        if sep not in (".", "/"):  # Zarr v3 allows these two; any other could climb out of the array
+            raise StoreError(f"chunk_key_encoding separator {sep!r} is neither '.' nor '/'",
+                             path=None if folder is None else folder / "zarr.json")
         raw = raw and enc.get("name", "default") == "default"
         per_shard = None
         if inner is not None:
@@ -489,7 +493,6 @@ def _fsspec_store(url: str, storage_options: remote.StorageOptions, *, read_only
     return FsspecStore.from_url(url, storage_options=remote.fs_options(storage_options), read_only=read_only)
 
 
-
 def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     """``node`` with ``write_empty_chunks`` on: without it an all-zero chunk written through
     zarr leaves no file, which raw chunk readers then miss. zarr 3.1 drops ``config`` when it
@@ -498,6 +501,57 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     a = node._async_array
     return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
                                  config={"order": "C", "write_empty_chunks": True}))
+
+
+class ConfinedStore(LocalStore):
+    """zarr's local store that never follows a symbolic link below its root, nor a key that
+    climbs out of it (:mod:`zckpt.safe_paths`): zarr itself reads and writes any path it
+    is given. Each folder is checked once; each file read costs one ``lstat``."""
+
+    def __init__(self, root: Path | str, *, read_only: bool = False) -> None:
+        super().__init__(root, read_only=read_only)
+        self.confined = safe_paths.Confined(self.root, StoreError)
+
+    def _check(self, key: str, reading: bool = True) -> None:
+        path = self.confined.file(key)
+        if reading:
+            safe_paths.refuse_link(path, StoreError)
+
+    async def get(self, key: str, prototype: BufferPrototype | None = None,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        self._check(key)
+        return await super().get(key, prototype, byte_range)
+
+    def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
+                 byte_range: ByteRequest | None = None) -> Buffer | None:
+        self._check(key)
+        return super().get_sync(key, prototype=prototype, byte_range=byte_range)
+
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
+        key_ranges = list(key_ranges)
+        for key, _ in key_ranges:
+            self._check(key)
+        return await super().get_partial_values(prototype, key_ranges)
+
+    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
+        self._check(key, reading=False)  # zarr writes a temporary file and renames it over the key
+        await super()._set(key, value, exclusive)
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._check(key, reading=False)
+        super().set_sync(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._check(key, reading=False)
+        await super().delete(key)
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        if prefix.strip("/"):
+            self.confined.folder(prefix.strip("/"))
+        async for key in super().list_dir(prefix):
+            yield key
+
 
 class Store:
     """A zckpt store opened for reading or being written by ingest."""
@@ -529,6 +583,7 @@ class Store:
         self._plain: dict[str, dict[str, ChunkSums]] | None = None
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
+        self._confined = safe_paths.Confined(path, StoreError) if location is None else None
 
     @classmethod
     def attach(
@@ -547,7 +602,8 @@ class Store:
     def group(self) -> zarr.Group:
         if self._group is None:
             try:
-                self._group = zarr.open_group(str(self.path), mode=self._mode, zarr_format=3)
+                self._group = zarr.open_group(ConfinedStore(self.path, read_only=self._mode == "r"),
+                                              mode=self._mode, zarr_format=3)
             except Exception as err:  # zarr raises several unrelated types for a broken store
                 raise StoreError(f"cannot open zarr store: {err}", path=self.path) from None
         return self._group
@@ -584,7 +640,7 @@ class Store:
                 shutil.rmtree(p)
             else:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
-        group = zarr.open_group(str(p), mode="w-", zarr_format=3)
+        group = zarr.open_group(ConfinedStore(p), mode="w-", zarr_format=3)
         group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
         return cls(p, group, mode="w-")
 
@@ -617,7 +673,7 @@ class Store:
         if not (p / "zarr.json").is_file():
             raise StoreError("not a zarr store (no zarr.json)", path=p)
         try:
-            group = zarr.open_group(str(p), mode=mode, zarr_format=3)
+            group = zarr.open_group(ConfinedStore(p, read_only=mode == "r"), mode=mode, zarr_format=3)
         except Exception as err:  # zarr raises several unrelated types for a broken store
             raise StoreError(f"cannot open zarr store: {err}", path=p) from None
         meta = group.attrs.get("zckpt")
@@ -666,8 +722,28 @@ class Store:
 
     def _entry_map(self) -> dict[str, EntryRecord]:
         if self._entries is None:
-            self._entries = {d["name"]: EntryRecord.from_json(d) for d in self.manifest.get("entries", [])}
+            entries = {d["name"]: EntryRecord.from_json(d) for d in self.manifest.get("entries", [])}
+            for e in entries.values():
+                if e.kind != "str":  # a key is a path below the store: it must not lead out of it
+                    safe_paths.check_key(e.key, StoreError, path=self.where("zarr.json"), param=e.name,
+                                         what="manifest key")
+            self._entries = entries
         return self._entries
+
+    def check_links(self) -> None:
+        """Refuse, by name, a symbolic link anywhere in a local store's array folders (a
+        listing per folder, no ``stat`` per file): for commands such as ``info`` that
+        describe a store without reading its chunks, which every read checks anyway."""
+        if self._confined is None:
+            return
+        for e in self.entries():
+            if e.kind != "str":
+                safe_paths.refuse_links_below(self._folder(e), StoreError, e.name)
+
+    def _folder(self, e: EntryRecord) -> Path:
+        """An array's folder in a local store, checked to be a real folder inside it."""
+        assert self._confined is not None
+        return self._confined.folder(e.key)
 
     def entries(self) -> list[EntryRecord]:
         return list(self._entry_map().values())
@@ -815,7 +891,8 @@ class Store:
         info = ChunkInfo(t.shape, chunks, True, ".", folder, per_shard, ms_dtype(t.ms_type).storage.itemsize)
         for shard in np.ndindex(*info.shard_count()):
             data, index = info.shard_layout(shard)
-            fd = os.open(folder / info.chunk_key(shard), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = safe_paths.open_write(folder / info.chunk_key(shard), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                       StoreError)
             try:
                 os.pwrite(fd, index, data)
             finally:
@@ -911,11 +988,13 @@ class Store:
         info = self._chunk_info.get(name)
         if info is None:
             e = self.entry(name)
-            root = self.path if self.location is None else None
+            folder = self._folder(e) if self.location is None else None
             doc: Any = None
-            if root is not None:
+            if folder is not None:
                 try:
-                    doc = json.loads((root / e.key / "zarr.json").read_text(encoding="utf-8"))
+                    doc = json.loads(safe_paths.read_bytes(folder / "zarr.json", StoreError, e.name))
+                except StoreError:
+                    raise
                 except (OSError, ValueError):
                     doc = None
             if doc is None and self.location is not None:
@@ -926,7 +1005,7 @@ class Store:
                 doc = {"shape": arr.shape, "chunk_grid": {"configuration": {"chunk_shape": arr.chunks}},
                        "codecs": [], "chunk_key_encoding": {}}
             itemsize = 1 if e.kind != "tensor" else ms_dtype(e.ms_type).storage.itemsize
-            info = ChunkInfo.from_json(doc, None if root is None else root / e.key, itemsize)
+            info = ChunkInfo.from_json(doc, folder, itemsize)
             self._chunk_info[name] = info
         return info
 
@@ -940,7 +1019,7 @@ class Store:
         e = self.entry(name)
         if e.kind != "tensor" or not e.shape:
             return
-        self._chunk_info[name] = ChunkInfo(e.shape, tuple(chunks), True, ".", self.path / e.key, per_shard,
+        self._chunk_info[name] = ChunkInfo(e.shape, tuple(chunks), True, ".", self._folder(e), per_shard,
                                            ms_dtype(e.ms_type).storage.itemsize)
 
     def raw_chunk_file(self, name: str, coords: Sequence[int]) -> Path | None:
@@ -962,7 +1041,7 @@ class Store:
         if not info.raw or info.folder is None:
             return None
         key, offset = info.locate(coords)
-        return key, info.folder / key, offset, info.file_bytes(coords)
+        return key, self._chunk_path(info, key), offset, info.file_bytes(coords)
 
     def chunk_files(self, name: str, box: Box) -> list[tuple[str, Path]]:
         """``(file key, file)`` of every chunk (or shard) file ``box`` touches (raw local
@@ -971,12 +1050,21 @@ class Store:
         if not info.raw or info.folder is None:
             return []
         if box.ndim == 0:
-            return [(info.chunk_key(()), info.folder / info.chunk_key(()))]
+            return [(info.chunk_key(()), self._chunk_path(info, info.chunk_key(())))]
         out: dict[str, Path] = {}
         for t in tiles(box, info.chunks):
             key, _ = info.locate(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
-            out.setdefault(key, info.folder / key)
+            if key not in out:
+                out[key] = self._chunk_path(info, key)
         return list(out.items())
+
+    def _chunk_path(self, info: ChunkInfo, key: str) -> Path:
+        """A chunk file's path; chunk keys with the ``/`` separator have folders of their own,
+        checked (once each) like the array's."""
+        assert info.folder is not None
+        if "/" in key and self._confined is not None:
+            return self._confined.file(f"{info.folder.relative_to(self.path).as_posix()}/{key}")
+        return info.folder / key
 
     def chunk_keys(self, name: str, box: Box) -> list[str]:
         """Keys of every chunk ``box`` touches when chunks are stored raw (local or remote)."""
@@ -1030,7 +1118,9 @@ class Store:
     def _progress_attributes(self) -> list[Any]:
         """Every progress record (as objects with ``attrs``), in rank order: record files
         and format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
-        through zarr costs more than parsing them)."""
+        through zarr costs more than parsing them); never through a link."""
+        if self._confined is not None:
+            self._confined.folder(rank_records.FOLDER)
         found = rank_records.read_local(self.path) if self.location is None else self._remote_records(read=True)
         return [_Attrs(found[r]) for r in sorted(found)]
 

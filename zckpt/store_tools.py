@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import zarr
 
-from zckpt import remote
+from zckpt import remote, safe_paths
 from zckpt.errors import StoreError
 from zckpt.store import Store
 
@@ -64,5 +64,5 @@ def consolidate(store_path: str | os.PathLike[str], storage_options: remote.Stor
 
 def _root_json(store: Store) -> bytes:
     if store.location is None:
-        return (store.path / "zarr.json").read_bytes()
+        return safe_paths.read_bytes(store.path / "zarr.json", StoreError)
     return remote.read_bytes(store.location.child("zarr.json"), StoreError)

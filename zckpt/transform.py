@@ -25,7 +25,7 @@ from pathlib import Path
 from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
+from zckpt.export import ExportOptions, ExportReport, output_folders, resume_or_refuse, stage_jobs
 from zckpt.fileio import disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
@@ -185,6 +185,7 @@ def transform(
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
         jobs = _safetensors_jobs(jobs, options.overwrite)
+        output_folders(out, [p for _, p in jobs])
     else:
         jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
     return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)

@@ -38,7 +38,7 @@ from pathlib import Path
 from zckpt.errors import SourceError, UsageError
 from zckpt.export import ExportOptions, StoreReader
 from zckpt.export_safetensors import _BandStream
-from zckpt.fileio import publish
+from zckpt.fileio import write_atomic
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import choose_by_suffix, latest_by_numbers, open_shard
 from zckpt.formats.strategy import StrategyMap
@@ -147,10 +147,7 @@ def copy_hyper(rank0_file: str | os.PathLike[str], in_parts: set[str], target: P
 
 
 def _write_json(path: Path, doc: object) -> None:
-    tmp = path.with_name(path.name + ".tmp-zckpt")
-    f = open(tmp, "wb")  # noqa: SIM115 (publish closes it)
-    f.write(json.dumps(doc, indent=4).encode("utf-8"))
-    publish(f, tmp, path, True)
+    write_atomic(path, json.dumps(doc, indent=4).encode("utf-8"))
 
 
 def unify_store(

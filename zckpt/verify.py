@@ -35,10 +35,10 @@ import numpy as np
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
 
-from zckpt import remote
+from zckpt import remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import ZckptError
+from zckpt.errors import StoreError, ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.formats.strategy import StrategyMap
@@ -373,21 +373,21 @@ def _check_shards(store: Store, e: EntryRecord, info: ChunkInfo, crcs: dict[str,
         box = Box(start, stop)
         region = f"shard {key} (elements {box.to_json()})"
         where = store.where(e.key, key)
-        if not path.is_file():
+        size = safe_paths.regular_size(path, StoreError, e.name)
+        if size is None:
             if required is None or any(box.intersect(b) is not None for b in required):
                 report.add("store", "shard is missing" + (" from a complete store" if required is None else
                                                           " from an ingested region"),
                            file=where, param=e.name, region=region)
             continue
         data_bytes, index = info.shard_layout(shard)
-        size = path.stat().st_size
         report.chunks += data_bytes // max(1, info.inner_bytes)  # inner chunks, as an unsharded store counts them
         report.chunk_bytes += min(size, data_bytes)
         if size != data_bytes + len(index):
             report.add("store", f"shard holds {size} bytes, its inner chunks and index need "
                                 f"{data_bytes + len(index)}", file=where, param=e.name, region=region)
             continue
-        with open(path, "rb") as f:
+        with safe_paths.open_binary(path, StoreError, e.name) as f:
             f.seek(data_bytes)
             if f.read() != index:
                 report.add("store", "shard index differs from the one its layout gives", file=where, param=e.name,

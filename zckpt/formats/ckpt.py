@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from zckpt import fileio
+from zckpt import fileio, safe_paths
 from zckpt.checksums import Sink
 from zckpt.dtypes import STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
@@ -554,7 +554,7 @@ def value_header(name: str, ms_type: str, dims: Iterable[int], content_len: int)
 
 
 class CkptWriter:
-    """Writes a ``.ckpt`` entry by entry to ``<path>.tmp-zckpt`` and renames on :meth:`commit`.
+    """Writes a ``.ckpt`` entry by entry to a temporary file beside it and renames on :meth:`commit`.
 
     Leaving the context without committing (an exception) removes the temporary file.
     With ``checks`` (an executor of one thread), a file range that carries a check is copied
@@ -569,7 +569,6 @@ class CkptWriter:
         self._checks = checks
         self._pending: list[Future[None]] = []
         self._check_buffer: bytearray | None = None
-        self.tmp_path = self.path.with_name(self.path.name + ".tmp-zckpt")
         self._crc_enabled = crc
         self._fsync = fsync
         self._crc = 0
@@ -580,7 +579,8 @@ class CkptWriter:
         """Open source files of recent file ranges with their sizes (a job of hundreds of ranks
         copies thousands of ranges out of each file: one open and fstat per file, not per range)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: BinaryIO | None = open(self.tmp_path, "wb")  # noqa: SIM115
+        f, self.tmp_path = safe_paths.create_temp(self.path)  # a new file, never a planted link
+        self._f: BinaryIO | None = f
 
     def __enter__(self) -> CkptWriter:
         return self

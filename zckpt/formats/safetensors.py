@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from zckpt import fileio
+from zckpt import fileio, safe_paths
 from zckpt.dtypes import STRING_TYPE, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
@@ -383,7 +383,7 @@ def header_bytes(
 
 
 class SafetensorsWriter:
-    """Writes one ``.safetensors`` file to ``<path>.tmp-zckpt``, renamed on :meth:`commit`.
+    """Writes one ``.safetensors`` file to a temporary file beside it, renamed on :meth:`commit`.
 
     The tensors are declared up front; their bytes are then streamed with :meth:`write_tensor`
     in :attr:`order` (the header's data order). ``crc`` adds MindSpore's ``crc_num`` to the
@@ -401,7 +401,6 @@ class SafetensorsWriter:
         fsync: bool = True,
     ) -> None:
         self.path = Path(path)
-        self.tmp_path = self.path.with_name(self.path.name + ".tmp-zckpt")
         names = [t.name for t in tensors]
         for t in tensors:
             if t.name == "__metadata__":
@@ -421,7 +420,8 @@ class SafetensorsWriter:
         self._next = 0
         self.bytes_written = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: BinaryIO | None = open(self.tmp_path, "wb")  # noqa: SIM115
+        f, self.tmp_path = safe_paths.create_temp(self.path)  # a new file, never a planted link
+        self._f: BinaryIO | None = f
         self._write(self._header)
 
     def __enter__(self) -> SafetensorsWriter:
