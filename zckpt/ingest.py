@@ -76,6 +76,8 @@ class IngestOptions:
     pack_bytes: int = packed.PACK_BYTES
     """Local stores: tensors up to this size that one source rank holds whole are packed
     into one array per data type (:mod:`zckpt.packed`); 0 gives each its own array."""
+    pack_count: int = packed.PACK_COUNT
+    """Small tensors are packed only when there are at least this many."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
     file_suffix: str | None = None
@@ -594,7 +596,8 @@ def store_layout(
                 shards[t.name] = per
     packing = None
     if sharded and options.pack_bytes > 0:
-        packing = packed.plan_packing(tensors, writers, options.pack_bytes, options.chunk_bytes)
+        packing = packed.plan_packing(tensors, writers, options.pack_bytes, options.chunk_bytes,
+                                      options.pack_count)
         shards = {n: k for n, k in shards.items() if n not in packing.slots}
     return StoreLayout(
         tensors=tuple(tensors),

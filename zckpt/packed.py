@@ -35,6 +35,10 @@ from zckpt.layout import Box
 PACK_BYTES = 64 * 1024
 """Default largest tensor packed (``IngestOptions.pack_bytes``)."""
 
+PACK_COUNT = 1024
+"""Default number of small tensors from which they are packed (``IngestOptions.pack_count``):
+below it, an array each costs little and every tensor stays a Zarr array of its own."""
+
 FOLDER = "packed"
 
 WRITE_BYTES = 8 * 1024 * 1024
@@ -93,10 +97,11 @@ class _Tensor(Protocol):
 
 
 def plan_packing(
-    tensors: Sequence[_Tensor], writers: Mapping[str, Sequence[tuple[int, Box]]], limit: int, chunk_bytes: int
+    tensors: Sequence[_Tensor], writers: Mapping[str, Sequence[tuple[int, Box]]], limit: int, chunk_bytes: int,
+    count: int = PACK_COUNT,
 ) -> PackPlan:
     """Pack every non-empty tensor of at most ``limit`` bytes that one source rank writes
-    whole. Per data type, tensors are placed rank by rank in the given (file) order, each
+    whole, when there are at least ``count`` of them (else none). Per data type, tensors are placed rank by rank in the given (file) order, each
     at the next free element; one that would cross a chunk border starts the next chunk.
     A chunk holds ``chunk_bytes`` (at least one tensor of ``limit`` bytes); a packed array
     that fits one chunk has a chunk exactly its length."""
@@ -111,6 +116,8 @@ def plan_packing(
         picked.setdefault(t.ms_type, []).append((ws[0][0], order, t.name, size))
     arrays: list[PackedArray] = []
     slots: dict[str, Slot] = {}
+    if sum(len(v) for v in picked.values()) < max(1, count):
+        return PackPlan((), {})
     for ms_type in sorted(picked):
         itemsize = ms_dtype(ms_type).storage.itemsize
         chunk = max(1, chunk_bytes // itemsize, -(-limit // itemsize))
