@@ -101,8 +101,9 @@ def plan_packing(
     count: int = PACK_COUNT,
 ) -> PackPlan:
     """Pack every non-empty tensor of at most ``limit`` bytes that one source rank writes
-    whole, when there are at least ``count`` of them (else none). Per data type, tensors are placed rank by rank in the given (file) order, each
-    at the next free element; one that would cross a chunk border starts the next chunk.
+    whole, when there are at least ``count`` of them (else none). Per data type, tensors
+    are placed rank by rank in the given (file) order, each at the next free element; one
+    that would cross a chunk border starts the next chunk.
     A chunk holds ``chunk_bytes`` (at least one tensor of ``limit`` bytes); a packed array
     that fits one chunk has a chunk exactly its length."""
     picked: dict[str, list[tuple[int, int, str, int]]] = {}
