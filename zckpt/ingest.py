@@ -753,14 +753,18 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
 def _write_packed(store: Store, reader: CkptReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
     """Copy this rank's packed tensors into their byte ranges of the packed arrays."""
     targets = []
+    files: dict[tuple[Path, str], Path] = {}
     for w in writes:
-        at = store.chunk_at(w.name, (0,) * w.box.ndim)
-        assert at is not None
+        info = store.chunk_info(w.name)
+        assert info.at is not None and info.folder is not None
         entry = reader.entries[w.name]
         if entry.shape != w.box.shape:
             raise SourceError(f"holds shape {list(entry.shape)} but the plan expects {list(w.box.shape)}",
                               path=reader.path, param=w.name)
-        targets.append((w.name, at[0], at[1], at[2], store.chunk_info(w.name).inner_bytes))
+        file = files.get((info.folder, info.at[0]))
+        if file is None:
+            file = files[(info.folder, info.at[0])] = info.folder / info.at[0]
+        targets.append((w.name, info.at[0], file, info.at[1], info.inner_bytes))
     return packed.write_tensors(reader, targets, block_bytes)
 
 

@@ -182,9 +182,10 @@ Written = tuple[str, str, int, int, list[int]]
 
 
 def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) -> list[Written]:
-    """Copy packed tensors from a source file into their chunk files: tensors that follow
-    each other in one file are gathered into one write of at most :data:`WRITE_BYTES`; each
-    tensor's blocks are summed from the bytes written (its own run record)."""
+    """Copy packed tensors from a source file into their chunk files, in file and offset
+    order: tensors that follow each other in one file are gathered into one write of at most
+    :data:`WRITE_BYTES`; each tensor's blocks are summed from the bytes written (its own run
+    record)."""
     out: list[Written] = []
     pending = bytearray()
     start = 0
@@ -198,7 +199,7 @@ def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) 
         source.release_pages()
 
     try:
-        for name, key, file, offset, nbytes in targets:
+        for name, key, file, offset, nbytes in sorted(targets, key=lambda t: (t[2], t[3])):
             data = np.ascontiguousarray(source.array(name)).reshape(-1).view(np.uint8)
             if data.size != nbytes:
                 raise StoreError(f"holds {data.size} bytes, its packed place {nbytes}", path=file, param=name)

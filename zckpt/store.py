@@ -547,7 +547,7 @@ class Store:
         self._plain: dict[str, dict[str, ChunkSums]] | None = None
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
-        self._packs: dict[str, int] = {}
+        self._packs: dict[str, tuple[int, Path]] = {}
 
     @classmethod
     def attach(
@@ -993,14 +993,16 @@ class Store:
         if self.location is not None or e.key != packed.pack_key(e.ms_type) or e.offset is None or e.offset < 0:
             raise StoreError(f"manifest places a packed tensor at {e.key!r}, not in the packed array of its type",
                              path=self.url, param=e.name)
-        chunk = self._packs.get(e.key)
-        if chunk is None:
-            chunk = self._packs[e.key] = packed.read_chunk_length(self.path / e.key)
+        got = self._packs.get(e.key)
+        if got is None:
+            folder = self.path / e.key
+            got = self._packs[e.key] = (packed.read_chunk_length(folder), folder)
+        chunk, folder = got
         itemsize = ms_dtype(e.ms_type).storage.itemsize
         key, at = packed.locate(e.offset, chunk, itemsize)
         if at + math.prod(e.shape) * itemsize > chunk * itemsize:
             raise StoreError(f"manifest places a packed tensor across chunk {key}'s end", path=self.url, param=e.name)
-        return ChunkInfo(e.shape, e.shape, True, ".", self.path / e.key, None, itemsize, (key, at, chunk * itemsize))
+        return ChunkInfo(e.shape, e.shape, True, ".", folder, None, itemsize, (key, at, chunk * itemsize))
 
     def assume_layout(self, name: str, chunks: tuple[int, ...], per_shard: tuple[int, ...] | None) -> None:
         """Take an array's chunk layout from the ingest plan instead of its ``zarr.json``
