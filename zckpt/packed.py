@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from zckpt.checksums import block_sums
+from zckpt.checksums import block_sums, crc32c
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.fileio import write_at
@@ -78,11 +78,14 @@ class PackPlan:
 
     arrays: tuple[PackedArray, ...]
     slots: Mapping[str, Slot]
+    rule: tuple[int, int, int] = (0, 0, 0)
+    """``(limit, chunk_bytes, count)`` that :func:`plan_packing` placed them with."""
 
     def to_json(self) -> dict[str, Any]:
-        """For the ingest fingerprint: two plans that place every tensor alike are equal."""
-        return {"arrays": [a.to_json() for a in self.arrays],
-                "slots": {n: [s.key, s.offset, s.writer] for n, s in sorted(self.slots.items())}}
+        """For the ingest fingerprint: the placement is a pure function of the tensors and
+        writers (fingerprinted apart) and of this rule, so the rule and the arrays stand for
+        the 100 000s of slots."""
+        return {"placement": 1, "rule": list(self.rule), "arrays": [a.to_json() for a in self.arrays]}
 
 
 class _Tensor(Protocol):
@@ -107,18 +110,21 @@ def plan_packing(
     A chunk holds ``chunk_bytes`` (at least one tensor of ``limit`` bytes); a packed array
     that fits one chunk has a chunk exactly its length."""
     picked: dict[str, list[tuple[int, int, str, int]]] = {}
+    itemsizes: dict[str, int] = {}
     for order, t in enumerate(tensors):
         ws = writers.get(t.name, ())
-        if t.kind != "tensor" or len(ws) != 1 or ws[0][1] != Box.full(t.shape):
+        if t.kind != "tensor" or len(ws) != 1 or not _whole(ws[0][1], t.shape):
             continue
         size = math.prod(t.shape)
-        if size == 0 or size * ms_dtype(t.ms_type).storage.itemsize > limit:
+        itemsize = itemsizes.get(t.ms_type) or itemsizes.setdefault(t.ms_type, ms_dtype(t.ms_type).storage.itemsize)
+        if size == 0 or size * itemsize > limit:
             continue
         picked.setdefault(t.ms_type, []).append((ws[0][0], order, t.name, size))
     arrays: list[PackedArray] = []
     slots: dict[str, Slot] = {}
+    rule = (limit, chunk_bytes, count)
     if sum(len(v) for v in picked.values()) < max(1, count):
-        return PackPlan((), {})
+        return PackPlan((), {}, rule)
     for ms_type in sorted(picked):
         itemsize = ms_dtype(ms_type).storage.itemsize
         chunk = max(1, chunk_bytes // itemsize, -(-limit // itemsize))
@@ -130,7 +136,11 @@ def plan_packing(
             slots[name] = Slot(key, at, rank)
             at += size
         arrays.append(PackedArray(key, ms_type, at, min(chunk, at)))
-    return PackPlan(tuple(arrays), slots)
+    return PackPlan(tuple(arrays), slots, rule)
+
+
+def _whole(box: Box, shape: tuple[int, ...]) -> bool:
+    return box.stop == shape and not any(box.start)
 
 
 def chunk_files(array: PackedArray) -> list[tuple[str, int]]:
@@ -209,7 +219,8 @@ def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) 
                 if file not in fds:
                     fds[file] = _open(file)
             pending += data.tobytes()
-            out.append((name, key, offset, nbytes, block_sums(data, block_bytes)))
+            sums = [crc32c(data)] if nbytes <= block_bytes else block_sums(data, block_bytes)
+            out.append((name, key, offset, nbytes, sums))
         flush()
     finally:
         for fd in fds.values():
