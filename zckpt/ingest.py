@@ -30,6 +30,7 @@ import numpy as np
 
 from zckpt import fileio, packed, remote
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
+from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
 from zckpt.fileio import as_disk_full, copy_range_at, disk_full_named, write_at
@@ -324,6 +325,7 @@ def prepare_ingest(
     return PreparedIngest(plan, smap, sources, same, indexes)
 
 
+@fewer_collections()
 def ingest(
     src: str | Path | Mapping[int, str | Path],
     store_path: str | Path,
