@@ -2,7 +2,7 @@
 
 usage: python bench/bench_tiny.py [--tensors 100000] [--dir DIR] [--max-mem 1G]
 
-A checkpoint with many tiny tensors (biases, norms, scalars: ~800 bytes each, mixed
+A checkpoint with many tiny tensors (biases, norms, scalars: ~500 bytes each, mixed
 dtypes) used to make one chunk file and one ``zarr.json`` per tensor: 100 000 tensors took
 1.26 GB of disk for 84 MB of values. This writes such a shard with :mod:`zckpt.generate`
 (one rank, no strategy), then runs ``ingest`` and ``export`` each in a fresh process
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import MiB, machine, peak, phase_env, run_phase, tree_files  # noqa: E402
 
 SHAPES = (((210,), "Float32"), ((26, 16), "BFloat16"), ((13, 16), "Int32"), ((), "Float32"), ((7, 3), "Float16"))
-"""Shapes and types dealt in turn: ~650 bytes per tensor on average, as in a real model's tail."""
+"""Shapes and types dealt in turn: ~500 bytes per tensor on average, as in a real model's tail."""
 
 
 def build(src: Path, count: int) -> int:
