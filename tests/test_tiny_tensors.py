@@ -222,3 +222,21 @@ def test_pipeline_stages_write_their_own_ranges_and_resume(tmp_path: Path) -> No
     for t in stages[0][::5] + stages[1][::5]:
         assert _same(np.asarray(st.array(t.name)[...]), global_value(t.name, t.shape, t.ms_type)), t.name
     assert verify(store).ok
+
+
+def test_packing_places_tensors_without_crossing_a_chunk_border() -> None:
+    """Hand-worked placement: 16-element chunks (a 64-byte limit of float32), tensors of 5."""
+    from zckpt.layout import Box
+    from zckpt.packed import plan_packing
+    from zckpt.plan import TensorSpec
+
+    tensors = [TensorSpec(f"t{i}", "tensor", "Float32", (5,)) for i in range(7)]
+    tensors += [TensorSpec("split", "tensor", "Float32", (4,)), TensorSpec("large", "tensor", "Float32", (17,))]
+    writers = {t.name: [(0, Box.full(t.shape))] for t in tensors}
+    writers["split"] = [(0, Box((0,), (2,))), (1, Box((2,), (4,)))]
+    plan = plan_packing(tensors, writers, limit=64, chunk_bytes=40, count=1)
+    assert [plan.slots[f"t{i}"].offset for i in range(7)] == [0, 5, 10, 16, 21, 26, 32]
+    assert "split" not in plan.slots and "large" not in plan.slots
+    (array,) = plan.arrays
+    assert (array.key, array.length, array.chunk) == ("packed/float32", 37, 16)
+    assert not plan_packing(tensors, writers, limit=64, chunk_bytes=40, count=8).slots  # only 7 qualify
