@@ -133,7 +133,8 @@ class EntryRecord:
     offset: int | None = None
     """A packed tensor's element offset in its packed array ``key`` (:mod:`zckpt.packed`)."""
     writer: int | None = None
-    """The source rank that writes a packed tensor (the others have it in their array's attributes)."""
+    """The source rank that writes a packed tensor (other tensors list their writers in their
+    array's attributes)."""
 
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.kind, self.ms_type, self.shape, stages=self.stages, note=self.note)
@@ -940,7 +941,7 @@ class Store:
             raise StoreError(f"packed chunk {info.at[0]} ended early: the store is damaged",
                              path=info.folder / info.at[0], param=e.name)
         attrs: dict[str, Any] = {"name": e.name, "ms_dtype": e.ms_type, "kind": e.kind,
-                 "writers": [[r, b.to_json()] for r, b in self.writers(e.name)]}
+                                 "writers": [[r, b.to_json()] for r, b in self.writers(e.name)]}
         node = zarr.create_array(store=zarr.storage.MemoryStore(), shape=e.shape, chunks=e.shape,
                                  dtype=zarr_type(e.ms_type, e.kind), compressors=None, fill_value=0,
                                  attributes={"zckpt": attrs})
