@@ -567,10 +567,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_PIPE
     except KeyboardInterrupt:
+        remove_own_temporaries(args)
         print(f"zckpt {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPT
     except (OSError, TypeError, ValueError) as err:
         return _fail(err, args, EXIT_ERROR)
+
+
+def remove_own_temporaries(args: argparse.Namespace) -> None:
+    """Remove the temporary files this process left in its output directory or store.
+
+    Writers remove their temporary file when they fail, but Ctrl-C may land between the
+    file's creation and the ``with`` that would remove it. Temporary names carry the pid
+    (:func:`zckpt.safe_paths.temp_name`), so this process's own are told apart from a
+    concurrent run's."""
+    import os
+    from pathlib import Path
+
+    mine = f"*.{os.getpid()}.*.tmp-zckpt"
+    for where in (getattr(args, "out", None), getattr(args, "store", None)):
+        if not where or "://" in str(where) or not Path(where).is_dir():
+            continue
+        for tmp in Path(where).rglob(mine):
+            try:
+                if tmp.is_file() and not tmp.is_symlink():
+                    tmp.unlink()
+            except OSError:
+                pass
 
 
 def _silence_stdout() -> None:

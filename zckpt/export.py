@@ -27,6 +27,7 @@ import numpy as np
 
 from zckpt import remote, safe_paths
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
+from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import disk_full_named, write_atomic
@@ -167,6 +168,7 @@ def check_coverage(store: Store, plan: ExportPlan) -> None:
                 )
 
 
+@fewer_collections()
 def export(
     store_or_path: Store | str | Path,
     out_dir: str | Path,

@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from zckpt import fileio, remote, safe_paths
+from zckpt import fileio, packed, remote, safe_paths
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
+from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
 from zckpt.fileio import as_disk_full, copy_range_at, disk_full_named, write_at
@@ -73,6 +74,11 @@ class IngestOptions:
     ``"off"`` (or ``False``); per task (rank) and parameter, wherever the tasks run."""
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
+    pack_bytes: int = packed.PACK_BYTES
+    """Local stores: tensors up to this size that one source rank holds whole are packed
+    into one array per data type (:mod:`zckpt.packed`); 0 gives each its own array."""
+    pack_count: int = packed.PACK_COUNT
+    """Small tensors are packed only when there are at least this many."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.checksums)."""
     file_suffix: str | None = None
@@ -319,6 +325,7 @@ def prepare_ingest(
     return PreparedIngest(plan, smap, sources, same, indexes)
 
 
+@fewer_collections()
 def ingest(
     src: str | Path | Mapping[int, str | Path],
     store_path: str | Path,
@@ -355,7 +362,7 @@ def ingest(
         try:
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
-                             fingerprint=layout.fingerprint(), shards=layout.shards)
+                             fingerprint=layout.fingerprint(), shards=layout.shards, packing=layout.packing)
             written, compared, ranks = ((0, 0, ()) if state == "complete"
                                         else _run(plan, layout, store, options, prepared.indexes))
             complete = not plan.uncovered
@@ -529,6 +536,8 @@ class StoreLayout:
     source: Mapping[str, Any]
     shards: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Inner chunks per shard of every sharded array (format 4, local stores)."""
+    packing: packed.PackPlan | None = None
+    """Small tensors packed into one array per data type (format 5, local stores)."""
 
     def fingerprint(self) -> str:
         """Identity of an ingest: two runs with the same fingerprint write the same store
@@ -543,22 +552,30 @@ class StoreLayout:
         }
         if self.shards:
             doc["shards"] = {n: list(k) for n, k in sorted(self.shards.items())}
+        if self.packing is not None and self.packing.slots:
+            doc["packing"] = self.packing.to_json()
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def _resumable_layout(
     path: Path, layout: StoreLayout, plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions
 ) -> StoreLayout:
-    """The layout to ingest with: the unsharded one when ``path`` holds this same ingest,
-    interrupted, begun unsharded (by a zckpt of format 3), so that resuming finishes it."""
-    if not layout.shards or options.overwrite or not (path / "zarr.json").is_file():
+    """The layout to ingest with: the unpacked (or also unsharded) one when ``path`` holds
+    this same ingest, interrupted, begun without packing (by a zckpt of format 4) or without
+    shards (format 3), so that resuming finishes it as it began."""
+    if not (layout.shards or layout.packing) or options.overwrite or not (path / "zarr.json").is_file():
         return layout
     try:
         found = Store.open(path).manifest.get("fingerprint")
     except ZckptError:
         return layout
-    flat = replace(layout, shards={})
-    return flat if found == flat.fingerprint() and found != layout.fingerprint() else layout
+    if found == layout.fingerprint():
+        return layout
+    unpacked = replace(layout, packing=None)  # a packed tensor is never sharded: shards stay
+    for older in (unpacked, replace(unpacked, shards={})):
+        if found == older.fingerprint():
+            return older
+    return layout
 
 
 def store_layout(
@@ -597,6 +614,11 @@ def store_layout(
             per = shard_grid(t.shape, chunks[t.name], itemsize, options.shard_bytes)
             if per is not None:
                 shards[t.name] = per
+    packing = None
+    if sharded and options.pack_bytes > 0:
+        packing = packed.plan_packing(tensors, writers, options.pack_bytes, options.chunk_bytes,
+                                      options.pack_count)
+        shards = {n: k for n, k in shards.items() if n not in packing.slots}
     return StoreLayout(
         tensors=tuple(tensors),
         writers={n: tuple(ws) for n, ws in writers.items()},
@@ -604,6 +626,7 @@ def store_layout(
         strings=strings,
         source=_source_record(plan, smap, options.storage_options),
         shards=shards,
+        packing=packing,
     )
 
 
@@ -712,8 +735,11 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
         store = Store.attach(Path(store_path), t.entries, t.infos, t.version)
     else:
         store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
-        store.prefetch(w.name for w in job.writes)
-        for w in job.writes:
+    tiny = tuple(w for w in job.writes if store.entry(w.name).offset is not None)
+    writes = tuple(w for w in job.writes if store.entry(w.name).offset is None) if tiny else job.writes
+    if job.target is None:
+        store.prefetch(w.name for w in writes)
+        for w in writes:
             store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
     written = 0
     known = _RankSums(options.checksum_block_bytes)
@@ -721,7 +747,11 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
-        for w in job.writes:
+        for done in _write_packed(store, reader, tiny, known.block_bytes):
+            known.add(done, sharded=True)  # one run record per packed tensor
+            written += done[3]
+            ticker.add(done[0], done[3])
+        for w in writes:
             n = _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
             written += n
             ticker.add(w.name, n)
@@ -732,12 +762,30 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
         if store.is_remote:
             _source_checksums(store, reader, job.writes, known)
     record: dict[str, Any] = {"block_bytes": known.block_bytes,
-                              "chunks": _written_checksums(store, job.writes, known)}
+                              "chunks": _written_checksums(store, writes, known)}
     if known.runs:
         record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
                           for name, per in known.runs.items()}
     store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record)
     return written
+
+
+def _write_packed(store: Store, reader: CkptReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
+    """Copy this rank's packed tensors into their byte ranges of the packed arrays."""
+    targets = []
+    files: dict[tuple[Path, str], Path] = {}
+    for w in writes:
+        info = store.chunk_info(w.name)
+        assert info.at is not None and info.folder is not None
+        entry = reader.entries[w.name]
+        if entry.shape != w.box.shape:
+            raise SourceError(f"holds shape {list(entry.shape)} but the plan expects {list(w.box.shape)}",
+                              path=reader.path, param=w.name)
+        file = files.get((info.folder, info.at[0]))
+        if file is None:
+            file = files[(info.folder, info.at[0])] = info.folder / info.at[0]
+        targets.append((w.name, info.at[0], file, info.at[1], info.inner_bytes))
+    return packed.write_tensors(reader, targets, block_bytes)
 
 
 def _written_checksums(

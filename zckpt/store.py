@@ -48,8 +48,8 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, LocalStore
 
+from zckpt import packed, remote, safe_paths, zarr_bfloat16
 from zckpt import records as rank_records
-from zckpt import remote, safe_paths, zarr_bfloat16
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
@@ -58,9 +58,10 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 5
-"""5: progress records are plain files (:mod:`zckpt.records`), not zarr groups; 4: local
-stores group chunks into shards (``sharding_indexed``), checksums per block of
+VERSION = 6
+"""6: small tensors that one source rank writes whole are packed into one array per data type
+(:mod:`zckpt.packed`); 5: progress records are plain files (:mod:`zckpt.records`), not zarr
+groups; 4: local stores group chunks into shards (``sharding_indexed``), checksums per block of
 each writer's run of a shard; 3: chunk checksums per block (``crc32c_blocks``); 2: one per
 chunk; 2 and later: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16``. Older
 versions are still read."""
@@ -130,6 +131,11 @@ class EntryRecord:
     value: str | None = None
     stages: tuple[int, ...] = (0,)
     note: str | None = None
+    offset: int | None = None
+    """A packed tensor's element offset in its packed array ``key`` (:mod:`zckpt.packed`)."""
+    writer: int | None = None
+    """The source rank that writes a packed tensor (other tensors list their writers in their
+    array's attributes)."""
 
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.kind, self.ms_type, self.shape, stages=self.stages, note=self.note)
@@ -147,6 +153,8 @@ class EntryRecord:
         doc["stages"] = list(self.stages)
         if self.note is not None:
             doc["note"] = self.note
+        if self.offset is not None:
+            doc["offset"], doc["writer"] = self.offset, self.writer
         return doc
 
     @staticmethod
@@ -160,6 +168,8 @@ class EntryRecord:
             value=doc.get("value"),
             stages=tuple(int(s) for s in doc.get("stages", [0])),
             note=doc.get("note"),
+            offset=None if doc.get("offset") is None else int(doc["offset"]),
+            writer=None if doc.get("offset") is None else int(doc["writer"]),
         )
 
 
@@ -285,6 +295,9 @@ class ChunkInfo:
     folder: Path | None
     per_shard: tuple[int, ...] | None = None
     itemsize: int = 0
+    at: tuple[str, int, int] | None = None
+    """A packed tensor (:mod:`zckpt.packed`): its one chunk is ``at[1]`` bytes into the
+    chunk file ``at[0]`` of its packed array, a file of ``at[2]`` bytes."""
 
     @staticmethod
     def from_json(doc: Mapping[str, Any], folder: Path | None, itemsize: int = 0) -> ChunkInfo:
@@ -316,6 +329,8 @@ class ChunkInfo:
     def chunk_key(self, coords: Sequence[int]) -> str:
         """Zarr v3's default chunk key: ``c`` followed by the chunk coordinates (of a shard,
         in a sharded array)."""
+        if self.at is not None:
+            return self.at[0]
         return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
 
     @property
@@ -325,6 +340,8 @@ class ChunkInfo:
     def locate(self, coords: Sequence[int]) -> tuple[str, int]:
         """``(file key, byte offset)`` of the chunk at ``coords`` (of the inner chunk grid
         in a sharded array: its shard's key and its place in the shard's C order)."""
+        if self.at is not None:
+            return self.at[0], self.at[1]
         if self.per_shard is None:
             return self.chunk_key(coords), 0
         shard = tuple(int(c) // k for c, k in zip(coords, self.per_shard, strict=True))
@@ -338,6 +355,8 @@ class ChunkInfo:
         """Size of the file holding the chunk at ``coords``: the chunk, or its shard's data
         and index (inner chunks present form a box of the shard's grid, so the last one in
         C order is the one at the largest local coordinates)."""
+        if self.at is not None:
+            return self.at[2]
         if self.per_shard is None:
             return self.inner_bytes
         counts = self.grid_counts()
@@ -584,6 +603,7 @@ class Store:
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
         self._confined = safe_paths.Confined(path, StoreError) if location is None else None
+        self._packs: dict[str, tuple[int, Path]] = {}
 
     @classmethod
     def attach(
@@ -814,6 +834,7 @@ class Store:
         compressors: Any = None,
         fingerprint: str | None = None,
         shards: Mapping[str, tuple[int, ...]] | None = None,
+        packing: packed.PackPlan | None = None,
     ) -> None:
         """Create every array (no data yet) and write the manifest.
 
@@ -822,11 +843,13 @@ class Store:
         thousands of arrays through zarr's API costs milliseconds each. An array named in
         ``shards`` (inner chunks per shard; local uncompressed stores only) is sharded: each
         shard file is created at its final size with its index, so that writers only fill
-        their byte ranges.
+        their byte ranges. Tensors ``packing`` places get no array: their bytes live in a
+        packed array (:mod:`zckpt.packed`) and their manifest entry says where.
         """
         shards = dict(shards or {})
-        if shards and (self.location is not None or compressors is not None):
-            raise StoreError("sharded arrays are written to local uncompressed stores only", path=self.url)
+        slots = packing.slots if packing is not None else {}
+        if (shards or slots) and (self.location is not None or compressors is not None):
+            raise StoreError("sharded and packed arrays are written to local uncompressed stores only", path=self.url)
         records: list[EntryRecord] = []
         pending: list[tuple[str, Awaitable[Any]]] = []
         agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
@@ -839,6 +862,11 @@ class Store:
             key = encode_key(t.name)
             if t.kind == "str":
                 records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name], t.stages, t.note))
+                continue
+            slot = slots.get(t.name)
+            if slot is not None:
+                records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, slot.key, None, t.stages, t.note,
+                                           slot.offset, slot.writer))
                 continue
             folder = "tensors" if t.kind == "tensor" else "maps"
             dtype = zarr_type(t.ms_type, t.kind)
@@ -880,6 +908,11 @@ class Store:
         created = _gather([c for _, c in pending])
         for (name, _), node in zip(pending, created, strict=True):
             self._keep(name, zarr.Array(node))
+        for pack in packing.arrays if packing is not None else ():
+            where = self.path / pack.key
+            _write_array_json(where, zarr_type(pack.ms_type, "tensor"), (pack.length,), (pack.chunk,),
+                              {"zckpt": {"kind": "packed", "ms_dtype": pack.ms_type}})
+            packed.preallocate(where, pack)
         rank_records.define_folder(self.group)
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
 
@@ -962,11 +995,35 @@ class Store:
         e = self.entry(name)
         if e.kind == "str":
             raise StoreError("string entries have no array", path=self.url, param=name)
+        if e.offset is not None:
+            return self._keep(name, self._packed_array(e))
         try:
             node = writing_empty_chunks(zarr.open_array(store=self.group.store, path=e.key, mode=self._mode))
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
         return self._keep(name, node)
+
+    def _packed_array(self, e: EntryRecord) -> zarr.Array[Any]:
+        """A packed tensor as a zarr array of its own, in memory: its bytes (checked
+        against their recorded checksum) under the attributes its array would have had.
+        For the occasional reader (``load --param``, replica checks); export and verify
+        read the packed bytes directly (:meth:`chunk_at`)."""
+        info = self.chunk_info(e.name)
+        assert info.at is not None and info.folder is not None
+        self.verify_chunks(e.name, Box.full(e.shape))
+        dtype = ms_dtype(e.ms_type).storage
+        with safe_paths.open_binary(info.folder / info.at[0], StoreError, e.name) as f:
+            raw = os.pread(f.fileno(), info.inner_bytes, info.at[1])
+        if len(raw) != info.inner_bytes:
+            raise StoreError(f"packed chunk {info.at[0]} ended early: the store is damaged",
+                             path=info.folder / info.at[0], param=e.name)
+        attrs: dict[str, Any] = {"name": e.name, "ms_dtype": e.ms_type, "kind": e.kind,
+                                 "writers": [[r, b.to_json()] for r, b in self.writers(e.name)]}
+        node = zarr.create_array(store=zarr.storage.MemoryStore(), shape=e.shape, chunks=e.shape,
+                                 dtype=zarr_type(e.ms_type, e.kind), compressors=None, fill_value=0,
+                                 attributes={"zckpt": attrs})
+        bits_view(node)[...] = np.frombuffer(raw, dtype=dtype).reshape(e.shape)
+        return node
 
     def _keep(self, name: str, node: zarr.Array[Any]) -> zarr.Array[Any]:
         """Cache an opened array as zckpt uses it (bf16 as bits), remembering its stored type."""
@@ -986,6 +1043,8 @@ class Store:
         """Shape, chunk shape and chunk encoding of an array, read from its ``zarr.json``
         alone (opening a zarr array costs a millisecond or more; a store has thousands)."""
         info = self._chunk_info.get(name)
+        if info is None and self.entry(name).offset is not None:
+            info = self._chunk_info[name] = self._packed_info(self.entry(name))
         if info is None:
             e = self.entry(name)
             folder = self._folder(e) if self.location is None else None
@@ -1009,6 +1068,22 @@ class Store:
             self._chunk_info[name] = info
         return info
 
+    def _packed_info(self, e: EntryRecord) -> ChunkInfo:
+        """A packed tensor's one chunk: where it lies in its packed array's chunk file."""
+        if self.location is not None or e.key != packed.pack_key(e.ms_type) or e.offset is None or e.offset < 0:
+            raise StoreError(f"manifest places a packed tensor at {e.key!r}, not in the packed array of its type",
+                             path=self.url, param=e.name)
+        got = self._packs.get(e.key)
+        if got is None:
+            folder = self._folder(e)
+            got = self._packs[e.key] = (packed.read_chunk_length(folder), folder)
+        chunk, folder = got
+        itemsize = ms_dtype(e.ms_type).storage.itemsize
+        key, at = packed.locate(e.offset, chunk, itemsize)
+        if at + math.prod(e.shape) * itemsize > chunk * itemsize:
+            raise StoreError(f"manifest places a packed tensor across chunk {key}'s end", path=self.url, param=e.name)
+        return ChunkInfo(e.shape, e.shape, True, ".", folder, None, itemsize, (key, at, chunk * itemsize))
+
     def assume_layout(self, name: str, chunks: tuple[int, ...], per_shard: tuple[int, ...] | None) -> None:
         """Take an array's chunk layout from the ingest plan instead of its ``zarr.json``
         (an ingest task writes into every array; reading each one's metadata per source
@@ -1017,7 +1092,7 @@ class Store:
         if self.location is not None or name in self._chunk_info or self.version not in SHARDED_LAYOUTS:
             return
         e = self.entry(name)
-        if e.kind != "tensor" or not e.shape:
+        if e.kind != "tensor" or not e.shape or e.offset is not None:
             return
         self._chunk_info[name] = ChunkInfo(e.shape, tuple(chunks), True, ".", self._folder(e), per_shard,
                                            ms_dtype(e.ms_type).storage.itemsize)
@@ -1248,6 +1323,9 @@ class Store:
         return checked
 
     def writers(self, name: str) -> list[tuple[int, Box]]:
+        e = self.entry(name)
+        if e.offset is not None:
+            return [(int(e.writer or 0), Box.full(e.shape))]
         if name not in self._writers:
             meta: Any = self.array(name).attrs.get("zckpt", {})
             self._writers[name] = [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
@@ -1272,9 +1350,10 @@ class Store:
 
     def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
         problems = []
-        wanted = set(names) if names is not None else None
-        for e in self.entries():
-            if e.kind == "str" or (wanted is not None and e.name not in wanted):
+        known, done = self._entry_map(), self.ingested_ranks()
+        # only the entries asked for: verify asks entry by entry, 100 000s of them
+        for e in known.values() if names is None else [known[n] for n in dict.fromkeys(names) if n in known]:
+            if e.kind == "str" or (e.writer is not None and e.writer in done):  # a packed tensor: one writer
                 continue
             miss = self.missing_in(e.name, Box.full(e.shape))
             if miss == [-1]:

@@ -35,7 +35,7 @@ import numpy as np
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
 
-from zckpt import remote, safe_paths
+from zckpt import packed, remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError, ZckptError
@@ -161,6 +161,9 @@ def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * M
             if not isinstance(e.value, str):
                 report.add("store", "string entry has no value in the manifest", file=store.url, param=e.name)
             continue
+        if e.offset is not None:
+            _check_packed(store, e, report)
+            continue
         try:  # a broken array is reported and the next one checked
             arr = store.array(e.name)
             report.arrays += 1
@@ -208,6 +211,9 @@ def _key_problem(e: EntryRecord, seen: set[str]) -> str | None:
     """Why an entry's array key is unsafe, or ``None``. Checked as properties rather than
     against today's ``encode_key``, so that stores written by another zckpt version
     (whose key encoding may differ) still verify."""
+    if e.offset is not None:  # a packed tensor shares its type's packed array
+        return None if e.kind == "tensor" and e.key == packed.pack_key(e.ms_type) else \
+            "is not the packed array of its data type"
     folder, _, node = e.key.partition("/")
     if folder != ("tensors" if e.kind == "tensor" else "maps"):
         return f"is not under the {'tensors' if e.kind == 'tensor' else 'maps'} group"
@@ -220,10 +226,42 @@ def _key_problem(e: EntryRecord, seen: set[str]) -> str | None:
     return None
 
 
+def _check_packed(store: Store, e: EntryRecord, report: VerifyReport) -> None:
+    """A packed tensor: its packed chunk file present and of its size, and its byte range
+    matching its recorded checksum (the run its source rank recorded)."""
+    if store.complete:
+        for problem in store.coverage_problems([e.name]):
+            report.add("store", f"marked complete, but {problem}", file=store.url, param=e.name)
+    required = _required_boxes(store, e)
+    if required is not None and not required:
+        return  # its writer has not written it yet
+    try:
+        store.verify_chunks(e.name, Box.full(e.shape))
+        info = store.chunk_info(e.name)
+        assert info.at is not None and info.folder is not None
+        size = (info.folder / info.at[0]).stat().st_size
+        if size != info.at[2]:
+            report.add("store", f"packed chunk holds {size} bytes, not {info.at[2]}",
+                       file=store.where(e.key, info.at[0]), param=e.name)
+            return
+        recorded = store.records_in(e.name, info.at[0])
+        report.arrays += 1
+        report.chunks += 1
+        report.chunk_bytes += info.inner_bytes
+        report.checksummed_chunks += 1 if recorded else 0
+        if not recorded and store.complete:
+            report.add("store", "packed tensor has no recorded checksum", file=store.where(e.key, info.at[0]),
+                       param=e.name)
+    except FileNotFoundError as err:
+        report.add("store", "packed chunk is missing", file=str(err.filename), param=e.name)
+    except ZckptError as err:
+        report.add_error("store", err)
+
+
 def _orphan_arrays(store: Store, entries: Sequence[EntryRecord], report: VerifyReport) -> None:
     """Arrays under ``tensors/`` and ``maps/`` that no manifest entry names."""
     known = {e.key for e in entries}
-    for folder in ("tensors", "maps"):
+    for folder in ("tensors", "maps", packed.FOLDER):
         try:
             node: Any = store.group[folder]
             keys = list(node.array_keys())
