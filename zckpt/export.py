@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -38,7 +38,9 @@ from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
-from zckpt.store import Checked, Store
+
+if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
+    from zckpt.store import Checked, Store
 
 MiB = 1024 * 1024
 
@@ -163,6 +165,8 @@ def export(
         from zckpt.export_safetensors import export_safetensors
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
+    from zckpt.store import Store
+
     t0 = time.perf_counter()
     so = options.storage_options
     store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
@@ -238,6 +242,8 @@ def write_file(
     complete, so that its final name never holds a partial file."""
     rank, target = unit
     if isinstance(store, str):
+        from zckpt.store import Store
+
         store = Store.open(store, storage_options=options.storage_options)
     reader = StoreReader(store, options)
     reader.store.prefetch(s.name for s in rank.slices)

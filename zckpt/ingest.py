@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,8 +43,10 @@ from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
-from zckpt.store import Run, Store, chunk_shape, encode_runs, shard_grid, write_runs
 from zckpt.unsharded import SameModel, check_same_model
+
+if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
+    from zckpt.store import Run, Store
 
 MiB = 1024 * 1024
 
@@ -422,6 +424,8 @@ def open_for_ingest(
     path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
 ) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
+    from zckpt.store import Store
+
     if isinstance(path, str):
         return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
     if path.exists() and not overwrite:
@@ -449,6 +453,8 @@ def _open_remote_for_ingest(
 ) -> tuple[Store, str]:
     """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
     files: every object is written whole)."""
+    from zckpt.store import Store
+
     loc = remote.locate(url, storage_options, StoreError)
     present = remote.listdir(loc, StoreError)
     if present and not overwrite:
@@ -506,6 +512,8 @@ def _resumable_layout(
 ) -> StoreLayout:
     """The layout to ingest with: the unsharded one when ``path`` holds this same ingest,
     interrupted, begun unsharded (by a zckpt of format 3), so that resuming finishes it."""
+    from zckpt.store import Store
+
     if not layout.shards or options.overwrite or not (path / "zarr.json").is_file():
         return layout
     try:
@@ -519,6 +527,8 @@ def _resumable_layout(
 def store_layout(
     plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions, *, sharded: bool = False
 ) -> StoreLayout:
+    from zckpt.store import chunk_shape, shard_grid
+
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:
         writers.setdefault(w.name, []).append((w.rank, w.box))
@@ -635,6 +645,8 @@ def _rank_name(job: RankJob | CheckJob) -> str:
 
 def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
+    from zckpt.store import Store, encode_runs
+
     store = Store.open(store_path, mode="r+", storage_options=options.storage_options)
     store.prefetch(w.name for w in job.writes)
     for w in job.writes:
@@ -719,6 +731,8 @@ def check_rank(
     job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str], report: Report | None = None
 ) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
+    from zckpt.store import Store
+
     store = Store.open(store_path, mode="r", storage_options=options.storage_options)
     store.prefetch(c.name for c in job.checks)
     compared = 0
@@ -778,6 +792,8 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     mapped rows chunk by chunk. Each run's blocks are summed from the bytes it holds in the
     same pass (read through a buffer, never through the mapping, so resident memory stays
     flat). Returns ``False`` (nothing written) for other stores, which zarr then writes."""
+    from zckpt.store import write_runs
+
     if store.chunk_at(w.name, (0,) * w.box.ndim) is None:
         return False
     info = store.chunk_info(w.name)
