@@ -29,7 +29,7 @@ from zckpt import remote
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
-from zckpt.fileio import write_atomic
+from zckpt.fileio import Publisher, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy
@@ -187,12 +187,14 @@ def export(
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client:
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher:
         options = replace(options, overlap=overlap_for(options.overlap, client))
         # In this process the tasks share the parent's Store: its checksum records and chunk
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
-        results = run_all(write_file, units, store if client is None else store.url, options, client=client,
+        # They also hand their files to one publisher, which syncs each while the next is written.
+        results = run_all(write_file, units, store if client is None else store.url, options,
+                          publisher if client is None else None, client=client,
                           label="export",
                           name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
@@ -233,7 +235,8 @@ def target_name(out_loc: remote.Location | None, path: Path) -> str:
 
 
 def write_file(
-    unit: tuple[RankExport, str], store: Store | str, options: ExportOptions, report: Report | None = None
+    unit: tuple[RankExport, str], store: Store | str, options: ExportOptions, publisher: Publisher | None = None,
+    report: Report | None = None,
 ) -> RankResult:
     """Write one destination file from the store (a Dask task given the store's URL opens
     the store itself; in this process it is given the open store).
@@ -249,7 +252,7 @@ def write_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
-        return reader.write_rank(rank, Path(target), ticker)
+        return reader.write_rank(rank, Path(target), ticker, publisher)
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
         result = reader.write_rank(rank, local, ticker)
@@ -643,9 +646,10 @@ class StoreReader:
         self.read_bytes += sum(r.length for r in out)
         return out
 
-    def write_rank(self, rank: RankExport, target: Path, ticker: Ticker | None = None) -> RankResult:
+    def write_rank(self, rank: RankExport, target: Path, ticker: Ticker | None = None,
+                   publisher: Publisher | None = None) -> RankResult:
         return write_ckpt_rank(self, rank, target, crc=self.options.crc, fsync=self.options.fsync,
-                               overlap=self.options.overlap, ticker=ticker)
+                               overlap=self.options.overlap, ticker=ticker, publisher=publisher)
 
 
 @dataclass(frozen=True)

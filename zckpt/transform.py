@@ -26,6 +26,7 @@ from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, resume_or_refuse, stage_jobs
+from zckpt.fileio import Publisher
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
@@ -217,11 +218,13 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client:
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher:
         options = replace(options, overlap=overlap_for(options.overlap, client))
         compared = run_all(compare_replicas, checks, options, client=client, label="verify",
                            size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
-        results = run_all(write_direct_file, units, options, client=client, label="transform",
+        # In this process, one publisher syncs each file while the next is written.
+        results = run_all(write_direct_file, units, options, publisher if client is None else None,
+                          client=client, label="transform",
                           name=_task_name, progress=options.progress,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices))
     return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
@@ -259,7 +262,8 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def write_direct_file(job: DirectJob, options: TransformOptions, report: Report | None = None) -> RankResult:
+def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publisher | None = None,
+                      report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
     with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
@@ -268,7 +272,7 @@ def write_direct_file(job: DirectJob, options: TransformOptions, report: Report 
 
             return write_rank(reader, job.rank, Path(job.target), options, ticker)
         return write_ckpt_rank(reader, job.rank, Path(job.target), crc=options.crc, fsync=options.fsync,
-                               overlap=options.overlap, ticker=ticker)
+                               overlap=options.overlap, ticker=ticker, publisher=publisher)
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:
