@@ -330,10 +330,17 @@ def _fits(
     stage_dev: int,
 ) -> bool:
     """Do these layouts, applied to ``shape``, give every holder exactly the shard it has?"""
+    resolved: dict[int, Sharding] = {}  # one per stage, not per rank
     try:
         for r in ranks:
-            lay = per_stage.get(_stage_of(r, stage_dev))
-            if lay is None or rank_box(resolve(lay, shape), r % stage_dev).shape != shards[r]:
+            stage = _stage_of(r, stage_dev)
+            lay = per_stage.get(stage)
+            if lay is None:
+                return False
+            sh = resolved.get(stage)
+            if sh is None:
+                sh = resolved[stage] = resolve(lay, shape)
+            if rank_box(sh, r % stage_dev).shape != shards[r]:
                 return False
     except LayoutError:
         return False
@@ -438,6 +445,11 @@ def _plan_sharded(
 ) -> tuple[TensorSpec, list[Write], list[ReplicaCheck], tuple[tuple[Box, tuple[int, ...]], ...]]:
     shape: tuple[int, ...] | None = None
     shardings: dict[int, Sharding] = {}
+    boxes: dict[int, Box] = {}
+    implied: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
+    """Global shape by (layout object, shard shape): the holders of one stage share both."""
+    by_layout: dict[int, Sharding] = {}
+    distinct: list[Sharding] = []
     for r in ranks:
         lay = listed[r]
         e = indexes[r][name]
@@ -452,10 +464,14 @@ def _plan_sharded(
             raise SourceError(
                 f"dtype {e.ms_type} differs from rank {ranks[0]}'s {first.ms_type}", path=rank_files.get(r), param=name
             )
-        try:
-            g = global_shape(lay, e.shape, param=name)
-        except LayoutError as err:
-            raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
+        g_known = implied.get((id(lay), e.shape))
+        if g_known is not None:
+            g = g_known
+        else:
+            try:
+                g = implied[(id(lay), e.shape)] = global_shape(lay, e.shape, param=name)
+            except LayoutError as err:
+                raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
         if shape is None:
             shape = g
         elif g != shape:
@@ -465,15 +481,20 @@ def _plan_sharded(
                 path=rank_files.get(r),
                 param=name,
             )
-        if lay not in [s.layout for s in shardings.values()]:
-            try:
-                sh = resolve(lay, g, param=name)
-            except LayoutError as err:
-                raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
-        else:
-            sh = next(s for s in shardings.values() if s.layout == lay)
+        sh_known = by_layout.get(id(lay))
+        if sh_known is None:  # a layout equal to one resolved already shares its sharding
+            sh_known = next((s for s in distinct if s.layout == lay), None)
+            if sh_known is None:
+                try:
+                    sh_known = resolve(lay, g, param=name)
+                except LayoutError as err:
+                    raise LayoutError(err.message, path=rank_files.get(r), param=name) from None
+                distinct.append(sh_known)
+            by_layout[id(lay)] = sh_known
+        sh = sh_known
         shardings[r] = sh
-        want = rank_box(sh, r % stage_dev).shape
+        boxes[r] = rank_box(sh, r % stage_dev)
+        want = boxes[r].shape
         if want != e.shape:
             raise SourceError(
                 f"holds shape {list(e.shape)} but its strategy layout gives rank {r} the shape {list(want)} "
@@ -486,14 +507,14 @@ def _plan_sharded(
     by_box: dict[Box, list[int]] = {}
     for r in ranks:
         if _stage_of(r, stage_dev) == primary:
-            by_box.setdefault(rank_box(shardings[r], r % stage_dev), []).append(r)
+            by_box.setdefault(boxes[r], []).append(r)
     writes = [Write(name, rs[0], box) for box, rs in by_box.items()]
     writers = {w.rank for w in writes}
     checks = []
     for r in ranks:
         if r in writers:
             continue
-        box = rank_box(shardings[r], r % stage_dev)
+        box = boxes[r]
         same_as = tuple(w.rank for w in writes if w.box.intersect(box) is not None)
         reason: Literal["shared", "replica"] = "shared" if _stage_of(r, stage_dev) != primary else "replica"
         checks.append(ReplicaCheck(name, r, box, same_as, reason))
