@@ -401,6 +401,8 @@ class StoreReader:
         self.read_bytes = 0
         self.checked_bytes = 0
         self._rows = bytearray()
+        self._sizes: dict[Path, int] = {}
+        """Sizes of the chunk and shard files this task copies ranges of."""
         """Chunk rows being cut (one band is read at a time): reused, so that each tile does
         not fault in fresh memory."""
 
@@ -636,10 +638,12 @@ class StoreReader:
             return None
         out = []
         for sp in spans:
-            try:
-                size = sp.path.stat().st_size
-            except FileNotFoundError:
-                raise _chunk_missing(name, sp.key, sp.path) from None
+            size = self._sizes.get(sp.path)
+            if size is None:  # once per shard file, not per range (a shard gives a file hundreds)
+                try:
+                    size = self._sizes[sp.path] = sp.path.stat().st_size
+                except FileNotFoundError:
+                    raise _chunk_missing(name, sp.key, sp.path) from None
             _check_chunk_size(name, sp.key, sp.path, size, sp.file_bytes)
             check = self._span_check(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length)
             out.append(FileRange(sp.path, sp.offset, sp.length, check))
