@@ -201,6 +201,7 @@ def read_indexes(
     files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None
 ) -> dict[int, dict[str, EntryInfo]]:
     out: dict[int, dict[str, EntryInfo]] = {}
+    fileio.read_soon([p for p in files.values() if isinstance(p, Path)])  # headers lie between payloads
     for rank, path in files.items():
         with open_source(path, storage_options, verify_crc=verify_crc) as r:
             out[rank] = dict(r.entries)
