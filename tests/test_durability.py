@@ -72,6 +72,21 @@ def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) ->
     assert_durable(syscalls, out / ".zckpt-export.json")
 
 
+def test_transform_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
+    """The direct path syncs its files on a publishing thread while it writes the next one,
+    and the directories once at the end: still each file before its rename, each directory
+    after, and the output directory that received the new rank directories."""
+    out = tmp_path / "out"
+    assert cli_main(["transform", str(EXAMPLE / "src/checkpoints"), "--src-strategy",
+                     str(EXAMPLE / "src/strategy.ckpt"), "--dst-strategy", str(EXAMPLE / "dst/strategy.ckpt"),
+                     "--out", str(out), "--quiet"]) == 0
+    files = sorted(out.glob("rank_*/*.ckpt"))
+    assert len(files) == 4
+    for f in files:
+        assert_durable(syscalls, f)
+    assert ("fsync", str(out.resolve()), "") in syscalls, "the new rank directories' entries were not synced"
+
+
 def test_safetensors_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
     store, out = tmp_path / "s.zarr", tmp_path / "out"
     assert cli_main(["ingest", str(EXAMPLE / "src/checkpoints"), "--strategy", str(EXAMPLE / "src/strategy.ckpt"),

@@ -115,3 +115,43 @@ def test_a_checked_range_fed_out_of_order_is_a_bug(tmp_path: Path) -> None:
                       lambda bad: _Damaged())
     with pytest.raises(AssertionError, match="out of order"):
         check.feed(104, b"\0" * 6)
+
+
+def test_publisher_failure_leaves_no_final_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose sync fails on the publishing thread is never renamed, its temporary file
+    is removed, and the failure is raised when the publisher closes (the other files are
+    published)."""
+    import errno
+
+    real_fsync = os.fsync
+    bad = tmp_path / "bad.tmp"
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(bad):
+            raise OSError(errno.EIO, "I/O error")
+        real_fsync(fd)
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+    monkeypatch.setattr(os, "fsync", fsync)
+    good = tmp_path / "good.tmp"
+    with pytest.raises(OSError, match="I/O error"), fileio.Publisher() as pub:
+        for tmp in (bad, good):
+            f = open(tmp, "wb")  # noqa: SIM115
+            f.write(b"x")
+            pub.submit(f, tmp, tmp.with_suffix(""))
+    assert not bad.exists() and not (tmp_path / "bad").exists()
+    assert (tmp_path / "good").read_bytes() == b"x" and not good.exists()
+
+
+def test_read_soon_only_asks_for_what_fits(tmp_path: Path) -> None:
+    """The read-ahead hint is given only when the files fit in the share of memory allowed,
+    and never for a file that is not there (the reader names it instead)."""
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for f in files:
+        f.write_bytes(os.urandom(4096))
+    if not hasattr(os, "posix_fadvise") or fileio.available_memory() is None:
+        pytest.skip("needs posix_fadvise and /proc/meminfo")
+    assert fileio.read_soon(files) is True
+    assert fileio.read_soon(files, share=0.0) is False
+    assert fileio.read_soon([*files, tmp_path / "missing"]) is False

@@ -185,9 +185,9 @@ def test_auto_overlap_on_a_local_cluster_counts_its_workers(tmp_path: Path, monk
     seen: list[Any] = []
     original = export_module.run_all
 
-    def spy(fn: Any, units: Any, url: Any, options: ExportOptions, **kw: Any) -> Any:
+    def spy(fn: Any, units: Any, url: Any, options: ExportOptions, *rest: Any, **kw: Any) -> Any:
         seen.append(options.overlap)
-        return original(fn, units, url, options, **kw)
+        return original(fn, units, url, options, *rest, **kw)
 
     monkeypatch.setattr(export_module, "run_all", spy)
     workers = max(2, usable_cpus())

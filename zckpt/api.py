@@ -20,6 +20,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from zckpt import remote
 from zckpt.errors import OutputError, SourceError, UsageError
@@ -28,10 +29,21 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import IngestOptions, ingest, load_strategy
 from zckpt.layout import Box
 from zckpt.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
-from zckpt.segmented import load_segmented_checkpoints as load_segmented_checkpoints  # re-export (MindSpore name)
-from zckpt.store import Store
 from zckpt.transform import TransformOptions, transform, transform_rank
 from zckpt.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
+
+if TYPE_CHECKING:  # imported where used: the local direct path never loads Zarr
+    from zckpt.store import Store
+
+
+def __getattr__(name: str) -> Any:
+    """``load_segmented_checkpoints`` (MindSpore's name), re-exported from
+    :mod:`zckpt.segmented` on first use: that module reads stores through Zarr."""
+    if name == "load_segmented_checkpoints":
+        from zckpt.segmented import load_segmented_checkpoints
+
+        return load_segmented_checkpoints
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _exists(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
@@ -176,6 +188,8 @@ def transform_checkpoint_by_rank(
             raise OutputError("save_checkpoint_file_name is a directory", path=target)
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent)
+    from zckpt.store import Store
+
     with scratch as tmp:
         store = Path(tmp) / "store.zarr"
         report = ingest(checkpoint_files_map, store, src_map,
@@ -232,6 +246,8 @@ def rank_list_for_transform(
 
 def open_store(path: str | os.PathLike[str]) -> Store:
     """Open a zckpt store read-only (its arrays are plain Zarr v3)."""
+    from zckpt.store import Store
+
     return Store.open(path)
 
 

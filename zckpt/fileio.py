@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 from typing import BinaryIO
 
 from zckpt import safe_paths
@@ -136,6 +139,112 @@ def publish(f: BinaryIO, tmp_path: Path, path: Path, fsync: bool) -> None:
     os.replace(tmp_path, path)
     if fsync:
         fsync_dir(path.parent)
+
+
+class Publisher:
+    """Publishes completed temporary files on a thread of its own, so that waiting for one
+    file's bytes to reach the disk overlaps with writing the next: each file is fsynced,
+    closed and renamed there (in the order given); leaving the context waits for all of
+    them, then syncs each directory that received a name once, and the parents of those
+    directories (which may have been created for them). Until it returns, a rename may not
+    be durable: callers report success only after it.
+
+    A file whose sync or rename fails is removed; the first failure is raised on leaving
+    (after every other file was published)."""
+
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zckpt-publish")
+        self._pending: list[Future[None]] = []
+        self._dirs: dict[Path, None] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(raise_errors=et is None)
+
+    def submit(self, f: BinaryIO, tmp_path: Path, path: Path) -> None:
+        """Publish a completely written temporary file (this object now owns ``f``)."""
+        f.flush()
+        with self._lock:
+            self._pending.append(self._pool.submit(self._publish, f, tmp_path, path))
+
+    def _publish(self, f: BinaryIO, tmp_path: Path, path: Path) -> None:
+        try:
+            try:
+                if self.fsync:
+                    os.fsync(f.fileno())
+            finally:
+                f.close()
+            os.replace(tmp_path, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp_path.unlink()
+            raise
+        self._dirs.setdefault(path.parent)
+
+    def close(self, raise_errors: bool = True) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        errors = [e for e in (fut.exception() for fut in pending) if e is not None]
+        self._pool.shutdown()
+        if self.fsync:
+            dirs = list(self._dirs)
+            for d in [*dirs, *dict.fromkeys(d.parent for d in dirs if d.parent not in self._dirs)]:
+                fsync_dir(d)
+        self._dirs.clear()
+        if errors and raise_errors:
+            raise errors[0]
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel reports it could give without swapping (``MemAvailable``), or
+    ``None`` where that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def read_soon(paths: Sequence[Path], share: float = 0.25) -> bool:
+    """Ask the kernel to read whole files about to be read (``posix_fadvise(WILLNEED)``),
+    when together they fit in ``share`` of the available memory; returns whether it asked.
+
+    Planning from hundreds of shards walks each one's headers, which lie between its
+    payloads: with a cold page cache that is one synchronous read per entry, thousands in
+    all (at 512 ranks, 2.7-3.4 s for 512 headers, 1.2-1.5 s once asked first, on a shared
+    machine). Asked first, the kernel reads the files in large requests, and the bytes then
+    copied are in the page cache already. Only the page cache holds them (no process
+    memory); larger jobs are left to the kernel's own read-ahead."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    sizes = []
+    for p in paths:
+        try:
+            sizes.append(os.stat(p).st_size)
+        except OSError:
+            return False
+    room = available_memory()
+    if room is None or sum(sizes) > room * share:
+        return False
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue  # only a hint: the reader reports the file by name
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return True
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:

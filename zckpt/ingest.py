@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,8 +45,10 @@ from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
-from zckpt.store import ChunkInfo, EntryRecord, Run, Store, chunk_shape, encode_runs, shard_grid, write_runs
 from zckpt.unsharded import SameModel, check_same_model
+
+if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
+    from zckpt.store import ChunkInfo, EntryRecord, Run, Store
 
 MiB = 1024 * 1024
 
@@ -208,6 +210,7 @@ def read_indexes(
     files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None
 ) -> dict[int, dict[str, EntryInfo]]:
     out: dict[int, dict[str, EntryInfo]] = {}
+    fileio.read_soon([p for p in files.values() if isinstance(p, Path)])  # headers lie between payloads
     for rank, path in files.items():
         with open_source(path, storage_options, verify_crc=verify_crc) as r:
             out[rank] = dict(r.entries)
@@ -467,6 +470,8 @@ def open_for_ingest(
     path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
 ) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
+    from zckpt.store import Store
+
     if isinstance(path, str):
         return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
     if path.exists() and not overwrite:
@@ -494,6 +499,8 @@ def _open_remote_for_ingest(
 ) -> tuple[Store, str]:
     """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
     files: every object is written whole)."""
+    from zckpt.store import Store
+
     loc = remote.locate(url, storage_options, StoreError)
     present = remote.listdir(loc, StoreError)
     if present and not overwrite:
@@ -563,6 +570,8 @@ def _resumable_layout(
     """The layout to ingest with: the unpacked (or also unsharded) one when ``path`` holds
     this same ingest, interrupted, begun without packing (by a zckpt of format 4) or without
     shards (format 3), so that resuming finishes it as it began."""
+    from zckpt.store import Store
+
     if not (layout.shards or layout.packing) or options.overwrite or not (path / "zarr.json").is_file():
         return layout
     try:
@@ -581,6 +590,8 @@ def _resumable_layout(
 def store_layout(
     plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions, *, sharded: bool = False
 ) -> StoreLayout:
+    from zckpt.store import chunk_shape, shard_grid
+
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:
         writers.setdefault(w.name, []).append((w.rank, w.box))
@@ -730,6 +741,8 @@ def _rank_name(job: RankJob | CheckJob) -> str:
 
 def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
+    from zckpt.store import Store, encode_runs
+
     if job.target is not None:
         t = job.target
         store = Store.attach(Path(store_path), t.entries, t.infos, t.version)
@@ -843,6 +856,8 @@ def check_rank(
     job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str], report: Report | None = None
 ) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
+    from zckpt.store import Store
+
     store = Store.open(store_path, mode="r", storage_options=options.storage_options)
     store.prefetch(c.name for c in job.checks)
     compared = 0
@@ -902,6 +917,8 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     mapped rows chunk by chunk. Each run's blocks are summed from the bytes it holds in the
     same pass (read through a buffer, never through the mapping, so resident memory stays
     flat). Returns ``False`` (nothing written) for other stores, which zarr then writes."""
+    from zckpt.store import write_runs
+
     if store.is_remote:
         return False
     info = store.chunk_info(w.name)

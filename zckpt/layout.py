@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 
 from zckpt.errors import LayoutError
 from zckpt.formats.strategy import ParamLayout, fold_candidates, fold_layout
@@ -47,8 +48,9 @@ class Box:
     def full(shape: Sequence[int]) -> Box:
         return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
+        """Computed once per box: planning and the writers ask a box for it many times."""
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
     @property

@@ -335,10 +335,17 @@ def _fits(
     stage_dev: int,
 ) -> bool:
     """Do these layouts, applied to ``shape``, give every holder exactly the shard it has?"""
+    resolved: dict[int, Sharding] = {}  # one per stage, not per rank
     try:
         for r in ranks:
-            lay = per_stage.get(_stage_of(r, stage_dev))
-            if lay is None or rank_box(resolve(lay, shape), r % stage_dev).shape != shards[r]:
+            stage = _stage_of(r, stage_dev)
+            lay = per_stage.get(stage)
+            if lay is None:
+                return False
+            sh = resolved.get(stage)
+            if sh is None:
+                sh = resolved[stage] = resolve(lay, shape)
+            if rank_box(sh, r % stage_dev).shape != shards[r]:
                 return False
     except LayoutError:
         return False

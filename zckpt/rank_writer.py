@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from zckpt.dtypes import ms_dtype
+from zckpt.fileio import Publisher
 from zckpt.formats.ckpt import CkptWriter, FileRange
 from zckpt.layout import Box
 from zckpt.plan import RankExport
@@ -76,10 +77,11 @@ class BoxReader(Protocol):
 
 def write_ckpt_rank(
     reader: BoxReader, rank: RankExport, target: Path, *, crc: bool = False, fsync: bool = True,
-    overlap: bool | None = None, ticker: Ticker | None = None,
+    overlap: bool | None = None, ticker: Ticker | None = None, publisher: Publisher | None = None,
 ) -> RankResult:
     """Write ``rank``'s slices from ``reader`` into the ``.ckpt`` file ``target`` (under a
-    temporary name, renamed once complete)."""
+    temporary name, renamed once complete: here, or by ``publisher`` on its thread while
+    the caller writes the next file)."""
     tensors = 0
     direct: dict[str, list[FileRange]] = {}
     plan: list[tuple[str, list[Box]]] = []
@@ -96,7 +98,7 @@ def write_ckpt_rank(
         helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
                   if wants_overlap(overlap) else None)
         source = BandSource(reader, [(name, b) for name, bands in plan for b in bands], reader.band_bytes, helper)
-        w = stack.enter_context(CkptWriter(target, crc=crc, fsync=fsync, checks=helper))
+        w = stack.enter_context(CkptWriter(target, crc=crc, fsync=fsync, checks=helper, publisher=publisher))
         for s in rank.slices:
             kind = reader.kind(s.name)
             if kind == "str":
@@ -114,7 +116,7 @@ def write_ckpt_rank(
                 ticker.add(s.name, s.box.size * ms_dtype(reader.ms_type(s.name)).storage.itemsize)
     if ticker is not None:
         ticker.close()
-    return RankResult(rank.rank, str(target), tensors, target.stat().st_size, reader.read_bytes,
+    return RankResult(rank.rank, str(target), tensors, w.size, reader.read_bytes,
                       reader.checked_bytes)
 
 

@@ -102,6 +102,7 @@ class ShardFiles:
         self._fds: dict[int, int] = {}
         self._readers: dict[int, CkptReader] = {}
         self._split: dict[int, bool] = {}
+        self._paths: dict[int, Path] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -124,7 +125,12 @@ class ShardFiles:
             return got
 
     def path(self, rank: int) -> Path:
-        return Path(self.files[rank])
+        """The rank's file as one ``Path`` object (a file gives hundreds of ranges, and the
+        writer compares their paths to merge ranges that continue each other)."""
+        got = self._paths.get(rank)
+        if got is None:
+            got = self._paths[rank] = Path(self.files[rank])
+        return got
 
     def reader(self, rank: int) -> CkptReader:
         """The rank's shard reader (strings, MapParameters, split safetensors ranks)."""
@@ -243,10 +249,12 @@ class SourceReader:
         if box.size == 0:
             return None
         out: list[FileRange] = []
+        tail = box.shape[1:]
+        itemsize = self._itemsize(name)
         for w, inter in self._pieces(name, box):
-            if inter.shape[1:] != box.shape[1:] or inter.shape[1:] != w.box.shape[1:] or self.shards.split(w.rank):
+            if inter.shape[1:] != tail or w.box.shape[1:] != tail or self.shards.split(w.rank):
                 return None
-            row_bytes = math.prod(w.box.shape[1:]) * self._itemsize(name)
+            row_bytes = math.prod(tail) * itemsize
             r0 = inter.start[0] - w.box.start[0] if box.ndim else 0
             r1 = inter.stop[0] - w.box.start[0] if box.ndim else 1
             entry = self.boxes.entries[w.rank][name]

@@ -26,7 +26,7 @@ from zckpt import remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, output_folders, resume_or_refuse, stage_jobs
-from zckpt.fileio import disk_full_named
+from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
@@ -230,14 +230,18 @@ def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int,
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
          t0: float) -> TransformReport:
     checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
+    if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
+        checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client:
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher:
         options = replace(options, overlap=overlap_for(options.overlap, client))
         compared = run_all(compare_replicas, checks, options, client=client, label="verify",
                            size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
-        results = run_all(write_direct_file, units, options, client=client, label="transform",
+        # In this process, one publisher syncs each file while the next is written.
+        results = run_all(write_direct_file, units, options, publisher if client is None else None,
+                          client=client, label="transform",
                           name=_task_name, progress=options.progress,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices))
     return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
@@ -275,7 +279,8 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def write_direct_file(job: DirectJob, options: TransformOptions, report: Report | None = None) -> RankResult:
+def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publisher | None = None,
+                      report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
     with (disk_full_named(job.target),
@@ -285,7 +290,22 @@ def write_direct_file(job: DirectJob, options: TransformOptions, report: Report 
 
             return write_rank(reader, job.rank, Path(job.target), options, ticker)
         return write_ckpt_rank(reader, job.rank, Path(job.target), crc=options.crc, fsync=options.fsync,
-                               overlap=options.overlap, ticker=ticker)
+                               overlap=options.overlap, ticker=ticker, publisher=publisher)
+
+
+def merged(jobs: list[CheckJob]) -> list[CheckJob]:
+    """The replica comparisons as one task, for a run in this process: each source file is
+    then opened once, not once per rank comparing with it (at 512 ranks, 511 tasks of three
+    scalars each opened the file of rank 0 again)."""
+    if len(jobs) <= 1:
+        return jobs
+    entries: dict[int, dict[str, EntryInfo]] = {}
+    for j in jobs:
+        for r, per in j.entries.items():
+            entries.setdefault(r, {}).update(per)
+    writes = tuple(dict.fromkeys(w for j in jobs for w in j.writes))
+    return [CheckJob(jobs[0].rank, tuple(c for j in jobs for c in j.checks), writes,
+                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs))]
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:

@@ -564,8 +564,12 @@ class CkptWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, fsync: bool = True,
-                 checks: Executor | None = None) -> None:
+                 checks: Executor | None = None, publisher: fileio.Publisher | None = None) -> None:
         self.path = Path(path)
+        self._publisher = publisher
+        """Where a committed file is synced and renamed (on its thread), else here."""
+        self.size = 0
+        """The file's size once committed."""
         self._checks = checks
         self._pending: list[Future[None]] = []
         self._check_buffer: bytearray | None = None
@@ -757,14 +761,20 @@ class CkptWriter:
         self._write(wire.encode_len_field(1, len(value)) + value)
 
     def commit(self) -> Path:
-        """Finish the file: trailer, flush, fsync, atomic rename to the final name."""
+        """Finish the file: trailer, flush, fsync, atomic rename to the final name (with a
+        publisher: handed to it, which syncs and renames it on its thread)."""
         assert self._f is not None, "writer already closed"
         self._wait_checks()
         if self._crc_enabled:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
         f, self._f = self._f, None
         self._close_sources()
-        fileio.publish(f, self.tmp_path, self.path, self._fsync)
+        f.flush()
+        self.size = f.tell()
+        if self._publisher is not None:
+            self._publisher.submit(f, self.tmp_path, self.path)
+        else:
+            fileio.publish(f, self.tmp_path, self.path, self._fsync)
         return self.path
 
     def abort(self) -> None:

@@ -9,7 +9,7 @@ before it is used; nothing is allocated from a size field.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 WIRE_VARINT = 0
 WIRE_I64 = 1
@@ -25,9 +25,10 @@ class WireError(Exception):
         self.offset = offset
 
 
-@dataclass(frozen=True)
-class Field:
-    """One decoded field: for length-delimited fields ``value`` is the payload offset."""
+class Field(NamedTuple):
+    """One decoded field: for length-delimited fields ``value`` is the payload offset (a
+    tuple: a checkpoint header is tens of thousands of fields at hundreds of ranks, and a
+    tuple is built several times faster than a frozen dataclass)."""
 
     number: int
     wire_type: int
@@ -58,7 +59,11 @@ def iter_fields(buf: memoryview, start: int, end: int) -> Iterator[Field]:
     pos = start
     while pos < end:
         key_at = pos
-        key, pos = read_varint(buf, pos, end)
+        key = buf[pos]  # keys and small values are one byte: decoded here without a call
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = read_varint(buf, pos, end)
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise WireError("field number 0", key_at)
@@ -66,7 +71,11 @@ def iter_fields(buf: memoryview, start: int, end: int) -> Iterator[Field]:
             value, pos = read_varint(buf, pos, end)
             yield Field(number, wire_type, value)
         elif wire_type == WIRE_LEN:
-            length, pos = read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                length = buf[pos]
+                pos += 1
+            else:
+                length, pos = read_varint(buf, pos, end)
             if length > end - pos:
                 raise WireError(f"length {length} runs past the end of its message ({end - pos} bytes left)", key_at)
             yield Field(number, wire_type, pos, length)
