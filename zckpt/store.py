@@ -47,8 +47,8 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore
 
+from zckpt import integrity, remote, zarr_bfloat16
 from zckpt import records as rank_records
-from zckpt import remote, zarr_bfloat16
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
@@ -108,13 +108,6 @@ def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
         "opt_weight_shard_step": lay.opt_shard_step,
         "opt_weight_shard_size": lay.opt_shard_size,
     }
-
-
-@dataclass(frozen=True)
-class _Attrs:
-    """A group's attributes, read from its ``zarr.json`` without zarr."""
-
-    attrs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -499,6 +492,12 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
                                  config={"order": "C", "write_empty_chunks": True}))
 
+def _new_manifest() -> dict[str, Any]:
+    """The manifest of a store just created: no entries yet, a fresh identity."""
+    return {"format": FORMAT, "version": VERSION, "complete": False, "entries": [],
+            "ingest_id": integrity.new_identity()}
+
+
 class Store:
     """A zckpt store opened for reading or being written by ingest."""
 
@@ -529,6 +528,7 @@ class Store:
         self._plain: dict[str, dict[str, ChunkSums]] | None = None
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
+        self._trusted = False
 
     @classmethod
     def attach(
@@ -585,7 +585,7 @@ class Store:
             else:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
         group = zarr.open_group(str(p), mode="w-", zarr_format=3)
-        group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+        group.attrs["zckpt"] = _new_manifest()
         return cls(p, group, mode="w-")
 
     @classmethod
@@ -600,7 +600,7 @@ class Store:
             remote.remove(loc, StoreError, recursive=True)
         with remote.remote_errors(StoreError, url, "cannot create zarr store"):
             group = zarr.open_group(_fsspec_store(url, storage_options, read_only=False), mode="w-", zarr_format=3)
-            group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+            group.attrs["zckpt"] = _new_manifest()
         return cls(Path(loc.path), group, mode="w-", location=loc)
 
     @classmethod
@@ -806,6 +806,52 @@ class Store:
             self._keep(name, zarr.Array(node))
         rank_records.define_folder(self.group)
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
+        self._seal_manifest()
+
+    # --- integrity (zckpt.integrity) --------------------------------------------------
+    def _seal_manifest(self, **changes: Any) -> None:
+        """Write the manifest digest (with ``changes``) in one update of the manifest."""
+        meta = dict(self.manifest)
+        meta.update(changes)
+        if meta.get("ingest_id") is not None:
+            changes["integrity"] = {"manifest": integrity.manifest_digest(meta)}
+        self._update(**changes)
+
+    def renew_identity(self) -> None:
+        """Give the store a new ingest id, unmarked complete: its content is about to change
+        (source ranks redone), so exports made before must not be taken for exports of it."""
+        self._seal_manifest(ingest_id=integrity.new_identity(), complete=False)
+
+    def identity(self) -> str | None:
+        """Ingest id and completion stamp (:func:`zckpt.integrity.identity`)."""
+        return integrity.identity(self.manifest)
+
+    def check_integrity(self) -> None:
+        """Refuse (by name) a store whose manifest was never written, was edited since its
+        ingest, or is marked complete without the sealed digests of its checksum records.
+        Once per store object: readers call it before planning (:func:`zckpt.export.check_coverage`)."""
+        if not self._trusted:
+            integrity.check_manifest(self.manifest, self.ingested_ranks(), self.url)
+            self._trusted = True
+
+    def progress_records(self) -> dict[int, dict[str, Any]]:
+        """Every source rank's progress record (its attributes: bytes, checksum records,
+        source identity), as stored."""
+        return dict(self._progress_attributes())
+
+    def forget_ranks(self, ranks: Iterable[int]) -> None:
+        """Remove the progress records of ``ranks`` (their writes will be redone)."""
+        for r in ranks:
+            if self.version < rank_records.FILE_VERSION:
+                with contextlib.suppress(KeyError):
+                    del self.group[f"progress/rank_{r}"]
+            elif self.location is None:
+                (self.path / rank_records.FOLDER / rank_records.file_name(r)).unlink(missing_ok=True)
+            else:
+                with contextlib.suppress(StoreError):
+                    remote.remove(self.location.child(rank_records.FOLDER).child(rank_records.file_name(r)),
+                                  StoreError)
+        self._ingested = None
 
     @staticmethod
     def _preallocate(folder: Path, t: TensorSpec, chunks: tuple[int, ...], per_shard: tuple[int, ...]) -> None:
@@ -849,6 +895,7 @@ class Store:
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
                                          zarr_format=3) for n in todo])
         for name, node in zip(todo, opened, strict=True):
+            self._check_node(name, zarr.Array(node))
             self._keep(name, writing_empty_chunks(zarr.Array(node)))
 
     def _io_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -875,7 +922,11 @@ class Store:
         problems = self.coverage_problems()
         if problems:
             raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.url)
-        self._update(complete=True)
+        if self.manifest.get("ingest_id") is None:
+            self._update(complete=True)
+            return
+        meta = dict(self.manifest)
+        self._update(complete=True, integrity=integrity.sealed(meta, self.progress_records()))
 
     # --- data ------------------------------------------------------------------------
     def array(self, name: str) -> zarr.Array[Any]:
@@ -889,7 +940,15 @@ class Store:
             node = writing_empty_chunks(zarr.open_array(store=self.group.store, path=e.key, mode=self._mode))
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
+        self._check_node(name, node)
         return self._keep(name, node)
+
+    def _check_node(self, name: str, node: zarr.Array[Any]) -> None:
+        """An opened array against its manifest entry (:func:`zckpt.integrity.check_array`)."""
+        e = self.entry(name)
+        doc = {"shape": node.shape, "data_type": _data_type_name(node),
+               "attributes": {"zckpt": node.attrs.get("zckpt")}}
+        integrity.check_array(e.kind, e.ms_type, e.shape, name, doc, self.where(e.key, "zarr.json"))
 
     def _keep(self, name: str, node: zarr.Array[Any]) -> zarr.Array[Any]:
         """Cache an opened array as zckpt uses it (bf16 as bits), remembering its stored type."""
@@ -918,6 +977,8 @@ class Store:
                     doc = json.loads((root / e.key / "zarr.json").read_text(encoding="utf-8"))
                 except (OSError, ValueError):
                     doc = None
+                if doc is not None:
+                    integrity.check_array(e.kind, e.ms_type, e.shape, e.name, doc, self.where(e.key, "zarr.json"))
             if doc is None and self.location is not None:
                 self.prefetch([name])
                 doc = self.array(name).metadata.to_dict()  # the zarr.json the open just read
@@ -1005,8 +1066,9 @@ class Store:
         if self._plain is None:
             plain: dict[str, dict[str, ChunkSums]] = {}
             texts: dict[tuple[str, str], list[str]] = {}
-            for child in self._progress_attributes():
-                blocks: Any = child.attrs.get("crc32c_blocks", {})
+            for rank, attrs in self._progress_attributes():
+                integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"))
+                blocks: Any = attrs.get("crc32c_blocks", {})
                 if blocks:
                     size = int(blocks["block_bytes"])
                     for name, per in blocks.get("chunks", {}).items():
@@ -1016,7 +1078,7 @@ class Store:
                         for key, text in shards.items():
                             texts.setdefault((name, key), []).append(f"{size} {text}")
                 for algo in ("crc32c", "crc32"):
-                    recorded: Any = child.attrs.get(algo, {})
+                    recorded: Any = attrs.get(algo, {})
                     for name, per in recorded.items():
                         plain.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
             self._plain, self._texts = plain, texts
@@ -1027,12 +1089,12 @@ class Store:
         assert self._texts is not None
         return self._texts
 
-    def _progress_attributes(self) -> list[Any]:
-        """Every progress record (as objects with ``attrs``), in rank order: record files
-        and format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
+    def _progress_attributes(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(rank, attributes)`` of every progress record, in rank order: record files and
+        format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
         through zarr costs more than parsing them)."""
         found = rank_records.read_local(self.path) if self.location is None else self._remote_records(read=True)
-        return [_Attrs(found[r]) for r in sorted(found)]
+        return [(r, found[r]) for r in sorted(found)]
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in
