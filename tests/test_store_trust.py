@@ -21,13 +21,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
 from oracle import expected_shard, read_layouts
+
 from zckpt.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy
@@ -81,7 +83,7 @@ class Job:
     """Model A's and model B's sources (same layout, complementary bytes), a destination
     strategy, and the expected bytes of each destination file of either model."""
 
-    def __init__(self, tmp: Path, tensors: int = 40, shape: tuple[int, int] = (256, 256)) -> None:
+    def __init__(self, tmp: Path, tensors: int = 40, shape: tuple[int, int] = (256, 256), with_b: bool = True) -> None:
         nrng = np.random.default_rng(17)
         defs = [TensorDef(f"layer{i}.w", shape, "Float32" if i % 4 else "BFloat16",
                           random_layout(nrng, shape, 8)) for i in range(tensors)]
@@ -89,8 +91,9 @@ class Job:
         self.model = write_model(tmp / "a", defs, device_num=8)
         assert self.model.strategy_path is not None
         self.strategy = self.model.strategy_path
-        shutil.copytree(tmp / "a", tmp / "b")
-        _complement(tmp / "b")
+        if with_b:
+            shutil.copytree(tmp / "a", tmp / "b")
+            _complement(tmp / "b")
         dst = StrategyMap(layouts={t.name: {0: random_layout(nrng, t.shape, DST_RANKS)} for t in defs})
         self.dst = tmp / "dst.ckpt"
         self.dst.write_bytes(encode_strategy(dst))
@@ -146,69 +149,114 @@ def _export(job: Job, store: Path, out: Path, *extra: str) -> list[str]:
 # --------------------------------------------------------------------------- concurrency
 
 
+_WARM = """
+import sys, time
+from pathlib import Path
+import zckpt.cli
+trigger = Path(sys.argv[1])
+while not trigger.exists():
+    time.sleep(0.001)
+sys.exit(zckpt.cli.main(sys.argv[2:]))
+"""
+
+
+def _started_warm(trigger: Path, args: list[str]) -> subprocess.Popen[str]:
+    """A CLI process with zckpt already imported, which runs ``args`` once ``trigger``
+    exists: it starts within milliseconds of the moment the test chooses."""
+    return subprocess.Popen([sys.executable, "-c", _WARM, str(trigger), *args, "--quiet"], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _writing(out: Path) -> bool:
+    """Whether a writer has a file under its temporary name in ``out``."""
+    return out.is_dir() and any(out.rglob("*.tmp-zckpt"))
+
+
+def _wait_for(found: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 120.0) -> bool:
+    """Wait until ``found()`` holds while ``proc`` runs; False if it finished first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            return False
+        if found():
+            return True
+        time.sleep(0.001)
+    return False
+
+
 def test_export_racing_an_overwriting_ingest_gets_old_or_new_data(job: Job, tmp_path: Path) -> None:
+    """Each trial starts one command, then the other (already imported) in the middle of it:
+    an export while an ingest rewrites the store, or an ingest while an export reads it."""
     store = tmp_path / "store.zarr"
     assert _ingest(job, "a", store).returncode == 0
     holds = "a"
     rng = random.Random(17)
-    outcomes = []
+    overlapped = 0
     for trial in range(6):
         other = "b" if holds == "a" else "a"
         out = tmp_path / f"out{trial}"
-        ingest = subprocess.Popen(_cli("ingest", str(job.src(other)), "--strategy", str(job.strategy), "--store",
-                                       str(store), "--overwrite"),
-                                  env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(0.0, 1.2))
-        export = subprocess.run(_export(job, store, out), capture_output=True, text=True, env=_env(), check=False)
+        ingest_args = ["ingest", str(job.src(other)), "--strategy", str(job.strategy), "--store", str(store),
+                       "--overwrite"]
+        trigger = tmp_path / f"go{trial}"
+        if trial % 2 == 0:
+            export = _started_warm(trigger, _export_args(job, store, out))
+            ingest = subprocess.Popen(_cli(*ingest_args), env=_env(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+            overlapped += _wait_for(lambda: (tmp_path / "store.zarr.lock").exists(), ingest)
+        else:
+            ingest = _started_warm(trigger, ingest_args)
+            export = subprocess.Popen(_cli(*_export_args(job, store, out)), env=_env(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+            overlapped += _wait_for(partial(_writing, out), export)
+        time.sleep(rng.uniform(0.0, 0.05))
+        trigger.touch()
+        _, export_err = export.communicate()
         _, ingest_err = ingest.communicate()
         if export.returncode == 0:
             seen = {job.which(out / f"rank_{r}" / f"checkpoint_{r}.ckpt", r) for r in range(DST_RANKS)}
             assert seen in ({"a"}, {"b"}), (trial, seen)
         else:
-            _clean_refusal(export, "ingest")
+            _clean_refusal((export.returncode, export_err), "ingest", str(store))
         if ingest.returncode == 0:
             holds = other
         else:
-            _clean_refusal((ingest.returncode, ingest_err), "store")
-        outcomes.append((export.returncode, ingest.returncode))
+            _clean_refusal((ingest.returncode, ingest_err), "another zckpt", str(store))
+    assert overlapped, "the second command never started while the first was running"
     _ok("verify", str(store))
     out = tmp_path / "final"
     _ok(*_export_args(job, store, out))
     job.check_dir(out, holds)
 
 
-def _wait_for_entries(out: Path, proc: subprocess.Popen[str], timeout: float = 60.0) -> bool:
-    """Wait until the first writer has put something into ``out``; False if it finished first."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            return False
-        if out.is_dir() and any(out.iterdir()):
-            return True
-        time.sleep(0.005)
-    return False
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """A model whose export takes long enough for a second writer to start in the middle."""
+    return Job(tmp_path_factory.mktemp("big"), tensors=24, shape=(1024, 1024), with_b=False)
 
 
 @pytest.mark.parametrize("command", ["export", "transform"])
-def test_two_writers_into_one_output_directory(job: Job, tmp_path: Path, command: str) -> None:
+def test_two_writers_into_one_output_directory(big: Job, tmp_path: Path, command: str) -> None:
     store = tmp_path / "store.zarr"
     if command == "export":
-        assert _ingest(job, "a", store).returncode == 0
+        assert _ingest(big, "a", store).returncode == 0
     overlapped = 0
     for trial in range(3):
         out = tmp_path / f"out{trial}"
-        cmd = (_export(job, store, out) if command == "export" else
-               _cli("transform", str(job.src("a")), "--src-strategy", str(job.strategy), "--dst-strategy",
-                    str(job.dst), "--out", str(out)))
-        first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if _wait_for_entries(out, first):
-            overlapped += 1
-        second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
+        args = (_export_args(big, store, out) if command == "export" else
+                ["transform", str(big.src("a")), "--src-strategy", str(big.strategy), "--dst-strategy",
+                 str(big.dst), "--out", str(out)])
+        trigger = tmp_path / f"go{trial}"
+        second = _started_warm(trigger, args)
+        first = subprocess.Popen(_cli(*args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+        overlapped += _wait_for(partial(_writing, out), first)
+        trigger.touch()
+        _, second_err = second.communicate()
         _, first_err = first.communicate()
         assert first.returncode == 0, first_err
         if second.returncode != 0:
-            _clean_refusal(second, "another zckpt", str(out))
-        job.check_dir(out, "a")
+            _clean_refusal((second.returncode, second_err), "another zckpt", str(out))
+        big.check_dir(out, "a")
         assert not list(out.rglob("*.tmp-zckpt"))
     assert overlapped, "the second writer never started while the first was writing"
 
@@ -238,12 +286,16 @@ def test_resume_after_sources_changed_in_place(job: Job, tmp_path: Path, keep_mt
 
 
 def test_export_again_after_the_store_was_reingested(job: Job, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(job.src("a"), src)
     store = tmp_path / "store.zarr"
     out = tmp_path / "out"
-    assert _ingest(job, "a", store).returncode == 0
+    _ok("ingest", str(src), "--strategy", str(job.strategy), "--store", str(store))
     _ok(*_export_args(job, store, out))
     job.check_dir(out, "a")
-    assert _ingest(job, "b", store, "--overwrite").returncode == 0
+    shutil.rmtree(src)
+    shutil.copytree(job.src("b"), src)  # same names and sizes: the same layout fingerprint
+    _ok("ingest", str(src), "--strategy", str(job.strategy), "--store", str(store), "--overwrite")
     again = subprocess.run(_export(job, store, out), capture_output=True, text=True, env=_env(), check=False)
     if again.returncode != 0:
         _clean_refusal(again, "overwrite")
