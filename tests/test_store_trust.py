@@ -365,9 +365,9 @@ DAMAGE = {
     "records removed, bit flipped": lambda s: (_drop_records(s), _flip_a_byte(s, "layer1.w")),
     "one rank's progress removed, bit flipped": lambda s: (
         shutil.rmtree(s / "progress" / "rank_0"), [_flip_a_byte(s, f"layer{i}.w") for i in range(4)]),
-    "complete flag set before the end": lambda s: (
+    "complete flag set on an unfinished store": lambda s: (
         shutil.rmtree(s / "progress" / "rank_3"),
-        _edit_manifest(s, lambda m: m.pop("integrity", None))),
+        _edit_manifest(s, lambda m: m.__setitem__("integrity", {"manifest": m["integrity"]["manifest"]}))),
 }
 
 

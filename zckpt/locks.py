@@ -54,8 +54,9 @@ def _open(path: Path, create: bool) -> int | None:
 @contextmanager
 def hold(path: Path, *, shared: bool, busy: ZckptError, remove: bool = False) -> Iterator[None]:
     """Hold ``path`` locked (shared or exclusive) without waiting; raise ``busy`` when another
-    process holds it the other way. ``remove``: delete the lock file on release (exclusive
-    holders only)."""
+    process holds it the other way. ``remove``: delete the lock file on release when nobody
+    else holds it (a shared holder first converts its lock to exclusive, without waiting), so
+    that readers and writers leave nothing behind."""
     while True:
         try:
             fd = _open(path, create=True)
@@ -79,10 +80,21 @@ def hold(path: Path, *, shared: bool, busy: ZckptError, remove: bool = False) ->
     try:
         yield
     finally:
-        if remove and not shared:
+        if remove and _alone(fd, shared):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         os.close(fd)
+
+
+def _alone(fd: int, shared: bool) -> bool:
+    """Whether this holder is the only one (an exclusive lock, or a shared one that converts)."""
+    if not shared:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 
 
 def store_writing(store: Path) -> contextlib.AbstractContextManager[None]:
@@ -100,7 +112,7 @@ def store_reading(store: Path) -> contextlib.AbstractContextManager[None]:
     if not lock.parent.is_dir():
         return contextlib.nullcontext()
     busy = StoreError("a zckpt ingest is writing this store (lock held): retry when it has finished", path=store)
-    return hold(lock, shared=True, busy=busy)
+    return hold(lock, shared=True, busy=busy, remove=True)
 
 
 def output_writing(out: Path) -> contextlib.AbstractContextManager[None]:

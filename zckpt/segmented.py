@@ -414,6 +414,7 @@ def read_slice(
 
 
 def _read_slice(st: Store, rank: int, strategy: StrategyArg, name: str) -> SliceRead:
+    st.check_integrity()
     entry = st.entry(name)
     if entry.kind == "str":
         raise UsageError(f"is a string entry, not a tensor (its value: {entry.value!r})", path=st.path, param=name)
