@@ -358,7 +358,7 @@ def ingest(
         if state != "new":
             redone = changed_sources(store, plan.rank_files)
             if redone:
-                store.renew_identity()
+                store.unseal()
                 store.forget_ranks(redone)
                 state = "resume"
         try:

@@ -4,11 +4,8 @@ The chunks are checked against CRC-32C records; this module checks the records a
 manifest themselves, so that a damaged or hand-edited store is refused by name instead of
 exported with wrong values:
 
-* ``manifest["ingest_id"]``: a random identity given to the store when an ingest creates it
-  (or redoes a part of it); with the completion stamp it enters export fingerprints, so that
-  an output directory written from an earlier content of the store is never taken as done.
 * ``manifest["integrity"]["manifest"]``: SHA-256 of the manifest's canonical JSON (entries,
-  source, fingerprint, identity), written with the entries: an entry whose shape or type was
+  source, layout fingerprint), written with the entries: an entry whose shape or type was
   edited, or which was removed, no longer matches.
 * ``manifest["integrity"]["records"]``: ``{rank: SHA-256}`` of each source rank's progress
   record (its checksum records, :meth:`zckpt.store.Store.progress_records`), written when the
@@ -17,8 +14,15 @@ exported with wrong values:
 * each array's ``zarr.json`` (shape, data type, zckpt attributes) is compared with its
   manifest entry when it is first read.
 
+The digest of the records is also the store's **identity** (:func:`identity`): the records
+hold the CRC-32C of every byte written and the identity of every source file read, so it
+changes whenever the store's content may have, and stays the same when an interrupted ingest
+is resumed (the store is then byte for byte the one an uninterrupted run writes). It enters
+export fingerprints, so an output directory exported from an earlier content of the store
+is never taken as done.
+
 Digests detect damage and inconsistent edits; they are not signatures (whoever can edit a
-store can recompute them). Stores written before these keys existed (no ``ingest_id``) are
+store can recompute them). Stores written before these keys existed (no ``integrity``) are
 read as before.
 """
 
@@ -27,8 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
-import uuid
 from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from typing import Any
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 
-MANIFEST_KEYS = ("format", "version", "entries", "source", "fingerprint", "ingest_id")
+MANIFEST_KEYS = ("format", "version", "entries", "source", "fingerprint")
 """What the manifest digest covers (not ``complete`` nor ``integrity``, which change later)."""
 
 RECORD_KEYS = ("crc32c_blocks", "crc32c", "crc32")
@@ -61,24 +63,34 @@ def record_digest(record: Mapping[str, Any]) -> str:
     return digest(dict(record))
 
 
-def new_identity() -> str:
-    return uuid.uuid4().hex
+def checked(manifest: Mapping[str, Any]) -> bool:
+    """Whether the store carries digests (written by a zckpt that records them)."""
+    return isinstance(manifest.get("integrity"), dict)
 
 
-def sealed(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """The ``integrity`` value of a store being marked complete with these progress records."""
-    return {"manifest": manifest_digest(manifest), "records": {str(r): record_digest(a) for r, a in records.items()},
-            "completed": f"{time.time_ns()}-{new_identity()[:8]}"}
+def sealed(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``integrity`` value of a manifest: its digest, and with ``records`` (a store being
+    marked complete) the digest of each source rank's progress record."""
+    seal: dict[str, Any] = {"manifest": manifest_digest(manifest)}
+    if records is not None:
+        seal["records"] = record_digests(records)
+    return seal
 
 
-def identity(manifest: Mapping[str, Any]) -> str | None:
-    """What changes whenever the store's content may have: its ingest id and completion
-    stamp (``None`` for stores written before ingest ids)."""
-    ingest_id = manifest.get("ingest_id")
-    if ingest_id is None:
+def record_digests(records: Mapping[int, Mapping[str, Any]]) -> dict[str, str]:
+    return {str(r): record_digest(a) for r, a in sorted(records.items())}
+
+
+def identity(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]] | None = None) -> str | None:
+    """The store's content identity: the digest of its records' digests (sealed in a complete
+    store, else computed from ``records``, the progress records present); ``None`` for stores
+    without digests."""
+    if not checked(manifest):
         return None
-    done = (manifest.get("integrity") or {}).get("completed") if isinstance(manifest.get("integrity"), dict) else None
-    return f"{ingest_id}/{done}"
+    sealed_records = manifest["integrity"].get("records")
+    if manifest.get("complete") and isinstance(sealed_records, dict):
+        return digest(sealed_records)
+    return None if records is None else digest(record_digests(records))
 
 
 def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> None:
@@ -88,10 +100,10 @@ def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> 
     if manifest.get("fingerprint") is None and not manifest.get("complete"):
         raise StoreError("store is incomplete: its ingest stopped before writing the manifest (no entries); rerun "
                          "the ingest", path=where)
-    if manifest.get("ingest_id") is None:
+    if not checked(manifest):
         return
-    seal = manifest.get("integrity")
-    if not isinstance(seal, dict) or "manifest" not in seal:
+    seal = manifest["integrity"]
+    if "manifest" not in seal:
         raise StoreError("the manifest has no integrity digest: the store is damaged", path=where)
     if seal["manifest"] != manifest_digest(manifest):
         raise StoreError("the manifest differs from the one its ingest wrote (entries, shapes, types or source "
@@ -114,7 +126,7 @@ def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> 
 def check_record(manifest: Mapping[str, Any], rank: int, record: Mapping[str, Any], where: str) -> None:
     """Refuse a source rank's progress record that lost its checksums or changed since the
     store was completed."""
-    if manifest.get("ingest_id") is None:
+    if not checked(manifest):
         return
     if not any(k in record for k in RECORD_KEYS):
         raise StoreError(f"the checksum records of source rank {rank} are missing: the store is damaged", path=where)

@@ -494,8 +494,7 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
 
 def _new_manifest() -> dict[str, Any]:
     """The manifest of a store just created: no entries yet, a fresh identity."""
-    return {"format": FORMAT, "version": VERSION, "complete": False, "entries": [],
-            "ingest_id": integrity.new_identity()}
+    return {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
 
 
 class Store:
@@ -813,18 +812,22 @@ class Store:
         """Write the manifest digest (with ``changes``) in one update of the manifest."""
         meta = dict(self.manifest)
         meta.update(changes)
-        if meta.get("ingest_id") is not None:
-            changes["integrity"] = {"manifest": integrity.manifest_digest(meta)}
-        self._update(**changes)
+        self._update(**changes, integrity=integrity.sealed(meta))
 
-    def renew_identity(self) -> None:
-        """Give the store a new ingest id, unmarked complete: its content is about to change
-        (source ranks redone), so exports made before must not be taken for exports of it."""
-        self._seal_manifest(ingest_id=integrity.new_identity(), complete=False)
+    def unseal(self) -> None:
+        """Mark the store incomplete again, its record digests dropped: some of its source
+        ranks are about to be redone. Stores without digests are only unmarked."""
+        if integrity.checked(self.manifest):
+            self._seal_manifest(complete=False)
+        else:
+            self._update(complete=False)
 
     def identity(self) -> str | None:
-        """Ingest id and completion stamp (:func:`zckpt.integrity.identity`)."""
-        return integrity.identity(self.manifest)
+        """The content identity of the store (:func:`zckpt.integrity.identity`): read from
+        the manifest when complete, from the progress records otherwise."""
+        if self.complete:
+            return integrity.identity(self.manifest)
+        return integrity.identity(self.manifest, self.progress_records())
 
     def check_integrity(self) -> None:
         """Refuse (by name) a store whose manifest was never written, was edited since its
@@ -954,11 +957,10 @@ class Store:
         problems = self.coverage_problems()
         if problems:
             raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.url)
-        if self.manifest.get("ingest_id") is None:
+        if not integrity.checked(self.manifest):
             self._update(complete=True)
             return
-        meta = dict(self.manifest)
-        self._update(complete=True, integrity=integrity.sealed(meta, self.progress_records()))
+        self._update(complete=True, integrity=integrity.sealed(self.manifest, self.progress_records()))
 
     # --- data ------------------------------------------------------------------------
     def array(self, name: str) -> zarr.Array[Any]:
