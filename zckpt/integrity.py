@@ -123,16 +123,16 @@ def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> 
                          "completed ingest: the store is damaged", path=where)
 
 
-def check_record(manifest: Mapping[str, Any], rank: int, record: Mapping[str, Any], where: str) -> None:
-    """Refuse a source rank's progress record that lost its checksums or changed since the
-    store was completed."""
+def check_record(manifest: Mapping[str, Any], rank: int, record: Mapping[str, Any], where: str, *,
+                 digest: bool = True) -> None:
+    """Refuse a source rank's progress record that lost its checksums or (``digest``: checked
+    against the digest sealed with a complete store) changed since the store was completed."""
     if not checked(manifest):
         return
     if not any(k in record for k in RECORD_KEYS):
         raise StoreError(f"the checksum records of source rank {rank} are missing: the store is damaged", path=where)
-    seal = manifest.get("integrity")
-    records = seal.get("records") if isinstance(seal, dict) else None
-    if isinstance(records, dict) and records.get(str(rank)) != record_digest(record):
+    records = manifest["integrity"].get("records")
+    if digest and isinstance(records, dict) and records.get(str(rank)) != record_digest(record):
         raise StoreError(f"the checksum records of source rank {rank} differ from those sealed when the store was "
                          "completed: the store is damaged", path=where)
 

@@ -831,8 +831,10 @@ class Store:
 
     def check_integrity(self) -> None:
         """Refuse (by name) a store whose manifest was never written, was edited since its
-        ingest, or is marked complete without the sealed digests of its checksum records.
-        Once per store object: readers call it before planning (:func:`zckpt.export.check_coverage`)."""
+        ingest, is marked complete without the sealed digests of its checksum records, or
+        whose records lost their checksums or changed since. Once per command: readers call
+        it before planning (:func:`zckpt.export.check_coverage`); tasks that read records
+        then check only that each rank's checksums are there."""
         if not self._trusted:
             try:
                 integrity.check_manifest(self.manifest, self.ingested_ranks(), self.url)
@@ -841,6 +843,9 @@ class Store:
                 if named is None:
                     raise
                 raise StoreError(f"{err.message}; {named.message}", path=named.path, param=named.param) from None
+            if integrity.checked(self.manifest):  # each record against its sealed digest, once per command
+                for rank, attrs in self._progress_attributes():
+                    integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"))
             self._trusted = True
 
     def _damaged_entry(self) -> StoreError | None:
@@ -1101,7 +1106,8 @@ class Store:
             plain: dict[str, dict[str, ChunkSums]] = {}
             texts: dict[tuple[str, str], list[str]] = {}
             for rank, attrs in self._progress_attributes():
-                integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"))
+                integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"),
+                                       digest=False)  # digests: once per command, check_integrity
                 blocks: Any = attrs.get("crc32c_blocks", {})
                 if blocks:
                     size = int(blocks["block_bytes"])
