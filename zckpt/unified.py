@@ -175,11 +175,13 @@ def unify_store(
     with reading(store_path):
         store = Store.open(store_path)
         store.check_integrity()
-        return _unify(store, Path(dst_dir), strategy, choice_func, split_dst_file, max_process_num, part_bytes)
+        return _unify(store, Path(dst_dir), strategy, choice_func, split_dst_file, max_process_num, part_bytes,
+                      rank0_file)
 
 
 def _unify(store: Store, dst: Path, strategy: StrategyMap | None, choice_func: ChoiceFunc | None,
-           split_dst_file: tuple[int, int] | tuple[()], max_process_num: int, part_bytes: int) -> list[Path]:
+           split_dst_file: tuple[int, int] | tuple[()], max_process_num: int, part_bytes: int,
+           rank0_file: str | os.PathLike[str] | None) -> list[Path]:
     """:func:`unify_store` once the store is held and checked."""
     dst.mkdir(parents=True, exist_ok=True)
     specs: list[TensorSpec] = store.specs()
