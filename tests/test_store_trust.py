@@ -410,3 +410,23 @@ def test_store_killed_before_its_manifest_is_refused(job: Job, tmp_path: Path) -
     assert verified.returncode != 0 and "Traceback" not in verified.stderr
     resumed = _ingest(job, "a", store)
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_lock_files_are_never_followed(job: Job, tmp_path: Path) -> None:
+    """A planted ``<store>.lock`` or output-directory lock symlink is refused by name: zckpt
+    never creates or truncates the file it points to."""
+    from zckpt import locks
+
+    outside = tmp_path / "outside"
+    store = tmp_path / "store.zarr"
+    locks.store_lock_path(store).symlink_to(outside)
+    _clean_refusal(_ingest(job, "a", store), "symbolic link", "store.zarr.lock")
+    assert not outside.exists() and not store.exists()
+    locks.store_lock_path(store).unlink()
+    assert _ingest(job, "a", store).returncode == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / locks.OUTPUT_LOCK).symlink_to(outside)
+    _clean_refusal(subprocess.run(_export(job, store, out), capture_output=True, text=True, env=_env(), check=False),
+                   "symbolic link", locks.OUTPUT_LOCK)
+    assert not outside.exists() and not list(out.rglob("*.ckpt"))
