@@ -351,10 +351,20 @@ def _flip_a_byte(store: Path, name: str) -> Path:
 
 
 def _drop_records(store: Path) -> None:
+    """Remove the checksums from every progress record (record files, or format-4 groups)."""
+    for meta in sorted((store / "progress").glob("rank_*.json")):
+        doc = json.loads(meta.read_text())
+        doc.pop("crc32c_blocks", None)
+        meta.write_text(json.dumps(doc))
     for meta in sorted((store / "progress").glob("rank_*/zarr.json")):
         doc = json.loads(meta.read_text())
         doc["attributes"].pop("crc32c_blocks", None)
         meta.write_text(json.dumps(doc))
+
+
+def _drop_progress(store: Path, rank: int) -> None:
+    for p in (store / "progress").glob(f"rank_{rank}*"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 DAMAGE = {
@@ -364,9 +374,9 @@ DAMAGE = {
         s, lambda m: m.__setitem__("entries", [e for e in m["entries"] if e["name"] != "layer1.w"])),
     "records removed, bit flipped": lambda s: (_drop_records(s), _flip_a_byte(s, "layer1.w")),
     "one rank's progress removed, bit flipped": lambda s: (
-        shutil.rmtree(s / "progress" / "rank_0"), [_flip_a_byte(s, f"layer{i}.w") for i in range(4)]),
+        _drop_progress(s, 0), [_flip_a_byte(s, f"layer{i}.w") for i in range(4)]),
     "complete flag set on an unfinished store": lambda s: (
-        shutil.rmtree(s / "progress" / "rank_3"),
+        _drop_progress(s, 3),
         _edit_manifest(s, lambda m: m.__setitem__("integrity", {"manifest": m["integrity"]["manifest"]}))),
 }
 

@@ -187,6 +187,7 @@ def export(
     so = options.storage_options
     with reading(store_or_path):
         store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+        store.check_integrity()  # before planning: a store with no manifest yet is refused as such
         plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
         check_coverage(store, plan)
         out_loc, out = output_dir(out_dir, so)
@@ -403,6 +404,7 @@ def export_rank(
 ) -> RankResult:
     """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``)."""
     with reading(store):
+        store.check_integrity()
         plan = plan_export(store, strategy, [rank], require_supplied=True)
         check_coverage(store, plan)
         path = Path(target)

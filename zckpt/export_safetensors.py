@@ -126,6 +126,7 @@ def export_safetensors(
     so = options.storage_options
     with reading(store_or_path):
         store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+        store.check_integrity()  # before planning: a store with no manifest yet is refused as such
         plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
         check_coverage(store, plan)
         out_loc, out = output_dir(out_dir, so)
