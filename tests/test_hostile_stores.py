@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt import safe_paths
+from zckpt import locks
 from zckpt.cli import main as cli_main
 from zckpt.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
@@ -119,10 +119,12 @@ def test_link_in_store_is_refused_by_name(work: Path, capsys: pytest.CaptureFixt
     reads_it = command not in ("load-w", "load-b") or planted.startswith(f"tensors/{command[-1]}")
     code, err = _run(READERS[command](store, work), capsys)
     if not reads_it:  # loading the other parameter never touches this one
-        assert code == 0, err
+        assert code == 0 or (not checksums and "checksum records of source rank" in err), err
         return
     assert code != 0, f"{command} followed the link {planted}"
-    assert str(link) in err and "symbolic link" in err, err
+    # without checksum records the store's own integrity check may refuse it first
+    refused_as_damaged = not checksums and "checksum records of source rank" in err
+    assert refused_as_damaged or (str(link) in err and "symbolic link" in err), err
     assert not list((work / "out").rglob("*.ckpt")) if (work / "out").exists() else True
     assert not list((work / "out").rglob("*.tmp-zckpt")) if (work / "out").exists() else True
 
@@ -268,13 +270,13 @@ def test_lock_on_a_file_its_holder_removed_is_dropped(tmp_path: Path, monkeypatc
     stale = os.open(lock, os.O_RDWR)
     lock.unlink()
     opened: list[object] = []
-    real = safe_paths.open_write
+    real = locks._open
 
-    def first_stale(path: Path, flags: int, err: type[ZckptError], mode: int = 0o644) -> int:
+    def first_stale(path: Path, create: bool) -> int | None:
         opened.append(path)
-        return stale if len(opened) == 1 else real(path, flags, err, mode)
+        return stale if len(opened) == 1 else real(path, create)
 
-    monkeypatch.setattr(safe_paths, "open_write", first_stale)
+    monkeypatch.setattr(locks, "_open", first_stale)
     with store_lock(store):
         assert len(opened) == 2 and lock.is_file()
         other = os.open(lock, os.O_RDWR)

@@ -38,9 +38,11 @@ def _to_format_4(store: Path) -> None:
     group.create_group("progress")
     for doc in docs:
         rank = doc.pop("rank")
+        doc.pop("source", None)  # source identities and digests came later
         group.create_group(f"progress/rank_{rank}", attributes=doc)
     meta = dict(group.attrs["zckpt"])  # type: ignore[arg-type]
     meta["version"] = 4
+    meta.pop("integrity", None)
     group.attrs["zckpt"] = meta
 
 

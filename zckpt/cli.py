@@ -314,9 +314,11 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
          "tensors": r.tensors, "bytes_written": r.bytes_written,
          "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete,
          "rank_files": {str(k): v for k, v in r.rank_files.items()}, "file_choices": choices_json(choices),
-         "same_as_rank0": list(r.same_as_rank0), "left_behind": dict(r.left_behind)},
+         "same_as_rank0": list(r.same_as_rank0), "left_behind": dict(r.left_behind),
+         "redone": {str(k): v for k, v in r.redone.items()}},
         a.json,
         source_lines(dict(r.rank_files), choices, r.same_as_rank0)
+        + [f"source rank {k} ingested again: {v}" for k, v in sorted(r.redone.items())]
         + [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
          f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
          f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]

@@ -12,6 +12,7 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from zckpt import remote, safe_paths
+from zckpt import locks, remote, safe_paths
 from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
@@ -145,7 +146,9 @@ def refuse_store_unsupplied(store: Store, plan: ExportPlan, smap: StrategyMap | 
 
 
 def check_coverage(store: Store, plan: ExportPlan) -> None:
-    """Refuse to export from a store that lacks any region a destination rank needs."""
+    """Refuse to export from a store that lacks any region a destination rank needs, or
+    whose manifest or checksum records are damaged (:meth:`Store.check_integrity`)."""
+    store.check_integrity()
     if store.complete:
         return
     kinds = {e.name: e.kind for e in store.entries()}
@@ -188,17 +191,36 @@ def export(
 
     t0 = time.perf_counter()
     so = options.storage_options
-    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
-    check_coverage(store, plan)
-    out_loc, out = output_dir(out_dir, so)
+    with reading(store_or_path):
+        store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+        store.check_integrity()  # before planning: a store with no manifest yet is refused as such
+        plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
+        check_coverage(store, plan)
+        out_loc, out = output_dir(out_dir, so)
+        with contextlib.nullcontext() if out_loc is not None else locks.output_writing(out):
+            return _export(store, plan, out_loc, out, options, t0)
+
+
+def reading(store_or_path: Store | str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """Hold a local store shared while it is read (:mod:`zckpt.locks`: an ingest cannot
+    rewrite it meanwhile, and a reader is refused while one does); remote stores: nothing."""
+    from zckpt.store import Store
+
+    if isinstance(store_or_path, Store):
+        local = store_or_path.path if store_or_path.location is None else None
+    else:
+        local = None if isinstance(store_or_path, str) and remote.is_remote(store_or_path) else \
+            remote.local_path(store_or_path)
+    return contextlib.nullcontext() if local is None else locks.store_reading(local)
+
+
+def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out: Path, options: ExportOptions,
+            t0: float) -> ExportReport:
     jobs = output_jobs(store, plan, out, options)
     fingerprint = export_fingerprint(store, jobs, options)
     if out_loc is not None:
         jobs = resume_or_refuse_remote(out_loc, jobs, fingerprint, options.overwrite)
     else:
-        if out.exists() and not out.is_dir():
-            raise OutputError("output path exists and is not a directory", path=out)
         jobs = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
@@ -284,10 +306,12 @@ MARKER = ".zckpt-export.json"
 
 
 def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], options: ExportOptions) -> str:
-    """Identity of an export: same store content, same files with the same slices."""
+    """Identity of an export: same store content (its layout fingerprint and, since ingest
+    ids, the identity of the ingest that wrote it), same files with the same slices."""
     doc = {
         "store": store.manifest.get("fingerprint") or hashlib.sha256(
             json.dumps(store.manifest.get("entries", []), sort_keys=True).encode()).hexdigest(),
+        "ingest": store.identity(),
         "files": [[str(p.name), [[s.name, s.box.to_json()] for s in r.slices]] for r, p in jobs],
         "crc": options.crc,
         "format": "ckpt",
@@ -313,7 +337,7 @@ def resume_or_refuse(
     files) and matching the plan are kept, and only the rest are written.
     """
     marker = out / MARKER
-    present = [p for p in out.iterdir() if p.name != MARKER] if out.is_dir() else []
+    present = [p for p in out.iterdir() if p.name not in (MARKER, locks.OUTPUT_LOCK)] if out.is_dir() else []
     todo = jobs
     if present and not overwrite:
         try:
@@ -412,13 +436,15 @@ def export_rank(
     options: ExportOptions = ExportOptions(),
 ) -> RankResult:
     """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``)."""
-    plan = plan_export(store, strategy, [rank], require_supplied=True)
-    check_coverage(store, plan)
-    path = Path(target)
-    if path.exists() and not options.overwrite:
-        raise OutputError("output file already exists (--overwrite replaces it)", path=path)
-    with disk_full_named(path):
-        return StoreReader(store, options).write_rank(plan.ranks[0], path)
+    with reading(store):
+        store.check_integrity()
+        plan = plan_export(store, strategy, [rank], require_supplied=True)
+        check_coverage(store, plan)
+        path = Path(target)
+        if path.exists() and not options.overwrite:
+            raise OutputError("output file already exists (--overwrite replaces it)", path=path)
+        with disk_full_named(path):
+            return StoreReader(store, options).write_rank(plan.ranks[0], path)
 
 
 class StoreReader:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt import fileio, remote
+from zckpt import fileio, locks, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
 from zckpt.export import (
@@ -45,6 +45,7 @@ from zckpt.export import (
     output_folders,
     output_jobs,
     plan_export,
+    reading,
     target_name,
     task_name,
 )
@@ -52,7 +53,7 @@ from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWri
 from zckpt.formats.shards import INDEX_SUFFIX
 from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
-from zckpt.plan import RankExport
+from zckpt.plan import ExportPlan, RankExport
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import BoxReader, RankResult
 from zckpt.runner import Engine, dask_client, run_all
@@ -124,16 +125,24 @@ def export_safetensors(
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     t0 = time.perf_counter()
     so = options.storage_options
-    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
-    check_coverage(store, plan)
+    with reading(store_or_path):
+        store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
+        store.check_integrity()  # before planning: a store with no manifest yet is refused as such
+        plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
+        check_coverage(store, plan)
+        out_loc, out = output_dir(out_dir, so)
+        with contextlib.nullcontext() if out_loc is not None else locks.output_writing(out):
+            return _export_safetensors(store, plan, out_loc, out, options, t0)
+
+
+def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out: Path,
+                        options: ExportOptions, t0: float) -> ExportReport:
     kinds = {e.name: e.kind for e in store.entries()}
     for r in plan.ranks:
         for s in r.slices:
             if kinds[s.name] == "map":
                 raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                                   "safetensors either); export this store as .ckpt", param=s.name)
-    out_loc, out = output_dir(out_dir, so)
     if out_loc is None and out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
     jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, out, options)]

@@ -11,7 +11,6 @@ byte for byte, because a difference means the strategy hides a sharded tensor.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zckpt import fileio, packed, remote, safe_paths
+from zckpt import fileio, integrity, locks, packed, remote, safe_paths
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
@@ -137,6 +136,9 @@ class IngestReport:
     """Without a source strategy: the other rank files, found byte-identical to rank 0's."""
     left_behind: Mapping[str, Any] = field(default_factory=dict)
     """Pipeline stages, ranks and parameters of rank files outside the strategy's stages (not ingested)."""
+    redone: Mapping[int, str] = field(default_factory=dict)
+    """Source ranks ingested before whose file changed since (``{rank: what changed}``):
+    their writes were done again."""
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -362,6 +364,13 @@ def ingest(
         lock, target = store_lock(remote.local_path(store_path)), remote.local_path(store_path)
     with lock:
         store, state = open_for_ingest(target, layout.fingerprint(), options.overwrite, options.storage_options)
+        redone: dict[int, str] = {}
+        if state != "new":
+            redone = changed_sources(store, plan.rank_files)
+            if redone:
+                store.unseal()
+                store.forget_ranks(redone)
+                state = "resume"
         try:
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
@@ -398,47 +407,27 @@ def ingest(
         file_choices=prepared.sources.several(),
         same_as_rank0=prepared.same_model.ranks,
         left_behind=plan.left_behind,
+        redone=redone,
     )
 
 
-@contextmanager
-def store_lock(path: Path) -> Iterator[None]:
-    """Hold ``<store>.lock`` exclusively: a second ingest into the same store is refused
-    rather than let two writers interleave (readers need no lock)."""
-    lock = path.with_name(path.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = _take_lock(lock)
-    try:
-        try:
-            yield
-        finally:
-            with contextlib.suppress(OSError):
-                lock.unlink()
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+def changed_sources(store: Store, rank_files: Mapping[int, str]) -> dict[int, str]:
+    """Source ranks already ingested whose file is no longer the one read then (its size,
+    time or ends differ from the identity recorded with the rank's progress), with what
+    changed: resuming must redo them rather than keep their old values."""
+    out = {}
+    for rank, record in store.progress_records().items():
+        path = rank_files.get(rank)
+        why = None if path is None else integrity.source_change(record.get("source"), path)
+        if why is not None:
+            out[rank] = why
+    return out
 
 
-def _take_lock(lock: Path) -> int:
-    """The lock file, open and locked. Never through a link (a planted ``.lock`` link would
-    make ingest create or truncate the file it names). The holder unlinks the file before
-    it unlocks, so a lock taken on a file that no longer has the name was released: it is
-    dropped and the name opened again."""
-    while True:
-        fd = safe_paths.open_write(lock, os.O_RDWR | os.O_CREAT, StoreError)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreError("another zckpt ingest is writing this store (lock held)", path=lock) from None
-        held = os.fstat(fd)
-        try:
-            now = os.lstat(lock)
-        except FileNotFoundError:
-            now = None
-        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-            return fd
-        os.close(fd)
+def store_lock(path: Path) -> contextlib.AbstractContextManager[None]:
+    """Hold ``<store>.lock`` exclusively (:mod:`zckpt.locks`): a second ingest, or an ingest
+    while an export, verify or load reads the store, is refused rather than interleaved."""
+    return locks.store_writing(path)
 
 
 LOCK_SUFFIX = ".lock"
@@ -756,6 +745,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
             store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
     written = 0
     known = _RankSums(options.checksum_block_bytes)
+    source = integrity.source_identity(job.path)
     with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
@@ -779,7 +769,10 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     if known.runs:
         record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
                           for name, per in known.runs.items()}
-    store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record)
+    if integrity.source_change(source, job.path) is not None:
+        raise SourceError("the source file changed while it was being read: rerun the ingest", path=job.path)
+    store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record,
+                        **({"source": source} if source is not None else {}))
     return written
 
 

@@ -25,6 +25,7 @@ slicer, without MindSpore.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
-from zckpt.export import check_coverage
+from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import open_shard
@@ -159,15 +160,21 @@ def rank_slices(tensors: Sequence[TensorSpec], strategy: StrategyMap | None, ran
     return build_export_plan(tensors, strategy, ranks=[rank]).ranks[0].slices
 
 
-def read_entry(source: ShardSlicer | Store, name: str, box: Box) -> Value:
-    """Region ``box`` of entry ``name`` from shards or a store (bf16 as ``ml_dtypes.bfloat16``)."""
+def read_entry(source: ShardSlicer | Store, name: str, box: Box, checked: StoreReader | None = None) -> Value:
+    """Region ``box`` of entry ``name`` from shards or a store (bf16 as ``ml_dtypes.bfloat16``);
+    from a store through ``checked`` (one per rank and thread), which checks every chunk block
+    it reads against its recorded CRC-32C, as export does."""
     if isinstance(source, ShardSlicer):
         return source.read(name, box)
     entry = source.entry(name)
     if entry.kind == "str":
         return entry.value or ""
-    data = source.array(name)[box.slices() if box.ndim else ...]
-    return public_array(np.asarray(data), entry.ms_type)
+    reader = checked if checked is not None else StoreReader(source, ExportOptions())
+    return public_array(reader.materialise([(name, box)])[0], entry.ms_type)
+
+
+def _checked_reader(source: ShardSlicer | Store) -> StoreReader | None:
+    return StoreReader(source, ExportOptions()) if isinstance(source, Store) else None
 
 
 def plan_rank(
@@ -191,7 +198,10 @@ def read_rank(
     wanted: Callable[[str], bool] = lambda _: True,
 ) -> dict[str, Value]:
     """Destination ``rank``'s slice of every wanted entry, read from shards or a store."""
-    return {name: read_entry(source, name, box) for name, _, _, box in plan_rank(source, strategy, rank, wanted)}
+    with reading(source) if isinstance(source, Store) else contextlib.nullcontext():
+        plan = plan_rank(source, strategy, rank, wanted)
+        checked = _checked_reader(source)
+        return {name: read_entry(source, name, box, checked) for name, _, _, box in plan}
 
 
 def current_rank() -> int:
@@ -334,7 +344,9 @@ def load_distributed_checkpoint(
                     raise UsageError("For 'load_distributed_checkpoint', 'dst_safetensors_dir' can not be None when "
                                      "network is None.")
                 ranks = [rank_id] if rank_id is not None else list(range(dst.device_num() if dst else 1))
-                _save_ranks(source, dst, ranks, Path(dst_safetensors_dir), output_format, name_map, max_process_num)
+                with reading(source) if isinstance(source, Store) else contextlib.nullcontext():
+                    _save_ranks(source, dst, ranks, Path(dst_safetensors_dir), output_format, name_map,
+                                max_process_num)
                 return True
             values = _renamed(read_rank(source, dst, rank_id if rank_id is not None else current_rank()), name_map)
             if return_param_dict:
@@ -418,8 +430,9 @@ def _save_ranks(source: ShardSlicer | Store, dst: StrategyMap | None, ranks: lis
     def one(rank: int) -> Path:
         folder = safe_paths.real_dirs(out, f"rank_{rank}", OutputError, create=True)  # never through a link
         entries = plan_rank(source, dst, rank, lambda _: True)
-        return write_rank_file(entries, lambda n, b: read_entry(source, n, b), folder / f"net.{output_format}",
-                               output_format, back)
+        checked = _checked_reader(source)
+        return write_rank_file(entries, lambda n, b: read_entry(source, n, b, checked),
+                               folder / f"net.{output_format}", output_format, back)
 
     if workers == 1 or len(ranks) == 1:
         for r in ranks:

@@ -47,7 +47,7 @@ import numpy as np
 from zckpt import safe_paths
 from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import check_coverage
+from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box
@@ -404,12 +404,18 @@ def read_slice(
 ) -> SliceRead:
     """Read rank ``rank``'s slice of ``name`` under the destination ``strategy`` from a store.
 
-    Only the chunks the slice overlaps are read. The slice is the box that ``zckpt export``
-    would write into that rank's file (unlisted entries: the whole value).
+    Only the chunks the slice overlaps are read, and checked against their recorded CRC-32C
+    as export checks them. The slice is the box that ``zckpt export`` would write into that
+    rank's file (unlisted entries: the whole value).
     """
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise TypeError(f"The rank should be an int, but got {type(rank).__name__}.")
-    st = store if isinstance(store, Store) else Store.open(store)
+    with reading(store):
+        return _read_slice(store if isinstance(store, Store) else Store.open(store), rank, strategy, name)
+
+
+def _read_slice(st: Store, rank: int, strategy: StrategyArg, name: str) -> SliceRead:
+    st.check_integrity()
     entry = st.entry(name)
     if entry.kind == "str":
         raise UsageError(f"is a string entry, not a tensor (its value: {entry.value!r})", path=st.path, param=name)
@@ -430,9 +436,8 @@ def read_slice(
     plan = ExportPlan((RankExport(rank, slices),), full.device_num)
     check_coverage(st, plan)
     box = slices[0].box
-    arr = st.array(name)
-    data = arr[box.slices()] if box.ndim else arr[...]
-    return SliceRead(name, rank, entry.ms_type, entry.shape, box, np.asarray(data))
+    data = StoreReader(st, ExportOptions()).materialise([(name, box)])[0]
+    return SliceRead(name, rank, entry.ms_type, entry.shape, box, data)
 
 
 def load_slice(

@@ -48,7 +48,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, LocalStore
 
-from zckpt import packed, remote, safe_paths, zarr_bfloat16
+from zckpt import integrity, packed, remote, safe_paths, zarr_bfloat16
 from zckpt import records as rank_records
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
@@ -110,13 +110,6 @@ def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
         "opt_weight_shard_step": lay.opt_shard_step,
         "opt_weight_shard_size": lay.opt_shard_size,
     }
-
-
-@dataclass(frozen=True)
-class _Attrs:
-    """A group's attributes, read from its ``zarr.json`` without zarr."""
-
-    attrs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -522,6 +515,11 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
                                  config={"order": "C", "write_empty_chunks": True}))
 
 
+def _new_manifest() -> dict[str, Any]:
+    """The manifest of a store just created: no entries yet, a fresh identity."""
+    return {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+
+
 class ConfinedStore(LocalStore):
     """zarr's local store that never follows a symbolic link below its root, nor a key that
     climbs out of it (:mod:`zckpt.safe_paths`): zarr itself reads and writes any path it
@@ -604,6 +602,7 @@ class Store:
         self._version: int | None = None
         self._confined = safe_paths.Confined(path, StoreError) if location is None else None
         self._packs: dict[str, tuple[int, Path]] = {}
+        self._trusted = False
 
     @classmethod
     def attach(
@@ -661,7 +660,7 @@ class Store:
             else:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
         group = zarr.open_group(ConfinedStore(p), mode="w-", zarr_format=3)
-        group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+        group.attrs["zckpt"] = _new_manifest()
         return cls(p, group, mode="w-")
 
     @classmethod
@@ -676,7 +675,7 @@ class Store:
             remote.remove(loc, StoreError, recursive=True)
         with remote.remote_errors(StoreError, url, "cannot create zarr store"):
             group = zarr.open_group(_fsspec_store(url, storage_options, read_only=False), mode="w-", zarr_format=3)
-            group.attrs["zckpt"] = {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
+            group.attrs["zckpt"] = _new_manifest()
         return cls(Path(loc.path), group, mode="w-", location=loc)
 
     @classmethod
@@ -915,6 +914,93 @@ class Store:
             packed.preallocate(where, pack)
         rank_records.define_folder(self.group)
         self._update(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
+        self._seal_manifest()
+
+    # --- integrity (zckpt.integrity) --------------------------------------------------
+    def _seal_manifest(self, **changes: Any) -> None:
+        """Write the manifest digest (with ``changes``) in one update of the manifest."""
+        meta = dict(self.manifest)
+        meta.update(changes)
+        self._update(**changes, integrity=integrity.sealed(meta))
+
+    def unseal(self) -> None:
+        """Mark the store incomplete again, its record digests dropped: some of its source
+        ranks are about to be redone. Stores without digests are only unmarked."""
+        if integrity.checked(self.manifest):
+            self._seal_manifest(complete=False)
+        else:
+            self._update(complete=False)
+
+    def identity(self) -> str | None:
+        """The content identity of the store (:func:`zckpt.integrity.identity`): read from
+        the manifest when complete, from the progress records otherwise."""
+        if self.complete:
+            return integrity.identity(self.manifest)
+        return integrity.identity(self.manifest, self.progress_records())
+
+    def check_integrity(self) -> None:
+        """Refuse (by name) a store whose manifest was never written, was edited since its
+        ingest, is marked complete without the sealed digests of its checksum records, or
+        whose records lost their checksums or changed since. Once per command: readers call
+        it before planning (:func:`zckpt.export.check_coverage`); tasks that read records
+        then check only that each rank's checksums are there."""
+        if not self._trusted:
+            try:
+                integrity.check_manifest(self.manifest, self.ingested_ranks(), self.url)
+            except StoreError as err:
+                named = self._damaged_entry() if "manifest differs" in err.message else None
+                if named is None:
+                    raise
+                raise StoreError(f"{err.message}; {named.message}", path=named.path, param=named.param) from None
+            if integrity.checked(self.manifest):  # each record against its sealed digest, once per command
+                for rank, attrs in self._progress_attributes():
+                    integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"))
+            self._trusted = True
+
+    def _damaged_entry(self) -> StoreError | None:
+        """Which parameter a manifest that fails its digest got wrong, when its arrays tell:
+        an entry whose array disagrees with it, or an array no entry names any more (read
+        only on this error path: every array's metadata)."""
+        known = set()
+        for e in self.entries():
+            if e.kind == "str":
+                continue
+            known.add(e.key)
+            try:
+                self.array(e.name)
+            except StoreError as err:
+                return err
+        for folder in ("tensors", "maps"):
+            try:
+                node: Any = self.group[folder]
+                keys = sorted(node.array_keys())
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+            for k in keys:
+                if f"{folder}/{k}" not in known:
+                    attrs: Any = node[k].attrs.get("zckpt") or {}
+                    return StoreError("its array is in the store but the manifest lost its entry",
+                                      path=self.where(folder, k), param=attrs.get("name"))
+        return None
+
+    def progress_records(self) -> dict[int, dict[str, Any]]:
+        """Every source rank's progress record (its attributes: bytes, checksum records,
+        source identity), as stored."""
+        return dict(self._progress_attributes())
+
+    def forget_ranks(self, ranks: Iterable[int]) -> None:
+        """Remove the progress records of ``ranks`` (their writes will be redone)."""
+        for r in ranks:
+            if self.version < rank_records.FILE_VERSION:
+                with contextlib.suppress(KeyError):
+                    del self.group[f"progress/rank_{r}"]
+            elif self.location is None:
+                (self.path / rank_records.FOLDER / rank_records.file_name(r)).unlink(missing_ok=True)
+            else:
+                with contextlib.suppress(StoreError):
+                    remote.remove(self.location.child(rank_records.FOLDER).child(rank_records.file_name(r)),
+                                  StoreError)
+        self._ingested = None
 
     @staticmethod
     def _preallocate(folder: Path, t: TensorSpec, chunks: tuple[int, ...], per_shard: tuple[int, ...]) -> None:
@@ -959,6 +1045,7 @@ class Store:
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
                                          zarr_format=3) for n in todo])
         for name, node in zip(todo, opened, strict=True):
+            self._check_node(name, zarr.Array(node))
             self._keep(name, writing_empty_chunks(zarr.Array(node)))
 
     def _io_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -985,7 +1072,10 @@ class Store:
         problems = self.coverage_problems()
         if problems:
             raise StoreError("store is not complete: " + "; ".join(problems[:10]), path=self.url)
-        self._update(complete=True)
+        if not integrity.checked(self.manifest):
+            self._update(complete=True)
+            return
+        self._update(complete=True, integrity=integrity.sealed(self.manifest, self.progress_records()))
 
     # --- data ------------------------------------------------------------------------
     def array(self, name: str) -> zarr.Array[Any]:
@@ -1001,6 +1091,7 @@ class Store:
             node = writing_empty_chunks(zarr.open_array(store=self.group.store, path=e.key, mode=self._mode))
         except Exception as err:  # zarr raises several types for a missing or broken node
             raise StoreError(f"array {e.key} cannot be opened: {err}", path=self.url, param=name) from None
+        self._check_node(name, node)
         return self._keep(name, node)
 
     def _packed_array(self, e: EntryRecord) -> zarr.Array[Any]:
@@ -1024,6 +1115,13 @@ class Store:
                                  attributes={"zckpt": attrs})
         bits_view(node)[...] = np.frombuffer(raw, dtype=dtype).reshape(e.shape)
         return node
+
+    def _check_node(self, name: str, node: zarr.Array[Any]) -> None:
+        """An opened array against its manifest entry (:func:`zckpt.integrity.check_array`)."""
+        e = self.entry(name)
+        doc = {"shape": node.shape, "data_type": _data_type_name(node),
+               "attributes": {"zckpt": node.attrs.get("zckpt")}}
+        integrity.check_array(e.kind, e.ms_type, e.shape, name, doc, self.where(e.key, "zarr.json"))
 
     def _keep(self, name: str, node: zarr.Array[Any]) -> zarr.Array[Any]:
         """Cache an opened array as zckpt uses it (bf16 as bits), remembering its stored type."""
@@ -1056,6 +1154,8 @@ class Store:
                     raise
                 except (OSError, ValueError):
                     doc = None
+                if doc is not None:
+                    integrity.check_array(e.kind, e.ms_type, e.shape, e.name, doc, self.where(e.key, "zarr.json"))
             if doc is None and self.location is not None:
                 self.prefetch([name])
                 doc = self.array(name).metadata.to_dict()  # the zarr.json the open just read
@@ -1168,8 +1268,10 @@ class Store:
         if self._plain is None:
             plain: dict[str, dict[str, ChunkSums]] = {}
             texts: dict[tuple[str, str], list[str]] = {}
-            for child in self._progress_attributes():
-                blocks: Any = child.attrs.get("crc32c_blocks", {})
+            for rank, attrs in self._progress_attributes():
+                integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"),
+                                       digest=False)  # digests: once per command, check_integrity
+                blocks: Any = attrs.get("crc32c_blocks", {})
                 if blocks:
                     size = int(blocks["block_bytes"])
                     for name, per in blocks.get("chunks", {}).items():
@@ -1179,7 +1281,7 @@ class Store:
                         for key, text in shards.items():
                             texts.setdefault((name, key), []).append(f"{size} {text}")
                 for algo in ("crc32c", "crc32"):
-                    recorded: Any = child.attrs.get(algo, {})
+                    recorded: Any = attrs.get(algo, {})
                     for name, per in recorded.items():
                         plain.setdefault(name, {}).update({k: ChunkSums(algo, (int(v),)) for k, v in per.items()})
             self._plain, self._texts = plain, texts
@@ -1190,14 +1292,14 @@ class Store:
         assert self._texts is not None
         return self._texts
 
-    def _progress_attributes(self) -> list[Any]:
-        """Every progress record (as objects with ``attrs``), in rank order: record files
-        and format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
-        through zarr costs more than parsing them); never through a link."""
+    def _progress_attributes(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(rank, attributes)`` of every progress record, in rank order: record files and
+        format-4 groups, read as plain JSON on a local disk (opening hundreds of groups
+        through zarr costs more than parsing them)."""
         if self._confined is not None:
             self._confined.folder(rank_records.FOLDER)
         found = rank_records.read_local(self.path) if self.location is None else self._remote_records(read=True)
-        return [_Attrs(found[r]) for r in sorted(found)]
+        return [(r, found[r]) for r in sorted(found)]
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in

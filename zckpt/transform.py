@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from zckpt import remote
+from zckpt import locks, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, output_folders, resume_or_refuse, stage_jobs
+from zckpt.export import ExportOptions, ExportReport, check_out_dir, output_folders, resume_or_refuse, stage_jobs
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
@@ -170,13 +170,17 @@ def transform(
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func)
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
-    out = remote.local_path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError("output path exists and is not a directory", path=out)
+    out = check_out_dir(remote.local_path(out_dir))
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
+    with locks.output_writing(out):
+        return _transform_into(plan, out, options, t0)
+
+
+def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t0: float) -> TransformReport:
+    """:func:`transform` once the output directory ``out`` is held (:func:`zckpt.locks.output_writing`)."""
     stages = {t.name: t.stages for t in plan.source.tensors}
     jobs = stage_jobs(stages, plan.export, out, options)
     if options.format == "safetensors":

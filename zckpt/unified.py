@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions, StoreReader
+from zckpt.export import ExportOptions, StoreReader, reading
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import write_atomic
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
@@ -169,8 +169,17 @@ def unify_store(
     as saved (MindSpore's rule); without it, the store's other entries but ``accu_grads.*``.
     Without a strategy, the parameters are the entries of more than one element.
     """
-    store = Store.open(store_path)
-    dst = Path(dst_dir)
+    with reading(store_path):
+        store = Store.open(store_path)
+        store.check_integrity()
+        return _unify(store, Path(dst_dir), strategy, choice_func, split_dst_file, max_process_num, part_bytes,
+                      rank0_file)
+
+
+def _unify(store: Store, dst: Path, strategy: StrategyMap | None, choice_func: ChoiceFunc | None,
+           split_dst_file: tuple[int, int] | tuple[()], max_process_num: int, part_bytes: int,
+           rank0_file: str | os.PathLike[str] | None) -> list[Path]:
+    """:func:`unify_store` once the store is held and checked."""
     dst.mkdir(parents=True, exist_ok=True)
     specs: list[TensorSpec] = store.specs()
     params: list[tuple[str, str, int]] = []

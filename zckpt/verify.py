@@ -39,9 +39,11 @@ from zckpt import packed, remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError, ZckptError
+from zckpt.export import reading
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.formats.strategy import StrategyMap
+from zckpt.integrity import stored_type_names
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
 from zckpt.store import ChunkInfo, EntryRecord, Store
@@ -136,15 +138,16 @@ def verify(
     everything else found is collected in the report.
     """
     remote.require_local("zckpt verify", sources=src, exports=against)
-    store = Store.open(store_path, storage_options=storage_options)
-    report = VerifyReport(store.url)
-    check_store(store, report, block_bytes=block_bytes)
-    if src is not None:
-        check_sources(store, src, src_strategy, report, block_bytes=block_bytes, file_suffix=file_suffix,
-                      choice_func=choice_func)
-    if against is not None:
-        check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes,
-                     any_order=any_order)
+    with reading(store_path):
+        store = Store.open(store_path, storage_options=storage_options)
+        report = VerifyReport(store.url)
+        check_store(store, report, block_bytes=block_bytes)
+        if src is not None:
+            check_sources(store, src, src_strategy, report, block_bytes=block_bytes, file_suffix=file_suffix,
+                          choice_func=choice_func)
+        if against is not None:
+            check_export(store, against, dst_strategy, report, prefix=prefix, block_bytes=block_bytes,
+                         any_order=any_order)
     return report
 
 
@@ -152,7 +155,11 @@ def verify(
 
 
 def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * MiB) -> None:
-    """Manifest against arrays, then every chunk of every array."""
+    """Manifest against its digest and arrays, then every chunk of every array."""
+    try:
+        store.check_integrity()
+    except ZckptError as err:
+        report.add_error("store", err)
     entries = _manifest_entries(store, report)
     _orphan_arrays(store, entries, report)
     crcs = _recorded_checksums(store, report)
@@ -298,16 +305,6 @@ def _array_matches_entry(store: Store, e: EntryRecord, arr: Any, report: VerifyR
         if attrs.get(key) != want:
             bad(f"array attribute {key} is {attrs.get(key)!r}, the manifest says {want!r}")
     return ok
-
-
-def stored_type_names(ms_type: str) -> tuple[str, ...]:
-    """Zarr data types an entry's array may have: BFloat16 is ``bfloat16`` (``uint16`` in
-    format-1 stores), a map's bytes ``uint8``, any other type its storage dtype's name."""
-    if ms_type == "BFloat16":
-        return ("bfloat16", "uint16")
-    if ms_type == "map":
-        return ("uint8",)
-    return (ms_dtype(ms_type).storage.name,)
 
 
 def _recorded_checksums(store: Store, report: VerifyReport) -> dict[str, dict[str, ChunkSums]]:

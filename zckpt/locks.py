@@ -1,0 +1,123 @@
+"""Advisory locks (``flock``) that make writers of a store or an output directory exclusive.
+
+* ``<store>.lock`` beside a local store: ``zckpt ingest`` holds it exclusively, readers
+  (``export``, ``verify``, ``load``) hold it shared for as long as they read, so a reader
+  never sees a store half rewritten by ``ingest --overwrite``, and an ingest never rewrites
+  a store under a reader's feet: whichever comes second is refused by name.
+* ``<out>/.zckpt-out.lock`` inside an output directory: held exclusively by ``export`` and
+  ``transform`` while they write there, so that two writers of one directory never remove
+  each other's temporary files.
+
+Lock files are opened without following a symbolic link (``O_NOFOLLOW``): a planted link
+cannot make zckpt create or truncate a file elsewhere. The exclusive holder removes its lock
+file when done; every locker checks, once it holds the lock, that the name still leads to the
+file it locked (else it locked a removed file and tries again), so removal is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from zckpt.errors import OutputError, StoreError, ZckptError
+
+STORE_SUFFIX = ".lock"
+OUTPUT_LOCK = ".zckpt-out.lock"
+
+
+def store_lock_path(store: Path) -> Path:
+    return store.with_name(store.name + STORE_SUFFIX)
+
+
+def _open(path: Path, create: bool) -> int | None:
+    """The lock file, opened without following a link; ``None`` when it cannot be (a
+    read-only place where it does not exist: nobody can write there to hold it either)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | (os.O_CREAT if create else 0), 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "the lock file is a symbolic link", str(path)) from None
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            try:
+                return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+        raise
+
+
+@contextmanager
+def hold(path: Path, *, shared: bool, busy: ZckptError, remove: bool = False) -> Iterator[None]:
+    """Hold ``path`` locked (shared or exclusive) without waiting; raise ``busy`` when another
+    process holds it the other way. ``remove``: delete the lock file on release when nobody
+    else holds it (a shared holder first converts its lock to exclusive, without waiting), so
+    that readers and writers leave nothing behind."""
+    while True:
+        try:
+            fd = _open(path, create=True)
+        except OSError as err:
+            raise type(busy)(f"cannot open the lock file: {err.strerror}", path=path) from None
+        if fd is None:
+            yield
+            return
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise busy from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder before us removed it while we waited: lock the new one
+    try:
+        yield
+    finally:
+        if remove and _alone(fd, shared):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os.close(fd)
+
+
+def _alone(fd: int, shared: bool) -> bool:
+    """Whether this holder is the only one (an exclusive lock, or a shared one that converts)."""
+    if not shared:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def store_writing(store: Path) -> contextlib.AbstractContextManager[None]:
+    """Exclusive hold of a local store (``zckpt ingest``)."""
+    lock = store_lock_path(store)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    busy = StoreError("another zckpt ingest is writing this store, or an export, verify or load is reading it "
+                      "(lock held): retry when it has finished", path=lock)
+    return hold(lock, shared=False, busy=busy, remove=True)
+
+
+def store_reading(store: Path) -> contextlib.AbstractContextManager[None]:
+    """Shared hold of a local store while it is read: refused while an ingest writes it."""
+    lock = store_lock_path(store)
+    if not lock.parent.is_dir():
+        return contextlib.nullcontext()
+    busy = StoreError("a zckpt ingest is writing this store (lock held): retry when it has finished", path=store)
+    return hold(lock, shared=True, busy=busy, remove=True)
+
+
+def output_writing(out: Path) -> contextlib.AbstractContextManager[None]:
+    """Exclusive hold of an output directory (``export``, ``transform``); creates it."""
+    out.mkdir(parents=True, exist_ok=True)
+    busy = OutputError("another zckpt export or transform is writing into this directory (lock held): retry when "
+                       "it has finished, or choose another directory", path=out)
+    return hold(out / OUTPUT_LOCK, shared=False, busy=busy, remove=True)
