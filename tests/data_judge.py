@@ -48,7 +48,8 @@ TENSORS: dict[str, tuple[tuple[int, ...], list[int], list[list[int]], int]] = {
 def global_of(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Every element distinct, so that a misplaced block shows."""
     seed = sum(name.encode()) * 1000
-    return (np.arange(int(np.prod(shape)), dtype=np.float32) + seed).reshape(shape)
+    values = np.arange(int(np.prod(shape)), dtype=np.float32) + np.float32(seed)  # numpy 1 would give float64
+    return values.reshape(shape)
 
 
 def _layout(dev: list[int], tmap: list[list[int]], opt: int) -> oracle.Layout:
