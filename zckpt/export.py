@@ -19,7 +19,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -187,9 +187,20 @@ def export(
         from zckpt.export_safetensors import export_safetensors
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
+    t0 = time.perf_counter()
+    with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, out_loc, out):
+        return _export(store, plan, out_loc, out, options, t0)
+
+
+@contextlib.contextmanager
+def export_session(
+    store_or_path: Store | str | Path, out_dir: str | Path, strategy: StrategyArg, ranks: Iterable[int] | None,
+    options: ExportOptions,
+) -> Iterator[tuple[Store, ExportPlan, remote.Location | None, Path]]:
+    """The store (checked, held shared), its plan (covered) and the output directory (held
+    exclusively) for as long as an export of any format writes: ``(store, plan, out_loc, out)``."""
     from zckpt.store import Store
 
-    t0 = time.perf_counter()
     so = options.storage_options
     with reading(store_or_path):
         store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
@@ -198,7 +209,7 @@ def export(
         check_coverage(store, plan)
         out_loc, out = output_dir(out_dir, so)
         with contextlib.nullcontext() if out_loc is not None else locks.output_writing(out):
-            return _export(store, plan, out_loc, out, options, t0)
+            yield store, plan, out_loc, out
 
 
 def reading(store_or_path: Store | str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:

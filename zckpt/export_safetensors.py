@@ -33,19 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt import fileio, locks, remote
+from zckpt import fileio, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
 from zckpt.export import (
     ExportOptions,
     ExportReport,
     StoreReader,
-    check_coverage,
-    output_dir,
+    export_session,
     output_folders,
     output_jobs,
-    plan_export,
-    reading,
     target_name,
     task_name,
 )
@@ -124,15 +121,8 @@ def export_safetensors(
     if options.format != "safetensors":
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     t0 = time.perf_counter()
-    so = options.storage_options
-    with reading(store_or_path):
-        store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path, storage_options=so)
-        store.check_integrity()  # before planning: a store with no manifest yet is refused as such
-        plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
-        check_coverage(store, plan)
-        out_loc, out = output_dir(out_dir, so)
-        with contextlib.nullcontext() if out_loc is not None else locks.output_writing(out):
-            return _export_safetensors(store, plan, out_loc, out, options, t0)
+    with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, out_loc, out):
+        return _export_safetensors(store, plan, out_loc, out, options, t0)
 
 
 def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out: Path,
