@@ -16,6 +16,7 @@ import collections
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import data_judge as dj
@@ -121,58 +122,59 @@ def _judged(verdicts: collections.Counter[str], name: str) -> None:
     assert verdicts["unjudged"] <= verdicts["same"] + verdicts["refused"] // 20
 
 
+def _judge_all(what: str, seeds: range, trial: Callable[[int], tuple[dj.Verdict, object]]) -> None:
+    """Run ``trial`` per seed (a verdict and the mutations made); no verdict may be WRONG,
+    and enough must be judged (:func:`_judged`)."""
+    verdicts: collections.Counter[str] = collections.Counter()
+    wrong = []
+    for seed in seeds:
+        v, ops = trial(seed)
+        verdicts[v.outcome] += 1
+        if v.outcome == "WRONG":
+            wrong.append((seed, ops, v.detail))
+    assert not wrong, wrong
+    _judged(verdicts, what)
+
+
 def test_mutated_source_strategies_judged_by_data(job: Path, tmp_path: Path) -> None:
     """Mutated copies of the job's strategy: each conversion is refused, or gives data the
     oracle reads the same from the shards; accepted ones also go through a store (ingest,
     export) and must give the same file as the direct path."""
-    verdicts: collections.Counter[str] = collections.Counter()
-    wrong = []
-    for seed in range(SEED0, SEED0 + 600):
+
+    def trial(seed: int) -> tuple[dj.Verdict, object]:
         data, ops = fs.mutate_strategy_pb(fs.RandomChooser(seed), {"job": dj.strategy_bytes()})
         path = tmp_path / "mutated.ckpt"
         path.write_bytes(data)
         v = dj.judge_source(job, path, tmp_path / "direct")
-        verdicts[v.outcome] += 1
-        if v.outcome == "WRONG":
-            wrong.append((seed, ops, v.detail))
         if v.outcome == "same":
             ingest(job, tmp_path / "s.zarr", path, options=_overwrite())
             export(tmp_path / "s.zarr", tmp_path / "stored", None, options=_export_overwrite())
             direct = dj.read_ckpt(tmp_path / "direct" / "rank_0" / "checkpoint_0.ckpt")
             stored = dj.read_ckpt(tmp_path / "stored" / "rank_0" / "checkpoint_0.ckpt")
             assert direct.keys() == stored.keys() and all(dj.same_bytes(direct[n], stored[n]) for n in direct), seed
-    assert not wrong, wrong
-    _judged(verdicts, "source strategies")
+        return v, ops
+
+    _judge_all("source strategies", range(SEED0, SEED0 + 600), trial)
 
 
 def test_mutated_destination_strategies_judged_by_data(job: Path, tmp_path: Path) -> None:
-    verdicts: collections.Counter[str] = collections.Counter()
-    wrong = []
-    for seed in range(SEED0, SEED0 + 400):
+    def trial(seed: int) -> tuple[dj.Verdict, object]:
         data, ops = fs.mutate_strategy_pb(fs.RandomChooser(seed), {"job": dj.strategy_bytes()})
         path = tmp_path / "mutated.ckpt"
         path.write_bytes(data)
-        v = dj.judge_destination(job, path, tmp_path / "out")
-        verdicts[v.outcome] += 1
-        if v.outcome == "WRONG":
-            wrong.append((seed, ops, v.detail))
-    assert not wrong, wrong
-    _judged(verdicts, "destination strategies")
+        return dj.judge_destination(job, path, tmp_path / "out"), ops
+
+    _judge_all("destination strategies", range(SEED0, SEED0 + 400), trial)
 
 
 def test_mutated_shards_judged_by_data(job: Path, tmp_path: Path) -> None:
-    verdicts: collections.Counter[str] = collections.Counter()
-    wrong = []
-    for seed in range(SEED0, SEED0 + 400):
+    def trial(seed: int) -> tuple[dj.Verdict, object]:
         c = fs.RandomChooser(seed)
         rank = c.integer(0, dj.DEVICES - 1)
         data, ops = fs.mutate_ckpt(c, {"shard": (job / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").read_bytes()})
-        v = dj.judge_shard(job, rank, data, tmp_path / "scratch")
-        verdicts[v.outcome] += 1
-        if v.outcome == "WRONG":
-            wrong.append((seed, ops, v.detail))
-    assert not wrong, wrong
-    _judged(verdicts, "shards")
+        return dj.judge_shard(job, rank, data, tmp_path / "scratch"), ops
+
+    _judge_all("shards", range(SEED0, SEED0 + 400), trial)
 
 
 def _overwrite() -> IngestOptions:
