@@ -5,9 +5,12 @@ refused with zckpt errors naming the file and tensor."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +147,36 @@ def test_split_files_and_index(job: tuple[GeneratedModel, Path], tmp_path: Path)
     # overwriting with an unsplit export removes the parts and the index
     zckpt.export(store, out, None, options=zckpt.ExportOptions(format="safetensors", overwrite=True))
     assert sorted(p.name for p in index.parent.iterdir()) == ["checkpoint_0.safetensors"]
+
+
+def test_failed_split_rewrite_leaves_no_index_over_mixed_parts(
+    job: tuple[GeneratedModel, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split rank rewritten over an earlier split export and failing at its second part must
+    not leave the old index naming the new first part beside old later parts (mixed data that
+    looks complete), nor parts without an index."""
+    from zckpt.formats.safetensors import SafetensorsWriter
+
+    _, store = job
+    out = tmp_path / "st"
+    opts = zckpt.ExportOptions(format="safetensors", max_file_bytes=100)
+    first = Path(zckpt.export(store, out, None, options=opts).ranks[0].path)
+    assert first.is_file() and len(list(first.parent.glob("*-of-*.safetensors"))) > 2
+    original = SafetensorsWriter.write_tensor
+    seen: list[Path] = []
+
+    def fail_in_second_part(self: SafetensorsWriter, name: str, blocks: Any) -> None:
+        if self.path not in seen:
+            seen.append(self.path)
+        if len(seen) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(self, name, blocks)
+
+    monkeypatch.setattr(SafetensorsWriter, "write_tensor", fail_in_second_part)
+    with pytest.raises(OSError):
+        zckpt.export(store, out, None, options=replace(opts, overwrite=True))
+    left = sorted(p.name for p in first.parent.iterdir() if not p.name.startswith("."))
+    assert left == [], left
 
 
 def test_existing_outputs_refused(job: tuple[GeneratedModel, Path], tmp_path: Path) -> None:

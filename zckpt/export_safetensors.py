@@ -215,20 +215,31 @@ def write_rank(
         paths = [target]
     else:
         paths = [target.with_name(part_name(stem, i, len(parts))) for i in range(len(parts))]
+    index_path = target.with_name(stem + INDEX_SUFFIX)
+    if len(parts) > 1:
+        _retract(index_path, fsync=options.fsync)
     total = 0
-    for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
-        part_meta = meta if i == 0 else dict(MS_METADATA)
-        with SafetensorsWriter(path, part, part_meta, crc=options.crc, fsync=options.fsync) as w:
-            bands = _BandStream(reader, [(t.name, b) for t in w.order for b in reader.bands(t.name, boxes[t.name])],
-                                options.block_bytes)
-            for t in w.order:
-                w.write_tensor(t.name, bands.take(t.name))
-                if ticker is not None:
-                    ticker.add(t.name, t.nbytes)
-        total += path.stat().st_size
+    published: list[Path] = []
+    try:
+        for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
+            part_meta = meta if i == 0 else dict(MS_METADATA)
+            with SafetensorsWriter(path, part, part_meta, crc=options.crc, fsync=options.fsync) as w:
+                bands = _BandStream(reader, [(t.name, b) for t in w.order
+                                             for b in reader.bands(t.name, boxes[t.name])], options.block_bytes)
+                for t in w.order:
+                    w.write_tensor(t.name, bands.take(t.name))
+                    if ticker is not None:
+                        ticker.add(t.name, t.nbytes)
+            published.append(path)
+            total += path.stat().st_size
+    except BaseException:
+        if len(parts) > 1:  # no index names them any more: parts of this write or of an older one
+            for p in sorted({*published, *stale} - {target, index_path}):
+                _retract(p, fsync=False)
+        raise
     result_path = paths[0]
     if len(parts) > 1:
-        result_path = target.with_name(stem + INDEX_SUFFIX)
+        result_path = index_path
         doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                "weight_map": {t.name: p.name for p, part in zip(paths, parts, strict=True) for t in part}}
         _write_json(result_path, doc, fsync=options.fsync)
@@ -239,6 +250,17 @@ def write_rank(
     if ticker is not None:
         ticker.close()
     return RankResult(rank.rank, str(result_path), len(tensors), total, reader.read_bytes, reader.checked_bytes)
+
+
+def _retract(path: Path, *, fsync: bool) -> None:
+    """Remove an output that must not outlive a failed split write: an old index would name
+    a mix of new and old parts, new parts without their index would look like a short model."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    if fsync:
+        fileio.fsync_dir(path.parent)
 
 
 def _write_json(path: Path, doc: object, *, fsync: bool) -> None:
