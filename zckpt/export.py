@@ -671,15 +671,16 @@ class StoreReader:
         if not self.options.verify_checksums:
             return None
         checks = []
+        owner = self.store.record_owner(name)  # packed tensors share their run's blocks
         for rkey, want in self.store.records_over(name, key, offset, offset + length):
             part = want.covers(offset, offset + length)
             if part is None:
                 continue
             size = want.length if want.length is not None else file_bytes
             blocks = want.blocks_in(part[0], part[1], size)
-            if all((name, rkey, i) in self._checked for i in blocks):
+            if all((owner, rkey, i) in self._checked for i in blocks):
                 continue
-            self._checked.update((name, rkey, i) for i in blocks)  # a failure aborts this file
+            self._checked.update((owner, rkey, i) for i in blocks)  # a failure aborts this file
 
             def fail(bad: Mismatch, want: ChunkSums = want) -> StoreError:
                 return StoreError(f"chunk {key} fails its checksum ({want.where()}{bad}): the store is damaged",

@@ -515,10 +515,13 @@ def _drop_temporaries(target: str | Path) -> None:
 
 
 def remove_partial_files(root: Path) -> None:
-    """Temporary files an interrupted writer left (zarr's ``*.partial``)."""
-    for p in root.rglob("*.partial"):
-        with contextlib.suppress(OSError):
-            p.unlink()
+    """Temporary files an interrupted writer left (zarr's ``*.partial``, zckpt's own
+    ``*.tmp-zckpt`` of the manifest and the progress records)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith((".partial", ".tmp-zckpt")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
 
 
 @dataclass(frozen=True)
@@ -534,11 +537,17 @@ class StoreLayout:
     """Inner chunks per shard of every sharded array (format 4, local stores)."""
     packing: packed.PackPlan | None = None
     """Small tensors packed into one array per data type (format 5, local stores)."""
+    _fingerprint: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """Identity of an ingest: two runs with the same fingerprint write the same store
         (an unsharded layout keeps the fingerprint format 3 gave it, so that an ingest
-        interrupted before format 4 resumes as it began)."""
+        interrupted before format 4 resumes as it began). Computed once per layout."""
+        if not self._fingerprint:
+            self._fingerprint.append(self._digest())
+        return self._fingerprint[0]
+
+    def _digest(self) -> str:
         doc: dict[str, Any] = {
             "tensors": [[t.name, t.kind, t.ms_type, list(t.shape), list(t.stages)] for t in self.tensors],
             "writers": {n: [[r, b.to_json()] for r, b in ws] for n, ws in sorted(self.writers.items())},
@@ -750,10 +759,11 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
-        for done in _write_packed(store, reader, tiny, known.block_bytes):
-            known.add(done, sharded=True)  # one run record per packed tensor
-            written += done[3]
-            ticker.add(done[0], done[3])
+        packed_runs: dict[str, dict[str, list[tuple[int, int, list[int]]]]] = {}
+        for key, chunk, offset, length, sums in _write_packed(store, reader, tiny, known.block_bytes):
+            packed_runs.setdefault(key, {}).setdefault(chunk, []).append((offset, length, sums))
+            written += length
+            ticker.add(key, length)
         for w in writes:
             n = _write(batch, reader, w, job.chunks[w.name], options.block_bytes, known)
             written += n
@@ -769,6 +779,9 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     if known.runs:
         record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
                           for name, per in known.runs.items()}
+    if packed_runs:  # one record per run of packed tensors written together (zckpt.packed)
+        record["packed"] = {key: {chunk: encode_runs(sorted(runs)) for chunk, runs in per.items()}
+                            for key, per in packed_runs.items()}
     if integrity.source_change(source, job.path) is not None:
         raise SourceError("the source file changed while it was being read: rerun the ingest", path=job.path)
     store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record,

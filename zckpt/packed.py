@@ -8,8 +8,15 @@ small tensor that one source rank holds whole (an unsplit tensor, :func:`plan_pa
 manifest records. Offsets follow from the plan alone (rank by rank, in file order, never
 across a chunk border), so the chunk files are created at their final size when the store
 is defined and each source rank then writes its tensors' byte ranges: one writer per byte
-range, no read-modify-write, and one checksum run per tensor (the shard-run records of
-format 4), so reading one tensor checks exactly its own bytes.
+range, no read-modify-write.
+
+Checksums: each write gathers the tensors that follow each other in a chunk file (up to
+:data:`WRITE_BYTES`) and records the run it wrote, per block, as the shard runs of format 4
+do, in the progress record's ``packed`` section (``{packed array key: {chunk key: runs}}``):
+every byte of every packed tensor is covered, and 100 000 tensors make a few dozen records
+instead of 100 000. A reader checks the blocks a tensor's bytes fall in (once per block per
+command). Stores whose ingest recorded one run per tensor, under the tensor's name (the
+first zckpt of format 6), are read as they are.
 
 Tensors split over several source ranks keep an array of their own (each rank writes its
 own chunk there), as do remote stores (object storage cannot write byte ranges).
@@ -27,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from zckpt import safe_paths
-from zckpt.checksums import block_sums, crc32c
+from zckpt.checksums import block_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 from zckpt.fileio import write_at
@@ -189,23 +196,30 @@ Target = tuple[str, str, Path, int, int]
 """``(tensor name, chunk key, chunk file, byte offset, bytes)`` of a packed tensor to write."""
 
 Written = tuple[str, str, int, int, list[int]]
-"""``(tensor name, chunk key, byte offset, bytes, block sums)``: one run record."""
+"""``(packed array key, chunk key, byte offset, bytes, block sums)``: one run record."""
+
+
+def record_owner(key: str) -> str:
+    """The name a store reader files the run records of packed array ``key`` under, beside
+    the tensors' own records (a NUL no checkpoint name holds keeps the two apart)."""
+    return f"\x00{key}"
 
 
 def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) -> list[Written]:
     """Copy packed tensors from a source file into their chunk files, in file and offset
     order: tensors that follow each other in one file are gathered into one write of at most
-    :data:`WRITE_BYTES`; each tensor's blocks are summed from the bytes written (its own run
-    record)."""
+    :data:`WRITE_BYTES`, whose blocks are summed from the bytes written (one run record)."""
     out: list[Written] = []
     pending = bytearray()
     start = 0
     path: Path | None = None
+    chunk = ""
     fds: dict[Path, int] = {}
 
     def flush() -> None:
         if pending and path is not None:
             write_at(fds[path], memoryview(pending), start)
+            out.append((f"{FOLDER}/{path.parent.name}", chunk, start, len(pending), block_sums(pending, block_bytes)))
         pending.clear()
         source.release_pages()
 
@@ -216,12 +230,10 @@ def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) 
                 raise StoreError(f"holds {data.size} bytes, its packed place {nbytes}", path=file, param=name)
             if file != path or offset != start + len(pending) or len(pending) + nbytes > WRITE_BYTES:
                 flush()
-                path, start = file, offset
+                path, start, chunk = file, offset, key
                 if file not in fds:
                     fds[file] = _open(file)
-            pending += data.tobytes()
-            sums = [crc32c(data)] if nbytes <= block_bytes else block_sums(data, block_bytes)
-            out.append((name, key, offset, nbytes, sums))
+            pending += data.data
         flush()
     finally:
         for fd in fds.values():

@@ -46,7 +46,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.integrity import stored_type_names
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
-from zckpt.store import ChunkInfo, EntryRecord, Store
+from zckpt.store import Checked, ChunkInfo, EntryRecord, Store
 
 MiB = 1024 * 1024
 
@@ -163,13 +163,14 @@ def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * M
     entries = _manifest_entries(store, report)
     _orphan_arrays(store, entries, report)
     crcs = _recorded_checksums(store, report)
+    checked: Checked = set()  # packed tensors share run records: each run is read once
     for e in entries:
         if e.kind == "str":
             if not isinstance(e.value, str):
                 report.add("store", "string entry has no value in the manifest", file=store.url, param=e.name)
             continue
         if e.offset is not None:
-            _check_packed(store, e, report)
+            _check_packed(store, e, report, checked)
             continue
         try:  # a broken array is reported and the next one checked
             arr = store.array(e.name)
@@ -233,7 +234,7 @@ def _key_problem(e: EntryRecord, seen: set[str]) -> str | None:
     return None
 
 
-def _check_packed(store: Store, e: EntryRecord, report: VerifyReport) -> None:
+def _check_packed(store: Store, e: EntryRecord, report: VerifyReport, checked: Checked) -> None:
     """A packed tensor: its packed chunk file present and of its size, and its byte range
     matching its recorded checksum (the run its source rank recorded)."""
     if store.complete:
@@ -243,7 +244,7 @@ def _check_packed(store: Store, e: EntryRecord, report: VerifyReport) -> None:
     if required is not None and not required:
         return  # its writer has not written it yet
     try:
-        store.verify_chunks(e.name, Box.full(e.shape))
+        store.verify_chunks(e.name, Box.full(e.shape), checked)
         info = store.chunk_info(e.name)
         assert info.at is not None and info.folder is not None
         size = (info.folder / info.at[0]).stat().st_size
