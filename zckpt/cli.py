@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="largest chunk, e.g. 64MiB (a plain number is MiB; default min(64 MiB, max-mem/16))")
     ing.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
                      help="tensor data written per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
+    ing.add_argument("--pack-size", dest="pack_bytes", type=pack_size_arg,
+                     help="local stores: tensors up to this size that one source rank holds whole share one packed "
+                          "array per data type, e.g. 64KiB (the default; 0 gives every tensor its own array)")
+    ing.add_argument("--pack-count", type=int,
+                     help="pack small tensors only when there are at least this many (default 1024)")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _engine_args(ing)
@@ -274,6 +279,16 @@ def mib_arg(text: str) -> int:
     return -(-n // MiB)
 
 
+def pack_size_arg(text: str) -> int:
+    """``--pack-size``: a size in bytes (``64KiB``, ``65536``), or ``0`` for no packing."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB': sizes people can read at a glance."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -307,6 +322,10 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         storage_options=parse_storage_options(a.storage_option) or None, file_suffix=a.file_suffix,
         choice_func=_choice_func(a),
     )
+    if a.pack_bytes is not None:
+        opts = replace(opts, pack_bytes=a.pack_bytes)
+    if a.pack_count is not None:
+        opts = replace(opts, pack_count=a.pack_count)
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     choices = dict(r.file_choices)
     _emit(

@@ -550,7 +550,8 @@ class StoreReader:
         then a few hundred reads, not 100 000 copies."""
         found: list[tuple[Path, str, int, int, int, int]] = []
         for i, (name, box) in enumerate(items):
-            if self._packed_whole(name, box) and box.size:
+            # a run's records cover its neighbours too: stores with a record per tensor read each alone
+            if self._packed_whole(name, box) and box.size and self.store.record_owner(name) != name:
                 info = self.store.chunk_info(name)
                 if info.at is not None and info.folder is not None:
                     found.append((info.folder, info.at[0], info.at[1], info.inner_bytes, info.at[2], i))

@@ -613,21 +613,22 @@ def store_layout(
         t if t.kind != "map" else replace(t, shape=(map_shapes[t.name],))
         for t in plan.tensors
     ]
-    shards: dict[str, tuple[int, ...]] = {}
     for t in tensors:
         if t.kind == "map":
             chunks[t.name] = (max(1, t.shape[0]),)
             writers[t.name] = [(writers[t.name][0][0], Box.full(t.shape))]
-        elif sharded and options.shard_bytes > 0 and t.kind == "tensor":
-            itemsize = max(1, t.nbytes // max(1, _count(t.shape)))
-            per = shard_grid(t.shape, chunks[t.name], itemsize, options.shard_bytes)
-            if per is not None:
-                shards[t.name] = per
     packing = None
     if sharded and options.pack_bytes > 0:
         packing = packed.plan_packing(tensors, writers, options.pack_bytes, options.chunk_bytes,
                                       options.pack_count)
-        shards = {n: k for n, k in shards.items() if n not in packing.slots}
+    slots = packing.slots if packing is not None else {}
+    shards: dict[str, tuple[int, ...]] = {}
+    for t in tensors:
+        if sharded and options.shard_bytes > 0 and t.kind == "tensor" and t.name not in slots:
+            itemsize = max(1, t.nbytes // max(1, _count(t.shape)))
+            per = shard_grid(t.shape, chunks[t.name], itemsize, options.shard_bytes)
+            if per is not None:
+                shards[t.name] = per
     return StoreLayout(
         tensors=tuple(tensors),
         writers={n: tuple(ws) for n, ws in writers.items()},
@@ -714,11 +715,13 @@ def _run(
 def _target(store: Store, layout: StoreLayout, names: set[str]) -> StoreTarget:
     """The :class:`StoreTarget` of a task writing ``names`` (layouts as the plan made them,
     or read from the store once here when it is of an older format)."""
+    slots = layout.packing.slots if layout.packing is not None else {}
     for n in names:
-        store.assume_layout(n, layout.chunks[n], layout.shards.get(n))
+        if n not in slots:
+            store.assume_layout(n, layout.chunks[n], layout.shards.get(n))
     ordered = sorted(names)
     return StoreTarget(store.version, tuple(store.entry(n) for n in ordered),
-                       {n: store.chunk_info(n) for n in ordered})
+                       {n: store.chunk_info(n) for n in ordered if n not in slots})  # packed: _write_packed
 
 
 def _common_grid(boxes: list[Box]) -> tuple[int, ...]:
@@ -794,16 +797,15 @@ def _write_packed(store: Store, reader: CkptReader, writes: tuple[Write, ...], b
     targets = []
     files: dict[tuple[Path, str], Path] = {}
     for w in writes:
-        info = store.chunk_info(w.name)
-        assert info.at is not None and info.folder is not None
+        folder, key, at, _ = store.packed_place(store.entry(w.name))
         entry = reader.entries[w.name]
         if entry.shape != w.box.shape:
             raise SourceError(f"holds shape {list(entry.shape)} but the plan expects {list(w.box.shape)}",
                               path=reader.path, param=w.name)
-        file = files.get((info.folder, info.at[0]))
+        file = files.get((folder, key))
         if file is None:
-            file = files[(info.folder, info.at[0])] = info.folder / info.at[0]
-        targets.append((w.name, info.at[0], file, info.at[1], info.inner_bytes))
+            file = files[(folder, key)] = folder / key
+        targets.append((w.name, key, file, at, entry.nbytes))
     return packed.write_tensors(reader, targets, block_bytes)
 
 

@@ -224,7 +224,7 @@ def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) 
         source.release_pages()
 
     try:
-        for name, key, file, offset, nbytes in sorted(targets, key=lambda t: (t[2], t[3])):
+        for name, key, file, offset, nbytes in sorted(targets, key=lambda t: (str(t[2]), t[3])):
             data = np.ascontiguousarray(source.array(name)).reshape(-1).view(np.uint8)
             if data.size != nbytes:
                 raise StoreError(f"holds {data.size} bytes, its packed place {nbytes}", path=file, param=name)

@@ -241,6 +241,8 @@ def merge_orders(first: Sequence[str], second: Sequence[str]) -> list[str]:
     (parameters, then scalars, then optimizer states), which is the order MindSpore's
     compiled destination files have.
     """
+    if not first:
+        return list(second)  # what the merge below gives (one source order: nothing to align)
     pos = {x: i for i, x in enumerate(first)}
     out: list[str] = []
     taken = 0

@@ -878,7 +878,6 @@ class Store:
             for folder in ("tensors", "maps"):
                 self.group.require_group(folder)
         for t in tensors:
-            key = encode_key(t.name)
             if t.kind == "str":
                 records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, "", strings[t.name], t.stages, t.note))
                 continue
@@ -887,6 +886,7 @@ class Store:
                 records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, slot.key, None, t.stages, t.note,
                                            slot.offset, slot.writer))
                 continue
+            key = encode_key(t.name)
             folder = "tensors" if t.kind == "tensor" else "maps"
             dtype = zarr_type(t.ms_type, t.kind)
             attrs: dict[str, Any] = {
@@ -1190,6 +1190,14 @@ class Store:
 
     def _packed_info(self, e: EntryRecord) -> ChunkInfo:
         """A packed tensor's one chunk: where it lies in its packed array's chunk file."""
+        folder, key, at, chunk_bytes = self.packed_place(e)
+        itemsize = ms_dtype(e.ms_type).storage.itemsize
+        return ChunkInfo(e.shape, e.shape, True, ".", folder, None, itemsize, (key, at, chunk_bytes))
+
+    def packed_place(self, e: EntryRecord) -> tuple[Path, str, int, int]:
+        """``(packed array folder, chunk key, byte offset, chunk file bytes)`` of a packed
+        tensor, checked to lie inside one chunk of the packed array of its type (without a
+        :class:`ChunkInfo` each: ingest places 100 000s of them)."""
         if self.location is not None or e.key != packed.pack_key(e.ms_type) or e.offset is None or e.offset < 0:
             raise StoreError(f"manifest places a packed tensor at {e.key!r}, not in the packed array of its type",
                              path=self.url, param=e.name)
@@ -1202,7 +1210,7 @@ class Store:
         key, at = packed.locate(e.offset, chunk, itemsize)
         if at + math.prod(e.shape) * itemsize > chunk * itemsize:
             raise StoreError(f"manifest places a packed tensor across chunk {key}'s end", path=self.url, param=e.name)
-        return ChunkInfo(e.shape, e.shape, True, ".", folder, None, itemsize, (key, at, chunk * itemsize))
+        return folder, key, at, chunk * itemsize
 
     def assume_layout(self, name: str, chunks: tuple[int, ...], per_shard: tuple[int, ...] | None) -> None:
         """Take an array's chunk layout from the ingest plan instead of its ``zarr.json``
