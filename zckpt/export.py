@@ -555,7 +555,7 @@ class StoreReader:
                 info = self.store.chunk_info(name)
                 if info.at is not None and info.folder is not None:
                     found.append((info.folder, info.at[0], info.at[1], info.inner_bytes, info.at[2], i))
-        found.sort()
+        found.sort(key=lambda p: (str(p[0]), p[1], p[2]))
         out: dict[int, np.ndarray] = {}
         group: list[tuple[Path, str, int, int, int, int]] = []
         for place in [*found, None]:

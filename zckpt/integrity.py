@@ -68,10 +68,12 @@ def checked(manifest: Mapping[str, Any]) -> bool:
     return isinstance(manifest.get("integrity"), dict)
 
 
-def sealed(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """The ``integrity`` value of a manifest: its digest, and with ``records`` (a store being
-    marked complete) the digest of each source rank's progress record."""
-    seal: dict[str, Any] = {"manifest": manifest_digest(manifest)}
+def sealed(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]] | None = None,
+           known: str | None = None) -> dict[str, Any]:
+    """The ``integrity`` value of a manifest: its digest (``known``: already computed by the
+    caller for this same manifest), and with ``records`` (a store being marked complete) the
+    digest of each source rank's progress record."""
+    seal: dict[str, Any] = {"manifest": known if known is not None else manifest_digest(manifest)}
     if records is not None:
         seal["records"] = record_digests(records)
     return seal

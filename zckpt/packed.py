@@ -228,7 +228,8 @@ def write_tensors(source: _Source, targets: Iterable[Target], block_bytes: int) 
             data = np.ascontiguousarray(source.array(name)).reshape(-1).view(np.uint8)
             if data.size != nbytes:
                 raise StoreError(f"holds {data.size} bytes, its packed place {nbytes}", path=file, param=name)
-            if file != path or offset != start + len(pending) or len(pending) + nbytes > WRITE_BYTES:
+            if (file is not path and file != path) or offset != start + len(pending) \
+                    or len(pending) + nbytes > WRITE_BYTES:
                 flush()
                 path, start, chunk = file, offset, key
                 if file not in fds:

@@ -203,8 +203,8 @@ def build_ingest_plan(
         per_stage = layouts.get(name, {})
         listed = {r: per_stage.get(_stage_of(r, stage_dev)) for r in ranks}
         if first.kind != "tensor" or not any(listed.values()):
-            spec, w, c = _plan_whole(name, first, ranks, indexes, rank_files)
-            tensors.append(replace(spec, stages=stages))
+            spec, w, c = _plan_whole(name, first, ranks, indexes, rank_files, stages)
+            tensors.append(spec)
             writes.append(w)
             checks.extend(c)
             continue
@@ -422,8 +422,9 @@ def _plan_whole(
     ranks: Sequence[int],
     indexes: Mapping[int, Mapping[str, EntryInfo]],
     rank_files: Mapping[int, str],
+    stages: tuple[int, ...] = (0,),
 ) -> tuple[TensorSpec, Write, list[ReplicaCheck]]:
-    spec = TensorSpec(name, first.kind, first.ms_type, first.shape)
+    spec = TensorSpec(name, first.kind, first.ms_type, first.shape, stages=stages)
     checks: list[ReplicaCheck] = []
     for r in ranks[1:]:
         e = indexes[r][name]

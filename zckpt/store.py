@@ -156,10 +156,10 @@ class EntryRecord:
             name=str(doc["name"]),
             kind=str(doc["kind"]),
             ms_type=str(doc["ms_type"]),
-            shape=tuple(int(x) for x in doc["shape"]),
+            shape=tuple(map(int, doc["shape"])),
             key=str(doc["key"]),
             value=doc.get("value"),
-            stages=tuple(int(s) for s in doc.get("stages", [0])),
+            stages=tuple(map(int, doc.get("stages", (0,)))),
             note=doc.get("note"),
             offset=None if doc.get("offset") is None else int(doc["offset"]),
             writer=None if doc.get("offset") is None else int(doc["writer"]),
@@ -604,7 +604,10 @@ class Store:
         self._packs: dict[str, tuple[int, Path]] = {}
         self._trusted = False
         self._owners: set[str] | None = None
+        self._digested: tuple[dict[str, Any], str] | None = None
         self._manifest: dict[str, Any] | None = None
+        self._other_attrs: dict[str, Any] | None = None
+        """The root group's attributes besides the manifest, as this process last wrote them."""
         """The manifest as this process last wrote it (local stores: not through zarr)."""
 
     @classmethod
@@ -752,8 +755,9 @@ class Store:
         manifest) as compact JSON in one atomic replace. zarr's attribute update copies and
         indents the whole document: with 100 000 entries, seconds per write. The group
         object is reopened when next needed, from this file."""
-        attrs = {k: v for k, v in self.group.attrs.items() if k != "zckpt"} | {"zckpt": meta}
-        doc = {"attributes": attrs, "zarr_format": 3, "node_type": "group"}
+        if self._other_attrs is None:
+            self._other_attrs = {k: v for k, v in self.group.attrs.items() if k != "zckpt"}
+        doc = {"attributes": {**self._other_attrs, "zckpt": meta}, "zarr_format": 3, "node_type": "group"}
         fileio.write_atomic(self.path / "zarr.json", json.dumps(doc, separators=(",", ":")).encode("utf-8"),
                             fsync=False)
         self._manifest = meta
@@ -762,10 +766,11 @@ class Store:
     def _entry_map(self) -> dict[str, EntryRecord]:
         if self._entries is None:
             entries = {d["name"]: EntryRecord.from_json(d) for d in self.manifest.get("entries", [])}
+            where, safe = self.where("zarr.json"), set()  # packed tensors share their array's key
             for e in entries.values():
-                if e.kind != "str":  # a key is a path below the store: it must not lead out of it
-                    safe_paths.check_key(e.key, StoreError, path=self.where("zarr.json"), param=e.name,
-                                         what="manifest key")
+                if e.kind != "str" and e.key not in safe:  # a key is a path below the store: not out of it
+                    safe_paths.check_key(e.key, StoreError, path=where, param=e.name, what="manifest key")
+                    safe.add(e.key)
             self._entries = entries
         return self._entries
 
@@ -941,7 +946,17 @@ class Store:
         """Write the manifest digest (with ``changes``) in one update of the manifest."""
         meta = dict(self.manifest)
         meta.update(changes)
-        self._update(**changes, integrity=integrity.sealed(meta))
+        seal = integrity.sealed(meta)
+        self._update(**changes, integrity=seal)
+        self._digested = ({k: meta.get(k) for k in integrity.MANIFEST_KEYS}, seal["manifest"])
+
+    def _known_digest(self) -> str | None:
+        """The manifest digest this process computed, while the digested parts of the
+        manifest are still those very objects (hashing 100 000 entries again costs a second)."""
+        if self._digested is None:
+            return None
+        parts, digest = self._digested
+        return digest if all(self.manifest.get(k) is v for k, v in parts.items()) else None
 
     def unseal(self) -> None:
         """Mark the store incomplete again, its record digests dropped: some of its source
@@ -1095,7 +1110,8 @@ class Store:
         if not integrity.checked(self.manifest):
             self._update(complete=True)
             return
-        self._update(complete=True, integrity=integrity.sealed(self.manifest, self.progress_records()))
+        self._update(complete=True, integrity=integrity.sealed(self.manifest, self.progress_records(),
+                                                               self._known_digest()))
 
     # --- data ------------------------------------------------------------------------
     def array(self, name: str) -> zarr.Array[Any]:
@@ -1335,15 +1351,16 @@ class Store:
     def record_owner(self, name: str) -> str:
         """Under which name the checksum records of entry ``name`` are filed: a packed
         tensor's are its packed array's runs (:func:`zckpt.packed.record_owner`), shared with
-        the tensors written together, unless its store recorded one run per tensor. Blocks
+        the tensors written together, unless its writer recorded one run per tensor. Blocks
         checked once per command are remembered under this name."""
         e = self._entry_map().get(name)
         if e is None or e.offset is None:
             return name
         owner = packed.record_owner(e.key)
         if self._owners is None:
-            self._owners = {n for n, _ in self._run_texts() if n.startswith("\x00")}
-        return owner if owner in self._owners else name
+            self._owners = {n for n, _ in self._run_texts()}
+        # a tensor with a record of its own (a rank ingested by the first format-6 zckpt) keeps it
+        return owner if owner in self._owners and name not in self._owners else name
 
     def records_in(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """``(record key, sums)`` of every checksum record of one chunk or shard file, in

@@ -17,6 +17,7 @@ import binascii
 import bisect
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import mmap
@@ -539,18 +540,20 @@ def _open_regular(path: Path) -> BinaryIO:
 def value_header(name: str, ms_type: str, dims: Iterable[int], content_len: int) -> bytes:
     """Bytes of a top-level ``Checkpoint.value`` field up to (not including) its content."""
     tag = name.encode("utf-8")
-    dims_bytes = b"".join(wire.encode_key(1, wire.WIRE_VARINT) + wire.encode_varint(int(d)) for d in dims)
-    type_bytes = ms_type.encode("ascii")
-    tensor_prefix = (
-        dims_bytes
-        + wire.encode_len_field(2, len(type_bytes))
-        + type_bytes
-        + wire.encode_len_field(3, content_len)
-    )
+    tensor_prefix = _tensor_prefix(tuple(int(d) for d in dims), ms_type, content_len)
     tensor_len = len(tensor_prefix) + content_len
     value_prefix = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(2, tensor_len)
     value_len = len(value_prefix) + tensor_len
     return wire.encode_len_field(1, value_len) + value_prefix + tensor_prefix
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_prefix(dims: tuple[int, ...], ms_type: str, content_len: int) -> bytes:
+    """A ``TensorProto``'s fields before its content: the same for every tensor of one shape
+    and type (100 000 small tensors share a few dozen), so encoded once each."""
+    dims_bytes = b"".join(wire.encode_key(1, wire.WIRE_VARINT) + wire.encode_varint(d) for d in dims)
+    type_bytes = ms_type.encode("ascii")
+    return dims_bytes + wire.encode_len_field(2, len(type_bytes)) + type_bytes + wire.encode_len_field(3, content_len)
 
 
 class CkptWriter:
