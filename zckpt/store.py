@@ -604,6 +604,7 @@ class Store:
         self._packs: dict[str, tuple[int, Path]] = {}
         self._trusted = False
         self._owners: set[str] | None = None
+        self._pack_files: dict[tuple[Path, str], Path] = {}
         self._digested: tuple[dict[str, Any], str] | None = None
         self._manifest: dict[str, Any] | None = None
         self._other_attrs: dict[str, Any] | None = None
@@ -780,8 +781,10 @@ class Store:
         describe a store without reading its chunks, which every read checks anyway."""
         if self._confined is None:
             return
+        seen = set()
         for e in self.entries():
-            if e.kind != "str":
+            if e.kind != "str" and e.key not in seen:  # packed tensors share their array's folder
+                seen.add(e.key)
                 safe_paths.refuse_links_below(self._folder(e), StoreError, e.name)
 
     def _folder(self, e: EntryRecord) -> Path:
@@ -1435,7 +1438,9 @@ class Store:
         checked = 0
         buffer: bytearray | None = None
         owner = self.record_owner(name)
-        for file_key, path in self.chunk_files(name, box):
+        info = self.chunk_info(name)
+        files = self.chunk_files(name, box) if info.at is None else [self._packed_file(info)]
+        for file_key, path in files:
             for key, want in self._records_of(name, file_key):
                 if _all_checked(done, owner, key, want):
                     continue
@@ -1450,6 +1455,15 @@ class Store:
                                file_key, str(path), name, want)
                 checked += size
         return checked
+
+    def _packed_file(self, info: ChunkInfo) -> tuple[str, Path]:
+        """``(chunk key, file)`` of the packed chunk a packed tensor's :class:`ChunkInfo`
+        places it in (one path per chunk file, not one per tensor)."""
+        assert info.at is not None and info.folder is not None
+        got = self._pack_files.get((info.folder, info.at[0]))
+        if got is None:
+            got = self._pack_files[(info.folder, info.at[0])] = info.folder / info.at[0]
+        return info.at[0], got
 
     def _records_of(self, name: str, file_key: str) -> list[tuple[str, ChunkSums]]:
         """The records of a chunk file that hold ``name``'s bytes: a packed tensor's run

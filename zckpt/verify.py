@@ -164,13 +164,14 @@ def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * M
     _orphan_arrays(store, entries, report)
     crcs = _recorded_checksums(store, report)
     checked: Checked = set()  # packed tensors share run records: each run is read once
+    sizes: dict[tuple[Path, str], int] = {}
     for e in entries:
         if e.kind == "str":
             if not isinstance(e.value, str):
                 report.add("store", "string entry has no value in the manifest", file=store.url, param=e.name)
             continue
         if e.offset is not None:
-            _check_packed(store, e, report, checked)
+            _check_packed(store, e, report, checked, sizes)
             continue
         try:  # a broken array is reported and the next one checked
             arr = store.array(e.name)
@@ -234,9 +235,11 @@ def _key_problem(e: EntryRecord, seen: set[str]) -> str | None:
     return None
 
 
-def _check_packed(store: Store, e: EntryRecord, report: VerifyReport, checked: Checked) -> None:
-    """A packed tensor: its packed chunk file present and of its size, and its byte range
-    matching its recorded checksum (the run its source rank recorded)."""
+def _check_packed(store: Store, e: EntryRecord, report: VerifyReport, checked: Checked,
+                  sizes: dict[tuple[Path, str], int]) -> None:
+    """A packed tensor: its packed chunk file present and of its size (``sizes``: the chunk
+    files seen so far), and its byte range matching its recorded checksums (the blocks of the
+    run its source rank recorded)."""
     if store.complete:
         for problem in store.coverage_problems([e.name]):
             report.add("store", f"marked complete, but {problem}", file=store.url, param=e.name)
@@ -247,12 +250,13 @@ def _check_packed(store: Store, e: EntryRecord, report: VerifyReport, checked: C
         store.verify_chunks(e.name, Box.full(e.shape), checked)
         info = store.chunk_info(e.name)
         assert info.at is not None and info.folder is not None
-        size = (info.folder / info.at[0]).stat().st_size
+        key = (info.folder, info.at[0])
+        size = sizes[key] if key in sizes else sizes.setdefault(key, (info.folder / info.at[0]).stat().st_size)
         if size != info.at[2]:
             report.add("store", f"packed chunk holds {size} bytes, not {info.at[2]}",
                        file=store.where(e.key, info.at[0]), param=e.name)
             return
-        recorded = store.records_in(e.name, info.at[0])
+        recorded = store.records_over(e.name, info.at[0], info.at[1], info.at[1] + info.inner_bytes)
         report.arrays += 1
         report.chunks += 1
         report.chunk_bytes += info.inner_bytes
