@@ -596,9 +596,14 @@ def store_layout(
     chunks = {}
     strings: dict[str, str] = {}
     for t in plan.tensors:
-        boxes = [b for _, b in writers.get(t.name, [])]
-        grid = _common_grid(boxes) if boxes and t.shape else t.shape
+        ws = writers.get(t.name, [])
         itemsize = 1 if t.kind == "map" else max(1, t.nbytes // max(1, _count(t.shape)))
+        if (len(ws) == 1 and t.shape and all(t.shape) and ws[0][1].stop == t.shape and not any(ws[0][1].start)
+                and math.prod(t.shape) * itemsize <= options.chunk_bytes):
+            chunks[t.name] = t.shape  # one whole box that fits a chunk (a tiny tensor): what the rule below gives
+            continue
+        boxes = [b for _, b in ws]
+        grid = _common_grid(boxes) if boxes and t.shape else t.shape
         chunks[t.name] = chunk_shape(grid, itemsize, options.chunk_bytes)
     so = options.storage_options
     for w in [x for x in plan.writes if _kind(plan, x.name) == "str"]:

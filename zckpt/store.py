@@ -601,7 +601,8 @@ class Store:
         self._texts: dict[tuple[str, str], list[str]] | None = None
         self._version: int | None = None
         self._confined = safe_paths.Confined(path, StoreError) if location is None else None
-        self._packs: dict[str, tuple[int, Path]] = {}
+        self._packs: dict[str, tuple[int, Path, int, str]] = {}
+        """Packed arrays located so far: chunk length, folder, item size, the type checked."""
         self._trusted = False
         self._owners: set[str] | None = None
         self._pack_files: dict[tuple[Path, str], Path] = {}
@@ -1217,15 +1218,15 @@ class Store:
         """``(packed array folder, chunk key, byte offset, chunk file bytes)`` of a packed
         tensor, checked to lie inside one chunk of the packed array of its type (without a
         :class:`ChunkInfo` each: ingest places 100 000s of them)."""
-        if self.location is not None or e.key != packed.pack_key(e.ms_type) or e.offset is None or e.offset < 0:
-            raise StoreError(f"manifest places a packed tensor at {e.key!r}, not in the packed array of its type",
-                             path=self.url, param=e.name)
         got = self._packs.get(e.key)
-        if got is None:
+        if got is None or got[3] != e.ms_type or e.offset is None or e.offset < 0:
+            if self.location is not None or e.key != packed.pack_key(e.ms_type) or e.offset is None or e.offset < 0:
+                raise StoreError(f"manifest places a packed tensor at {e.key!r}, not in the packed array of its "
+                                 "type", path=self.url, param=e.name)
             folder = self._folder(e)
-            got = self._packs[e.key] = (packed.read_chunk_length(folder), folder)
-        chunk, folder = got
-        itemsize = ms_dtype(e.ms_type).storage.itemsize
+            got = self._packs[e.key] = (packed.read_chunk_length(folder), folder,
+                                        ms_dtype(e.ms_type).storage.itemsize, e.ms_type)
+        chunk, folder, itemsize, _ = got
         key, at = packed.locate(e.offset, chunk, itemsize)
         if at + math.prod(e.shape) * itemsize > chunk * itemsize:
             raise StoreError(f"manifest places a packed tensor across chunk {key}'s end", path=self.url, param=e.name)
