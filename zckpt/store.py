@@ -756,7 +756,8 @@ class Store:
         """Write a local store's root ``zarr.json`` (the group, its attributes holding the
         manifest) as compact JSON in one atomic replace. zarr's attribute update copies and
         indents the whole document: with 100 000 entries, seconds per write. The group
-        object is reopened when next needed, from this file."""
+        object is reopened when next needed, from this file. A consolidated copy of the
+        metadata (``zckpt consolidate``) is dropped: it would no longer match."""
         if self._other_attrs is None:
             self._other_attrs = {k: v for k, v in self.group.attrs.items() if k != "zckpt"}
         doc = {"attributes": {**self._other_attrs, "zckpt": meta}, "zarr_format": 3, "node_type": "group"}
