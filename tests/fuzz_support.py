@@ -280,8 +280,9 @@ def _map_body() -> bytes:
     return m.SerializeToString()
 
 
-def seed_files() -> dict[str, bytes]:
-    """Small valid ``.ckpt`` files covering every shape of entry the reader knows."""
+def seed_files(*, maps: bool = True) -> dict[str, bytes]:
+    """Small valid ``.ckpt`` files covering every shape of entry the reader knows (without
+    ``maps``: all but MapParameters, and no CRC trailers)."""
     rng = np.random.default_rng(7)
     w = rng.standard_normal((3, 4), dtype=np.float32)
     big = np.arange(12, dtype=np.int32).reshape(6, 2)
@@ -302,9 +303,10 @@ def seed_files() -> dict[str, bytes]:
         parts.append(value_header("cut", "Float64", [3, 3], hi - lo) + raw[lo:hi])
     text = np.array("lr=0.1 \u00e9").tobytes()
     parts.append(value_header("note", "str", [0], len(text)) + text)
-    parts.append(_value("emb_table", 3, _map_body()))
-    full = b"".join(parts)
+    full = b"".join(parts) + _value("emb_table", 3, _map_body())
     small = value_header("x", "Float32", [2], 8) + b"\0\0\x80?\0\0\0@"
+    if not maps:
+        return {"full": b"".join(parts), "small": small}
     return {
         "full": full,
         "full_crc": with_crc(full),

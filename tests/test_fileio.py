@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import google_crc32c
@@ -155,3 +156,54 @@ def test_read_soon_only_asks_for_what_fits(tmp_path: Path) -> None:
     assert fileio.read_soon(files) is True
     assert fileio.read_soon(files, share=0.0) is False
     assert fileio.read_soon([*files, tmp_path / "missing"]) is False
+
+
+def _opener(tmp_path: Path, opened: list[str]) -> Callable[[str], int]:
+    def open_(path: str) -> int:
+        opened.append(path)
+        return os.open(tmp_path / path, os.O_WRONLY | os.O_CREAT)
+    return open_
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_shared_files_open_each_path_once_and_close_all(tmp_path: Path) -> None:
+    opened: list[str] = []
+    files = fileio.SharedFiles(_opener(tmp_path, opened), limit=8)
+    fds = []
+    for _ in range(3):
+        for name in ("a", "b"):
+            fd = files.acquire(name)
+            os.pwrite(fd, name.encode(), 0)
+            files.release(name)
+            fds.append(fd)
+    assert opened == ["a", "b"] and len(set(fds)) == 2
+    files.close()
+    assert not any(_is_open(fd) for fd in set(fds))
+    assert (tmp_path / "a").read_bytes() == b"a" and (tmp_path / "b").read_bytes() == b"b"
+
+
+def test_shared_files_close_the_least_recent_unheld_file_past_the_limit(tmp_path: Path) -> None:
+    opened: list[str] = []
+    files = fileio.SharedFiles(_opener(tmp_path, opened), limit=2)
+    held = files.acquire("held")  # kept by a writer while others come and go
+    a = files.acquire("a")
+    files.release("a")
+    b = files.acquire("b")  # three open: "a" is the least recent one nobody holds
+    files.release("b")
+    assert not _is_open(a) and _is_open(held) and _is_open(b)
+    for name in ("c", "d", "e"):
+        files.acquire(name)
+        files.release(name)
+    assert _is_open(held), "a descriptor in use was closed under its writer"
+    files.release("held")
+    files.acquire("a")
+    assert opened == ["held", "a", "b", "c", "d", "e", "a"]
+    files.close()
+    assert not _is_open(held)

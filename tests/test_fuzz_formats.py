@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
 
@@ -119,6 +120,45 @@ def test_ckpt_reader_every_truncation_and_bit_flip(scratch: dict[str, fs.Scratch
     # every strict truncation of a file with a CRC trailer loses or breaks the trailer, or cuts
     # a field; only cuts exactly between Values of the CRC-less seed can be accepted
     assert refused > 0.9 * len(inputs)
+
+
+PLAIN_SEEDS = fs.seed_files(maps=False)
+"""Files the one-loop index of MindSpore's usual layout reads itself (no MapParameter)."""
+
+
+def _index_both_ways(path: Path) -> tuple[object, object]:
+    """The index of ``path`` by the one-loop walk and by the field-by-field walk: entries,
+    ``None`` (the one-loop walk hands the file over) or ``("refused", message)``."""
+    reader = CkptReader.__new__(CkptReader)
+    size = reader._map_file(path)
+    out: list[object] = []
+    try:
+        for walk in (reader._index_plain, reader._index_fields):
+            try:
+                out.append(walk(size))
+            except CheckpointFormatError as err:
+                out.append(("refused", err.message))
+    finally:
+        reader.close()
+    return out[0], out[1]
+
+
+@settings(FUZZ, max_examples=1500)
+@given(tape=fs.tape_strategy())
+def test_ckpt_one_loop_index_agrees_with_the_field_walk(tape: bytes, scratch: dict[str, fs.Scratch]) -> None:
+    """Whatever the one-loop index accepts (or refuses), the field-by-field walk, which names
+    what is wrong, accepts (or refuses) the same way; it may only hand a file over."""
+    c = fs.TapeChooser(tape)
+    raw, _ = fs.mutate_ckpt(c, PLAIN_SEEDS)
+    plain, fields = _index_both_ways(scratch["x.ckpt"].write(raw))
+    assert plain is None or plain == fields
+    record("ckpt", raw, "refused" if isinstance(fields, tuple) else "accepted")
+
+
+def test_ckpt_one_loop_index_reads_every_plain_seed(scratch: dict[str, fs.Scratch]) -> None:
+    for name, raw in PLAIN_SEEDS.items():
+        plain, fields = _index_both_ways(scratch["x.ckpt"].write(raw))
+        assert isinstance(plain, dict) and plain == fields, name
 
 
 # --------------------------------------------------------------------------- strategies

@@ -7,7 +7,9 @@ splits rows only), never from zckpt's output.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -174,3 +176,33 @@ def test_format_3_ingest_resumes_unsharded(tmp_path: Path) -> None:
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "out") == []
     assert np.array_equal(np.asarray(zckpt.open_store(store).array("layer1.weight")[...]),
                           np.asarray(zckpt.open_store(V3_STORE).array("layer1.weight")[...]))
+
+
+def test_each_shard_file_is_opened_once_per_ingest_and_closed_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 source ranks fill one shard file per array: the ingest opens each once (not once per
+    rank) and holds none open when it returns."""
+    ingest_module = importlib.import_module("zckpt.ingest")  # the package's ``ingest`` is the function
+    opened: list[str] = []
+    real = ingest_module._open_chunk_file
+
+    def counting(path: str, create: bool) -> int:
+        opened.append(os.path.relpath(path, tmp_path / "s.zarr"))
+        return real(path, create)
+
+    monkeypatch.setattr(ingest_module, "_open_chunk_file", counting)
+    src, dst = _model(tmp_path)
+    _ingest(src, tmp_path / "s.zarr", 1 << 20)
+    assert sorted(opened) == ["tensors/v/c.0.0", "tensors/w/c.0.0"]
+    if os.path.isdir("/proc/self/fd"):  # Linux: what this process holds open
+        store = str((tmp_path / "s.zarr").resolve())
+        assert not [p for p in map(_fd_target, os.listdir("/proc/self/fd")) if p.startswith(store)]
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "out", str(dst))
+    _check_export(tmp_path / "out")
+
+
+def _fd_target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the descriptor of the listing itself, closed since
+        return ""

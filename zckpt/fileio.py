@@ -9,7 +9,8 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -69,8 +70,15 @@ def buffered_copy(
 def read_through(src: int, offset: int, length: int, buf: bytearray, sink: Sink) -> None:
     """Pass a range of ``src`` to ``sink``, read through ``buf`` (no mapping: the process's
     resident memory stays at one buffer whatever the file size)."""
-    for at, block in _blocks(src, offset, length, memoryview(buf)):
-        sink(at, block)
+    view = memoryview(buf)
+    size = len(view)
+    done = 0
+    while done < length:  # a plain loop (no generator): ingest calls this once per run, 10 000s of times
+        n = os.preadv(src, [view[: min(size, length - done)]], offset + done)
+        if n == 0:
+            raise OSError(f"source ended after {done} of {length} bytes")
+        sink(offset + done, view[:n])
+        done += n
 
 
 def copy_range(
@@ -293,3 +301,57 @@ def write_at(dst: int, data: memoryview | bytes, at: int) -> None:
     written = 0
     while written < len(view):
         written += os.pwrite(dst, view[written:], at + written)
+
+
+class SharedFiles:
+    """Write descriptors of files that many writers fill at disjoint offsets (a store's shard
+    files), each opened once and shared by the threads of this process instead of opened and
+    closed for every write: at 512 source ranks an ingest writes 28 803 runs into 972 files.
+
+    :meth:`acquire` returns the open descriptor of a path (opening it with ``opener`` the first
+    time), :meth:`release` gives it back. At most ``limit`` stay open: opening one more closes
+    the least recently used descriptor that no writer holds, so a descriptor is never closed
+    (and its number reused) under a writer. :meth:`close` closes them all."""
+
+    def __init__(self, opener: Callable[[str], int], limit: int = 256) -> None:
+        self._opener = opener
+        self._limit = max(1, limit)
+        self._open: OrderedDict[str, list[int]] = OrderedDict()  # path -> [descriptor, writers holding it]
+        self._lock = threading.Lock()
+
+    def acquire(self, path: str) -> int:
+        with self._lock:
+            held = self._open.get(path)
+            if held is None:
+                held = self._open[path] = [self._opener(path), 1]
+                self._trim()  # never the new one: it is held
+            else:
+                self._open.move_to_end(path)
+                held[1] += 1
+            return held[0]
+
+    def release(self, path: str) -> None:
+        with self._lock:
+            self._open[path][1] -= 1
+
+    def _trim(self) -> None:
+        if len(self._open) <= self._limit:
+            return
+        for path, (fd, users) in list(self._open.items()):
+            if users == 0:
+                del self._open[path]
+                os.close(fd)
+                if len(self._open) <= self._limit:
+                    return
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = self._open, OrderedDict()
+        for fd, _ in opened.values():
+            os.close(fd)
+
+    def __enter__(self) -> SharedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -32,7 +32,7 @@ from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
-from zckpt.fileio import as_disk_full, copy_range_at, disk_full_named, write_at
+from zckpt.fileio import SharedFiles, as_disk_full, copy_range_at, write_at
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
@@ -700,7 +700,8 @@ def _run(
                             {n: layout.shards[n] for n in names if n in layout.shards}, target, index))
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client:
+    in_process = engine.scheduler is None and (engine.workers == 1 or not engine.processes)
+    with dask_client(engine) as client, _shard_files(store.url if local and in_process else None):
         options = replace(options, overlap=overlap_for(options.overlap, client))
         written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
                           client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
@@ -715,6 +716,54 @@ def _run(
                                name=_rank_name, progress=options.progress)
     store._ingested = None
     return sum(written), sum(compared), ranks
+
+
+_SHARD_FILES: dict[str, SharedFiles] = {}
+"""The shard files of the local stores being ingested by tasks of this process (by store path)."""
+_SHARD_FILES_LOCK = threading.Lock()
+
+
+def _shard_file_limit() -> int:
+    """Shard files kept open at once: a quarter of this process's descriptor limit, at most 1 024."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 4))
+
+
+@contextmanager
+def _shard_files(store_path: str | None) -> Iterator[None]:
+    """Open the store's shard files once for every task run in this process (in-process or
+    thread workers) while the ingest runs, and close them after; ``None``: tasks run in other
+    processes and open their own (:func:`_task_files`)."""
+    if store_path is None:
+        yield
+        return
+    files = SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit())
+    with _SHARD_FILES_LOCK:
+        _SHARD_FILES[store_path] = files
+    try:
+        yield
+    finally:
+        with _SHARD_FILES_LOCK:
+            _SHARD_FILES.pop(store_path, None)
+        files.close()
+
+
+@contextmanager
+def _task_files(store_path: str) -> Iterator[SharedFiles]:
+    """The shard files a task writes through: the ingest's own in this process, else the
+    task's (closed when it ends)."""
+    with _SHARD_FILES_LOCK:
+        shared = _SHARD_FILES.get(store_path)
+    if shared is not None:
+        yield shared
+        return
+    with SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit()) as own:
+        yield own
 
 
 def _target(store: Store, layout: StoreLayout, names: set[str]) -> StoreTarget:
@@ -764,7 +813,8 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     known = _RankSums(options.checksum_block_bytes)
     source = integrity.source_identity(job.path)
     with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
-            _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1) as copier:
+            _task_files(store_path) as files, \
+            _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1, files) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
         packed_runs: dict[str, dict[str, list[tuple[int, int, list[int]]]]] = {}
@@ -941,13 +991,13 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     create = info.per_shard is None
     if create:
         info.folder.mkdir(parents=True, exist_ok=True)
-    folder = str(info.folder)
+    folder = str(info.folder) + os.sep
     todo: list[tuple[Run, str, int | None]] = []
+    row0 = w.box.start[0]
     for run in write_runs(info, w.box):
-        first, last = run.tiles[0].relative_to(w.box), run.tiles[-1].relative_to(w.box)
-        span = reader.row_bytes_range(w.name, first.start[0], last.stop[0]) if whole_rows else None
-        todo.append((run, os.path.join(folder, run.key), span[0] if span is not None and span[1] == run.length
-                     else None))
+        span = (reader.row_bytes_range(w.name, run.tiles[0].start[0] - row0, run.tiles[-1].stop[0] - row0)
+                if whole_rows else None)
+        todo.append((run, folder + run.key, span[0] if span is not None and span[1] == run.length else None))
     copier.write(w.name, w.box, todo, sum_block, create)
     return True
 
@@ -969,8 +1019,10 @@ class _ChunkCopier:
     while another is written, or inline with one. :meth:`finish` waits for every copy and
     returns the sums; leaving the context waits too, so that no copy outlives the source."""
 
-    def __init__(self, reader: CkptReader, threads: int) -> None:
+    def __init__(self, reader: CkptReader, threads: int, files: fileio.SharedFiles) -> None:
         self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
+        self.files = files
+        """Shard files, opened once per ingest in this process (chunk files are created per run)."""
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zckpt-copy") if threads > 1 else None
         self.done: list[_Written] = []
         self.futures: list[Future[list[_Written]]] = []
@@ -998,9 +1050,14 @@ class _ChunkCopier:
                create: bool) -> list[_Written]:
         done = []
         for run, path, offset in runs:
-            with disk_full_named(path):
+            try:  # not a context manager per run: a job on hundreds of ranks writes 10 000s of them
                 done.append(self._copy(name, run, path, offset, sum_block, create) if offset is not None
                             else self._cut(name, run, path, box, sum_block, create))
+            except OSError as err:
+                full = as_disk_full(err, path)
+                if full is None:
+                    raise
+                raise full from None
         return done
 
     def _buffer(self) -> bytearray:
@@ -1009,26 +1066,29 @@ class _ChunkCopier:
             buf = _THREAD.buffer = bytearray(fileio.BLOCK)
         return buf
 
-    @staticmethod
-    def _open(path: str, create: bool) -> int:
-        flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
-        try:
-            return safe_paths.open_write(path, flags, StoreError)  # never through a link planted in the store
-        except FileNotFoundError:
-            raise StoreError("shard file is missing: the store is damaged", path=path) from None
+    def _acquire(self, path: str, create: bool) -> int:
+        """A descriptor to write ``path``: a new chunk file (created, closed by :meth:`_give_back`),
+        or a shard file (shared, never closed here)."""
+        return _open_chunk_file(path, True) if create else self.files.acquire(path)
+
+    def _give_back(self, path: str, fd: int, create: bool) -> None:
+        if create:
+            os.close(fd)
+        else:
+            self.files.release(path)
 
     def _copy(self, name: str, run: Run, path: str, offset: int, sum_block: int, create: bool) -> _Written:
         summer = BlockSummer(sum_block, offset)
-        fd = self._open(path, create)
+        fd = self._acquire(path, create)
         try:
             copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, self._buffer(), summer.feed)
         finally:
-            os.close(fd)
+            self._give_back(path, fd, create)
         return name, run.key, run.offset, run.length, summer.result()
 
     def _cut(self, name: str, run: Run, path: str, box: Box, sum_block: int, create: bool) -> _Written:
         summer = BlockSummer(sum_block, 0)
-        fd = self._open(path, create)
+        fd = self._acquire(path, create)
         try:
             at = 0
             for t in run.tiles:
@@ -1039,7 +1099,7 @@ class _ChunkCopier:
                 write_at(fd, data.data, run.offset + at)
                 at += data.size
         finally:
-            os.close(fd)
+            self._give_back(path, fd, create)
             self.reader.release_pages()
         if at != run.length:
             raise AssertionError(f"run of {name} in {path} wrote {at} of {run.length} bytes")
@@ -1049,6 +1109,14 @@ class _ChunkCopier:
         futures, self.futures = self.futures, []
         done, self.done = self.done + [x for f in futures for x in f.result()], []
         return done
+
+
+def _open_chunk_file(path: str, create: bool) -> int:
+    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
+    try:
+        return safe_paths.open_write(path, flags, StoreError)  # never through a link planted in the store
+    except FileNotFoundError:
+        raise StoreError("shard file is missing: the store is damaged", path=path) from None
 
 
 class _WriteBatch:

@@ -433,6 +433,9 @@ def write_runs(info: ChunkInfo, box: Box) -> list[Run]:
     reader of a store finds the same runs from the writers' boxes."""
     if box.ndim == 0:
         return [Run(info.chunk_key(()), 0, info.itemsize, (box,))]
+    if box.shape == info.chunks:  # one chunk (the grid divides writer boxes): most boxes of a many-rank job
+        key, offset = info.locate(tuple(a // c for a, c in zip(box.start, info.chunks, strict=True)))
+        return [Run(key, offset, info.inner_bytes, (box,))]
     placed = []
     for t in tiles(box, info.chunks):
         key, offset = info.locate(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))

@@ -35,7 +35,7 @@ import numpy as np
 
 from zckpt import fileio, safe_paths
 from zckpt.checksums import Sink
-from zckpt.dtypes import STRING_TYPE, MsDtype, ms_dtype
+from zckpt.dtypes import MS_DTYPES, STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
 
@@ -215,6 +215,103 @@ class CkptReader:
             )
 
     def _index(self, end: int) -> dict[str, EntryInfo]:
+        plain = self._index_plain(end)
+        return plain if plain is not None else self._index_fields(end)
+
+    def _index_plain(self, end: int) -> dict[str, EntryInfo] | None:
+        """The index of a file laid out as MindSpore writes it, in one loop over its bytes:
+        every ``Value`` a tag then a tensor (dims, type, content). 30 000 Values (512 ranks)
+        take a third of the time of the field-by-field walk. ``None`` for anything else (maps,
+        unknown or reordered fields, damage): :meth:`_index_fields` then reads the file and
+        names what is wrong, so both accept and refuse the same files."""
+        buf = self._buf
+        read = wire.read_varint
+        entries: dict[str, tuple[str, str, tuple[int, ...], list[Segment]]] = {}
+        types_ok: set[str] = set()
+        last: str | None = None
+        released = pos = 0
+        try:
+            while pos < end:
+                if buf[pos] != 0x0A:  # Checkpoint.value (field 1, length-delimited)
+                    return None
+                if pos - released >= INDEX_RELEASE_BYTES:  # bound what the walk keeps mapped
+                    self._release_range(released, pos)
+                    released = pos
+                n, pos = read(buf, pos + 1, end)
+                vend = pos + n
+                if vend > end or pos >= vend or buf[pos] != 0x0A:  # Value.tag first
+                    return None
+                n = buf[pos + 1]  # small varints (lengths of names, dims) decoded here, without a call
+                if n < 0x80:
+                    pos += 2
+                else:
+                    n, pos = read(buf, pos + 1, vend)
+                if pos + n > vend:
+                    return None
+                tag = bytes(buf[pos : pos + n]).decode("utf-8")
+                pos += n
+                if pos >= vend or buf[pos] != 0x12:  # then Value.tensor, ending the Value
+                    return None
+                n, pos = read(buf, pos + 1, vend)
+                if pos + n != vend:
+                    return None
+                dims: list[int] = []
+                ms_type: str | None = None
+                content: Segment | None = None
+                while pos < vend:
+                    key = buf[pos]
+                    if key == 0x08:  # dims, one varint each
+                        v = buf[pos + 1]
+                        if v < 0x80:
+                            pos += 2
+                        else:
+                            v, pos = read(buf, pos + 1, vend)
+                        dims.append(v)
+                    elif key in (0x0A, 0x12, 0x1A):  # packed dims, tensor_type, tensor_content
+                        n, pos = read(buf, pos + 1, vend)
+                        if pos + n > vend:
+                            return None
+                        if key == 0x0A:
+                            stop = pos
+                            pos += n
+                            while stop < pos and len(dims) <= MAX_NDIM:
+                                v, stop = read(buf, stop, pos)
+                                dims.append(v)
+                        elif key == 0x12:
+                            ms_type = bytes(buf[pos : pos + n]).decode("ascii")
+                            pos += n
+                        else:
+                            content = Segment(pos, n)
+                            pos += n
+                    else:
+                        return None
+                    if len(dims) > MAX_NDIM:
+                        return None
+                if pos != vend or ms_type is None or any(d >= 1 << 63 for d in dims):  # overrun, no type, dims < 0
+                    return None
+                if ms_type not in types_ok:
+                    if ms_type != STRING_TYPE and ms_type not in MS_DTYPES:
+                        return None
+                    types_ok.add(ms_type)
+                seg = content if content is not None else Segment(vend, 0)
+                shape = tuple(dims)
+                prev = entries.get(tag)
+                if prev is None:
+                    entries[tag] = ("str" if ms_type == STRING_TYPE else "tensor", ms_type, shape, [seg])
+                elif last != tag or prev[1:3] != (ms_type, shape):
+                    return None
+                else:
+                    prev[3].append(seg)
+                last = tag
+        except (wire.WireError, UnicodeDecodeError, IndexError):
+            return None
+        out = {name: EntryInfo(name, kind, ms_type, shape, tuple(segs))
+               for name, (kind, ms_type, shape, segs) in entries.items()}
+        for e in out.values():
+            self._check_size(e)
+        return out
+
+    def _index_fields(self, end: int) -> dict[str, EntryInfo]:
         # Segments of an entry are collected in a list and the EntryInfo built once at the
         # end: rebuilding it per continuation Value was quadratic (a 1 MB file of one-byte
         # Values took seconds, a hostile 100 MB one hours).
