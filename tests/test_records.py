@@ -126,5 +126,6 @@ def test_a_missing_record_leaves_its_rank_to_resume(tmp_path: Path) -> None:
     report = zckpt.ingest(str(SRC), store, STRATEGY)
     assert report.resumed and report.complete and report.bytes_written > 0
     assert json.loads((store / "progress" / "rank_2.json").read_text())["rank"] == 2
+    assert not list((store / "progress").glob("*.tmp-zckpt")), "the killed writer's temporary record was kept"
     zckpt.export(store, tmp_path / "out", DST)
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "out") == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
-from zckpt.fileio import SharedFiles, as_disk_full, copy_range_at, write_at
+from zckpt.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, write_at
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
@@ -209,10 +210,16 @@ def entry_filter(choice_func: Callable[[str], bool] | None) -> Callable[[str], b
 
 
 def read_indexes(
-    files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None
+    files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
+    while_reading: Callable[[], object] | None = None,
 ) -> dict[int, dict[str, EntryInfo]]:
+    """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
+    files (:func:`zckpt.fileio.read_soon`), before they are walked: work that can wait for
+    the disk at the same time (ingest imports Zarr there)."""
     out: dict[int, dict[str, EntryInfo]] = {}
     fileio.read_soon([p for p in files.values() if isinstance(p, Path)])  # headers lie between payloads
+    if while_reading is not None:
+        while_reading()
     for rank, path in files.items():
         with open_source(path, storage_options, verify_crc=verify_crc) as r:
             out[rank] = dict(r.entries)
@@ -298,6 +305,7 @@ def prepare_ingest(
     file_suffix: str | None = None,
     choice_func: Callable[[str], bool] | None = None,
     block_bytes: int = 64 * MiB,
+    while_reading: Callable[[], object] | None = None,
 ) -> PreparedIngest:
     """Find the sources and plan the ingest. Without a strategy, rank files besides rank 0's
     must be the same model byte for byte (:mod:`zckpt.unsharded`), else this refuses."""
@@ -313,7 +321,7 @@ def prepare_ingest(
     files = relevant_ranks(found, smap)
     if smap is not None:
         refuse_stageless(smap, found, files, require_complete=require_complete)
-    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options)
+    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options, while_reading=while_reading)
     left_out: set[str] = set()
     if keep is not None:
         left_out = {n for idx in indexes.values() for n in idx if not keep(n)}
@@ -350,6 +358,8 @@ def ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
         storage_options=options.storage_options, file_suffix=options.file_suffix, choice_func=options.choice_func,
         block_bytes=options.block_bytes,
+        # with a cold cache Zarr's import reads its own files from the disk: while the shards are read, not after
+        while_reading=lambda: importlib.import_module("zckpt.store"),
     )
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
@@ -701,11 +711,12 @@ def _run(
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     in_process = engine.scheduler is None and (engine.workers == 1 or not engine.processes)
-    with dask_client(engine) as client, _shard_files(store.url if local and in_process else None):
+    with dask_client(engine) as client:
         options = replace(options, overlap=overlap_for(options.overlap, client))
-        written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
-                          client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
-                          progress=options.progress)
+        with _shard_files(store.url if local and in_process else None):  # every record written when it ends
+            written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
+                              client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
+                              progress=options.progress)
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
             compared = run_all(compare_replicas, checks, options, client=client, label="verify",
@@ -718,8 +729,30 @@ def _run(
     return sum(written), sum(compared), ranks
 
 
-_SHARD_FILES: dict[str, SharedFiles] = {}
-"""The shard files of the local stores being ingested by tasks of this process (by store path)."""
+@dataclass
+class _InProcess:
+    """What the tasks of an ingest that run in this process share: the store's shard files
+    (opened once), the thread that starts writing back what they wrote, and the thread that
+    writes their progress records (each after its rank's bytes, while the next rank is
+    copied: creating and renaming 512 small files cost 0.2-0.5 s of CPU on the test host)."""
+
+    files: SharedFiles
+    behind: WriteBehind
+    records: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "zckpt-records"))
+    pending: list[Future[None]] = field(default_factory=list)
+
+    def record(self, mark: Callable[[], None]) -> None:
+        self.pending.append(self.records.submit(mark))
+
+    def wait_records(self) -> None:
+        """Wait until every record is written; raise the first failure."""
+        self.records.shutdown(wait=True)
+        for f in self.pending:
+            f.result()
+
+
+_SHARD_FILES: dict[str, _InProcess] = {}
+"""The ingests whose tasks run in this process, by store path."""
 _SHARD_FILES_LOCK = threading.Lock()
 
 
@@ -737,33 +770,41 @@ def _shard_file_limit() -> int:
 @contextmanager
 def _shard_files(store_path: str | None) -> Iterator[None]:
     """Open the store's shard files once for every task run in this process (in-process or
-    thread workers) while the ingest runs, and close them after; ``None``: tasks run in other
-    processes and open their own (:func:`_task_files`)."""
+    thread workers) while the ingest runs, with a thread that starts writing back what the
+    tasks wrote (:class:`~zckpt.fileio.WriteBehind`), and close them after; ``None``: tasks run
+    in other processes and open their own (:func:`_task_files`)."""
     if store_path is None:
         yield
         return
-    files = SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit())
-    with _SHARD_FILES_LOCK:
-        _SHARD_FILES[store_path] = files
-    try:
-        yield
-    finally:
+    with SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit()) as files, \
+            WriteBehind(files) as behind:
+        shared = _InProcess(files, behind)
         with _SHARD_FILES_LOCK:
-            _SHARD_FILES.pop(store_path, None)
-        files.close()
+            _SHARD_FILES[store_path] = shared
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the records of ranks done still count on resume
+                shared.wait_records()
+            raise
+        else:
+            shared.wait_records()
+        finally:
+            with _SHARD_FILES_LOCK:
+                _SHARD_FILES.pop(store_path, None)
 
 
 @contextmanager
-def _task_files(store_path: str) -> Iterator[SharedFiles]:
-    """The shard files a task writes through: the ingest's own in this process, else the
-    task's (closed when it ends)."""
+def _task_files(store_path: str) -> Iterator[tuple[SharedFiles, _InProcess | None]]:
+    """The shard files a task writes through, and what it shares with the ingest: the
+    ingest's own in this process, else the task's files (closed when it ends) and nothing."""
     with _SHARD_FILES_LOCK:
         shared = _SHARD_FILES.get(store_path)
     if shared is not None:
-        yield shared
+        yield shared.files, shared
         return
     with SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit()) as own:
-        yield own
+        yield own, None
 
 
 def _target(store: Store, layout: StoreLayout, names: set[str]) -> StoreTarget:
@@ -813,7 +854,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     known = _RankSums(options.checksum_block_bytes)
     source = integrity.source_identity(job.path)
     with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
-            _task_files(store_path) as files, \
+            _task_files(store_path) as (files, shared), \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1, files) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
@@ -830,20 +871,29 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
         ticker.close()
         for done in copier.finish():
             known.add(done, store.chunk_info(done[0]).per_shard is not None)
+        if shared is not None:
+            shared.behind.add(copier.written)
         if store.is_remote:
             _source_checksums(store, reader, job.writes, known)
-    record: dict[str, Any] = {"block_bytes": known.block_bytes,
-                              "chunks": _written_checksums(store, writes, known)}
-    if known.runs:
-        record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
-                          for name, per in known.runs.items()}
-    if packed_runs:  # one record per run of packed tensors written together (zckpt.packed)
-        record["packed"] = {key: {chunk: encode_runs(sorted(runs)) for chunk, runs in per.items()}
-                            for key, per in packed_runs.items()}
+    chunk_sums = _written_checksums(store, writes, known)
     if integrity.source_change(source, job.path) is not None:
         raise SourceError("the source file changed while it was being read: rerun the ingest", path=job.path)
-    store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record,
-                        **({"source": source} if source is not None else {}))
+
+    def mark() -> None:
+        record: dict[str, Any] = {"block_bytes": known.block_bytes, "chunks": chunk_sums}
+        if known.runs:
+            record["runs"] = {name: {key: encode_runs(sorted(runs)) for key, runs in per.items()}
+                              for name, per in known.runs.items()}
+        if packed_runs:  # one record per run of packed tensors written together (zckpt.packed)
+            record["packed"] = {key: {chunk: encode_runs(sorted(runs)) for chunk, runs in per.items()}
+                                for key, per in packed_runs.items()}
+        store.mark_ingested(job.rank, bytes=written, crc32c_blocks=record,
+                            **({"source": source} if source is not None else {}))
+
+    if shared is not None:
+        shared.record(mark)  # written by the ingest's record thread, before it completes
+    else:
+        mark()
     return written
 
 
@@ -1023,6 +1073,8 @@ class _ChunkCopier:
         self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
         self.files = files
         """Shard files, opened once per ingest in this process (chunk files are created per run)."""
+        self.written: list[tuple[str, int, int]] = []
+        """``(path, offset, length)`` of the runs written into shard files."""
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zckpt-copy") if threads > 1 else None
         self.done: list[_Written] = []
         self.futures: list[Future[list[_Written]]] = []
@@ -1084,6 +1136,8 @@ class _ChunkCopier:
             copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, self._buffer(), summer.feed)
         finally:
             self._give_back(path, fd, create)
+        if not create:
+            self.written.append((path, run.offset, run.length))
         return name, run.key, run.offset, run.length, summer.result()
 
     def _cut(self, name: str, run: Run, path: str, box: Box, sum_block: int, create: bool) -> _Written:
@@ -1103,6 +1157,8 @@ class _ChunkCopier:
             self.reader.release_pages()
         if at != run.length:
             raise AssertionError(f"run of {name} in {path} wrote {at} of {run.length} bytes")
+        if not create:
+            self.written.append((path, run.offset, run.length))
         return name, run.key, run.offset, run.length, summer.result()
 
     def finish(self) -> list[_Written]:

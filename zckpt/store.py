@@ -36,6 +36,7 @@ import shutil
 import sys
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -326,7 +327,7 @@ class ChunkInfo:
             return self.at[0]
         return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
 
-    @property
+    @cached_property
     def inner_bytes(self) -> int:
         return math.prod(self.chunks) * self.itemsize
 
@@ -367,14 +368,14 @@ class ChunkInfo:
         """Data bytes and index bytes (with its CRC-32C) of the shard at ``shard``: inner
         chunks inside the array at their C-order offsets, the others absent."""
         assert self.per_shard is not None
-        counts = self.grid_counts()
+        per = np.array(self.per_shard, dtype=np.int64)[:, None]
+        local = np.indices(self.per_shard, dtype=np.int64).reshape(len(self.per_shard), -1)  # C order
+        start = np.array([int(s) for s in shard], dtype=np.int64)[:, None] * per
+        inside = np.flatnonzero(np.all(start + local < np.array(self.grid_counts(), dtype=np.int64)[:, None], axis=0))
         index = np.full((math.prod(self.per_shard), 2), NO_CHUNK, dtype="<u8")
-        data = 0
-        for linear, local in enumerate(np.ndindex(*self.per_shard)):
-            g = tuple(s * k + i for s, k, i in zip(shard, self.per_shard, local, strict=True))
-            if all(a < n for a, n in zip(g, counts, strict=True)):
-                index[linear] = (linear * self.inner_bytes, self.inner_bytes)
-                data = (linear + 1) * self.inner_bytes
+        index[inside, 0] = inside.astype("<u8") * self.inner_bytes
+        index[inside, 1] = self.inner_bytes
+        data = (int(inside[-1]) + 1) * self.inner_bytes if inside.size else 0
         body = index.tobytes()
         return data, body + int(crc32c(body)).to_bytes(4, "little")
 
