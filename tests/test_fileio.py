@@ -207,3 +207,26 @@ def test_shared_files_close_the_least_recent_unheld_file_past_the_limit(tmp_path
     assert opened == ["held", "a", "b", "c", "d", "e", "a"]
     files.close()
     assert not _is_open(held)
+
+
+def test_write_behind_asks_for_merged_ranges_of_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this platform")
+    asked: list[tuple[str, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        asked.append((os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1], offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    opened: list[str] = []
+    with fileio.SharedFiles(_opener(tmp_path, opened)) as files, fileio.WriteBehind(files, batch_bytes=100) as behind:
+        for name in ("a", "b"):
+            fd = files.acquire(name)
+            os.pwrite(fd, b"x" * 300, 0)
+            files.release(name)
+        behind.add([("a", 0, 40), ("b", 100, 50), ("a", 40, 30)])  # 120 bytes: one batch
+        behind.add([("b", 0, 10)])  # not a batch yet: dropped at close
+    assert asked == [("a", 0, 70, os.POSIX_FADV_DONTNEED), ("b", 100, 50, os.POSIX_FADV_DONTNEED)]
+    assert (tmp_path / "a").read_bytes() == b"x" * 300

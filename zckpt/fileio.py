@@ -366,8 +366,8 @@ class WriteBehind:
     disk. The ranges are handed over (:meth:`add`) once written; every ``batch_bytes`` the
     thread asks the kernel to write them (``posix_fadvise(POSIX_FADV_DONTNEED)``, which starts
     the write-back of a range's dirty pages without waiting and leaves pages being written in
-    the page cache), while the writers go on. Only a hint: :meth:`close` drops what was not
-    asked yet, and nothing here is a durability promise."""
+    the page cache), while the writers go on. Only a hint: :meth:`close` asks for the batches
+    handed over and drops the last, partial one; nothing here is a durability promise."""
 
     def __init__(self, files: SharedFiles, batch_bytes: int = 32 * 1024 * 1024) -> None:
         self._files = files
@@ -376,7 +376,6 @@ class WriteBehind:
         self._pending_bytes = 0
         self._queue: queue.SimpleQueue[list[tuple[str, int, int]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if hasattr(os, "posix_fadvise"):  # elsewhere the kernel's own write-back stays in charge
             self._thread = threading.Thread(target=self._run, name="zckpt-write-behind", daemon=True)
@@ -400,8 +399,6 @@ class WriteBehind:
             if ranges is None:
                 return
             for path, offset, length in _merged(ranges):
-                if self._stop.is_set():
-                    break
                 fd = self._files.acquire(path)
                 try:
                     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
@@ -412,7 +409,6 @@ class WriteBehind:
 
     def close(self) -> None:
         if self._thread is not None:
-            self._stop.set()
             self._queue.put(None)
             self._thread.join()
             self._thread = None
