@@ -206,3 +206,32 @@ def _fd_target(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # the descriptor of the listing itself, closed since
         return ""
+
+
+def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the source files do not fit the read-ahead share of memory, planning opens each
+    shard for its headers only (each page read alone, not 8 MiB of payload around it, which a
+    job larger than the page cache would read twice); when they fit, they are read whole. The
+    index and the store are the same either way."""
+    src, dst = _model(tmp_path)
+    seen: list[bool] = []
+    original = CkptReader.__init__
+
+    def spy(self: CkptReader, path: str | os.PathLike[str], *, verify_crc: bool = True, sparse: bool = False) -> None:
+        seen.append(sparse)
+        original(self, path, verify_crc=verify_crc, sparse=sparse)
+
+    monkeypatch.setattr(CkptReader, "__init__", spy)
+    ingest_mod = importlib.import_module("zckpt.ingest")
+    monkeypatch.setattr(ingest_mod.fileio, "read_soon", lambda paths, share=0.25: False)
+    _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
+    assert len(seen) == RANKS and all(seen)
+    monkeypatch.setattr(ingest_mod.fileio, "read_soon", lambda paths, share=0.25: True)
+    seen.clear()
+    _ingest(src, tmp_path / "whole.zarr", 1 << 20)
+    assert len(seen) == RANKS and not any(seen)
+    zckpt.export(tmp_path / "sparse.zarr", tmp_path / "out", str(dst))
+    _check_export(tmp_path / "out")
+    with CkptReader(src / "rank_3" / "checkpoint_3.ckpt", sparse=True) as a, \
+            CkptReader(src / "rank_3" / "checkpoint_3.ckpt") as b:
+        assert a.entries == b.entries

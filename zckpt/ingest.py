@@ -215,13 +215,15 @@ def read_indexes(
 ) -> dict[int, dict[str, EntryInfo]]:
     """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
     files (:func:`zckpt.fileio.read_soon`), before they are walked: work that can wait for
-    the disk at the same time (ingest imports Zarr there)."""
+    the disk at the same time (ingest imports Zarr there). Files too large to be read ahead
+    whole are walked sparsely: only the pages of their headers come from the disk."""
     out: dict[int, dict[str, EntryInfo]] = {}
-    fileio.read_soon([p for p in files.values() if isinstance(p, Path)])  # headers lie between payloads
+    local = [p for p in files.values() if isinstance(p, Path)]
+    sparse = bool(local) and not fileio.read_soon(local)  # headers lie between payloads
     if while_reading is not None:
         while_reading()
     for rank, path in files.items():
-        with open_source(path, storage_options, verify_crc=verify_crc) as r:
+        with open_source(path, storage_options, verify_crc=verify_crc, sparse=sparse) as r:
             out[rank] = dict(r.entries)
     return out
 

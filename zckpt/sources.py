@@ -180,7 +180,7 @@ def check_rank_map(
 @contextlib.contextmanager
 def open_source(
     path: SourceFile, storage_options: remote.StorageOptions = None, *, verify_crc: bool = True,
-    index: Mapping[str, EntryInfo] | None = None,
+    index: Mapping[str, EntryInfo] | None = None, sparse: bool = False,
 ) -> Iterator[CkptReader]:
     """Open a source shard, local or remote (a reader context).
 
@@ -188,10 +188,12 @@ def open_source(
     copy is streamed in blocks and deleted when the reader closes); a split safetensors
     rank brings its parts along. Errors name the URL, not the temporary copy. ``index``:
     the local shard's entries as planning parsed them (not parsed again, see
-    :func:`zckpt.formats.shards.open_indexed`).
+    :func:`zckpt.formats.shards.open_indexed`). ``sparse``: opened for its index only
+    (:func:`zckpt.formats.shards.open_shard`).
     """
     if not (isinstance(path, str) and remote.is_remote(path)):
-        with open_shard(path, verify_crc=verify_crc) if index is None else open_indexed(path, index) as reader:
+        with open_shard(path, verify_crc=verify_crc, sparse=sparse) if index is None else \
+                open_indexed(path, index) as reader:
             yield reader
         return
     with (spool(path, storage_options) as local, remote.named_by_url(local.parent, path),

@@ -114,7 +114,12 @@ class CkptReader:
     Use as a context manager; views handed out must not outlive it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True, sparse: bool = False) -> None:
+        """``sparse``: the file is opened for its index and its payloads are read elsewhere
+        (planning a job larger than the page cache): each page the header walk faults in is
+        read alone, not with the 8 MiB of payload the kernel's read-ahead brings around it,
+        which the page cache would drop again before the payloads are copied (every byte of
+        such a job read twice from the disk)."""
         size = self._map_file(path)
         self.has_crc = False
         self.crc_expected: int | None = None
@@ -126,6 +131,8 @@ class CkptReader:
         self.content_end = end
         if self.has_crc and verify_crc and self._map is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
             self._map.madvise(mmap.MADV_SEQUENTIAL)  # the whole file is read: ahead in large steps, not per fault
+        elif sparse and self._map is not None and hasattr(mmap, "MADV_RANDOM"):
+            self._map.madvise(mmap.MADV_RANDOM)
         try:
             self.entries: dict[str, EntryInfo] = self._index(end)
         except BaseException:

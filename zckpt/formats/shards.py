@@ -62,8 +62,10 @@ def shard_format(path: str | os.PathLike[str]) -> str:
     return "ckpt"
 
 
-def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True) -> CkptReader:
-    """Open a source shard with the reader its format needs (use as a context manager)."""
+def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True, sparse: bool = False) -> CkptReader:
+    """Open a source shard with the reader its format needs (use as a context manager);
+    ``sparse``: for its index only (:class:`CkptReader`; other formats keep their headers
+    together at the start)."""
     fmt = shard_format(path)
     if fmt == "safetensors":
         return SafetensorsReader(path, verify_crc=verify_crc)
@@ -77,7 +79,7 @@ def open_shard(path: str | os.PathLike[str], *, verify_crc: bool = True) -> Ckpt
         from zckpt.formats.mindformers import MindFormersRankReader
 
         return MindFormersRankReader(path, verify_crc=verify_crc)
-    return CkptReader(path, verify_crc=verify_crc)
+    return CkptReader(path, verify_crc=verify_crc, sparse=sparse)
 
 
 def open_indexed(path: str | os.PathLike[str], entries: Mapping[str, EntryInfo]) -> CkptReader:
