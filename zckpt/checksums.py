@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import google_crc32c
 import numpy as np
@@ -240,6 +240,72 @@ class SpanCheck:
         if self.summer.next != self.hi:
             raise AssertionError(f"checked range ended at {self.summer.next}, expected {self.hi}")
         self._compare(self.summer.result()[self.compared :])
+
+
+ReadAt = Callable[[Path, int, int], memoryview]
+"""``read_at(path, offset, length)``: at most ``length`` bytes of a file from ``offset`` (fewer
+only at its end; empty past it), as a view valid until the next call."""
+
+
+class RangeCheck(Protocol):
+    """A check a writer runs once it has copied a file range (:class:`BlockCheck`, or one
+    that works out its blocks where it runs)."""
+
+    @property
+    def nbytes(self) -> int:
+        """About the bytes it reads (how checks are gathered into batches)."""
+        ...
+
+    def run(self, read_at: ReadAt) -> None: ...
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    """The recorded blocks a byte range of one file touches, checked by reading them whole
+    after the range was copied elsewhere (the kernel copied it, so its bytes never passed
+    through this process). ``parts``: per record the range meets, in file order, ``(sums,
+    record bytes, first block, stop block)``. Plain data, cheap to make: a destination file
+    copies thousands of ranges, and the checks of many run as one batch on another thread."""
+
+    path: Path
+    parts: tuple[tuple[ChunkSums, int, int, int], ...]
+    fail: Callable[[ChunkSums, Mismatch], Exception]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the check reads."""
+        total = 0
+        for sums, size, first, stop in self.parts:
+            b = sums.block_size(size)
+            total += min(size, stop * b) - first * b
+        return total
+
+    def run(self, read_at: ReadAt) -> None:
+        for sums, size, first, stop in self.parts:
+            b = sums.block_size(size)
+            pos, end = first * b, min(size, stop * b)
+            got: list[int] = []
+            value = filled = 0
+            while pos < end:
+                data = read_at(self.path, sums.origin + pos, end - pos)
+                n = len(data)
+                if not n:
+                    raise self.fail(sums, Mismatch(pos // b, len(sums.values), sums.algo, None, None, (pos, end)))
+                i = 0
+                while i < n:
+                    take = min(n - i, b - filled)
+                    value = extend(sums.algo, data[i : i + take], value)
+                    filled += take
+                    i += take
+                    if filled == b:
+                        got.append(value)
+                        value = filled = 0
+                pos += n
+            if filled or not got:
+                got.append(value)
+            bad = sums.compare(got, first, size)
+            if bad is not None:
+                raise self.fail(sums, bad)
 
 
 class SpanChecks:

@@ -22,12 +22,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 
 from zckpt import locks, remote, safe_paths
-from zckpt.checksums import ChunkSums, Mismatch, Sink, SpanCheck, SpanChecks
+from zckpt.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
@@ -621,13 +621,19 @@ class StoreReader:
         row_bytes = math.prod(info.chunks[1:]) * itemsize
         column = tuple(s // c for s, c in zip(box.start[1:], info.chunks[1:], strict=True))
         spans: list[_Span] = []
-        for k in range(box.start[0] // rows, (box.stop[0] - 1) // rows + 1):
+        first, stop = box.start[0], box.stop[0]
+        for k in range(first // rows, (stop - 1) // rows + 1):
             at = self.store.chunk_at(name, (k, *column))
             if at is None:
                 return None
-            lo, hi = max(box.start[0], k * rows), min(box.stop[0], (k + 1) * rows)
-            spans.append(_Span(at[0], at[1], at[2] + (lo - k * rows) * row_bytes, (hi - lo) * row_bytes, at[3]))
-        return _coalesce(spans)
+            lo, hi = max(first, k * rows), min(stop, (k + 1) * rows)
+            offset, length = at[2] + (lo - k * rows) * row_bytes, (hi - lo) * row_bytes
+            last = spans[-1] if spans else None
+            if last is not None and last.path == at[1] and last.offset + last.length == offset:
+                spans[-1] = last._replace(length=last.length + length)  # the next chunk of the same shard
+            else:
+                spans.append(_Span(at[0], at[1], offset, length, at[3]))
+        return spans
 
     def _read_spans(self, name: str, spans: list[_Span], dest: np.ndarray) -> None:
         """Fill ``dest`` (bytes) with ``spans`` one after another, each read with one call
@@ -743,6 +749,44 @@ class StoreReader:
             return None
         return SpanChecks(checks).feed
 
+    def _block_checks(self, name: str, key: str, path: Path, file_bytes: int, offset: int,
+                      length: int) -> tuple[BlockCheck, ...]:
+        """The checks of the recorded blocks that bytes ``[offset, offset + length)`` of a
+        chunk or shard file touch, leaving out blocks this task checked already (at either
+        end of the range: ranges that follow each other share their edge blocks), to run
+        once the writer has copied the range. The parts of those blocks outside the range
+        count as read only to check."""
+        if not self.options.verify_checksums:
+            return ()
+        done = self._checked
+        stop = offset + length
+        parts = []
+        for rkey, want in self.store.records_over(name, key, offset, stop):
+            part = want.covers(offset, stop)
+            if part is None:
+                continue
+            size = want.length if want.length is not None else file_bytes
+            blocks = want.blocks_in(part[0], part[1], size)
+            first, end = blocks.start, blocks.stop
+            while first < end and (name, rkey, first) in done:
+                first += 1
+            while end > first and (name, rkey, end - 1) in done:
+                end -= 1
+            if first == end:
+                continue
+            done.update((name, rkey, i) for i in range(first, end))  # a failure aborts this file
+            b = want.block_size(size)
+            self.checked_bytes += max(0, part[0] - first * b) + max(0, min(size, end * b) - part[1])
+            parts.append((want, size, first, end))
+        if not parts:
+            return ()
+
+        def fail(want: ChunkSums, bad: Mismatch) -> StoreError:
+            return StoreError(f"chunk {key} fails its checksum ({want.where()}{bad}): the store is damaged",
+                              path=path, param=name)
+
+        return (BlockCheck(path, tuple(parts), fail),)
+
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         """The slice as byte ranges of raw chunk or shard files, when it is one: its
         trailing dimensions are exactly one chunk's (whole rows of the array, or one column
@@ -767,8 +811,8 @@ class StoreReader:
                     raise _chunk_missing(name, sp.key, sp.path)
                 self._sizes[sp.path] = size
             _check_chunk_size(name, sp.key, sp.path, size, sp.file_bytes)
-            check = self._span_check(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length)
-            out.append(FileRange(sp.path, sp.offset, sp.length, check))
+            checks = (_StoreCheck(self, name, sp),) if self.options.verify_checksums else ()
+            out.append(FileRange(sp.path, sp.offset, sp.length, None, checks))
         self.read_bytes += sum(r.length for r in out)
         return out
 
@@ -778,10 +822,9 @@ class StoreReader:
                                overlap=self.options.overlap, ticker=ticker, publisher=publisher)
 
 
-@dataclass(frozen=True)
-class _Span:
+class _Span(NamedTuple):
     """``length`` bytes at ``offset`` of the chunk or shard file ``path`` (key ``key``,
-    ``file_bytes`` long when intact)."""
+    ``file_bytes`` long when intact). A tuple: a 512-rank export makes tens of thousands."""
 
     key: str
     path: Path
@@ -790,19 +833,29 @@ class _Span:
     file_bytes: int
 
 
+@dataclass(frozen=True)
+class _StoreCheck:
+    """The checks of one copied range, worked out where they run (the writer's checks
+    thread): finding the records a range meets costs about as much as checking them, and
+    the thread copying ranges has the rest to do. Checks run in the order of the ranges, so
+    blocks shared by ranges that follow each other are read once."""
+
+    reader: StoreReader
+    name: str
+    span: _Span
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.length
+
+    def run(self, read_at: ReadAt) -> None:
+        sp = self.span
+        for check in self.reader._block_checks(self.name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length):
+            check.run(read_at)
+
+
 def _follows(a: _Span, b: _Span) -> bool:
     return a.path == b.path and a.offset + a.length == b.offset
-
-
-def _coalesce(spans: list[_Span]) -> list[_Span]:
-    """Spans merged where one starts where the previous ends in the same file."""
-    out: list[_Span] = []
-    for sp in spans:
-        if out and _follows(out[-1], sp):
-            out[-1] = replace(out[-1], length=out[-1].length + sp.length)
-        else:
-            out.append(sp)
-    return out
 
 
 def _chunk_missing(name: str, key: str, path: Path) -> StoreError:

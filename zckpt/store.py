@@ -598,6 +598,7 @@ class Store:
         self._data_types: dict[str, str] = {}
         self._ingested: set[int] | None = None
         self._chunk_info: dict[str, ChunkInfo] = {}
+        self._files: dict[tuple[str, str], tuple[Path, int]] = {}
         self._crcs: dict[str, dict[str, ChunkSums]] | None = None
         self._records: dict[tuple[str, str, int], list[tuple[str, ChunkSums]]] = {}
         self._index: dict[tuple[str, str], tuple[list[int], list[int], list[str]]] = {}
@@ -1269,7 +1270,10 @@ class Store:
         if not info.raw or info.folder is None:
             return None
         key, offset = info.locate(coords)
-        return key, self._chunk_path(info, key), offset, info.file_bytes(coords)
+        got = self._files.get((name, key))
+        if got is None:  # a file's path and size follow from its key: found once, not per chunk
+            got = self._files[(name, key)] = (self._chunk_path(info, key), info.file_bytes(coords))
+        return key, got[0], offset, got[1]
 
     def chunk_files(self, name: str, box: Box) -> list[tuple[str, Path]]:
         """``(file key, file)`` of every chunk (or shard) file ``box`` touches (raw local

@@ -34,7 +34,7 @@ from typing import BinaryIO
 import numpy as np
 
 from zckpt import fileio, safe_paths
-from zckpt.checksums import Sink
+from zckpt.checksums import RangeCheck, Sink
 from zckpt.dtypes import MS_DTYPES, STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
@@ -57,15 +57,22 @@ another dim is 0, the array is empty), so the reader refuses such dims at index 
 class FileRange:
     """``length`` bytes at ``offset`` of the file ``path``: a block a writer copies file to
     file (``copy_file_range``) instead of through memory. With ``check``, the writer copies
-    it through a buffer and passes the bytes to ``check`` on the way (parts share it)."""
+    it through a buffer and passes the bytes to ``check`` on the way (parts share it). The
+    ``verify`` checks read the recorded blocks the range lies in themselves: the writer runs
+    them once the range is copied (on its checks thread when it has one), before the file
+    is published."""
 
     path: Path
     offset: int
     length: int
     check: Sink | None = None
+    verify: tuple[RangeCheck, ...] = ()
 
     def part(self, skip: int, take: int) -> FileRange:
-        return FileRange(self.path, self.offset + skip, take, self.check)
+        """Bytes ``[skip, skip + take)`` of the range; its checks go with the part that ends it
+        (a range cut in two is still checked once, after its last byte is copied)."""
+        return FileRange(self.path, self.offset + skip, take, self.check,
+                         self.verify if skip + take == self.length else ())
 
 
 Block = np.ndarray | FileRange
@@ -680,6 +687,8 @@ class CkptWriter:
         self._checks = checks
         self._pending: list[Future[None]] = []
         self._check_buffer: bytearray | None = None
+        self._batch: list[RangeCheck] = []
+        self._batch_bytes = 0
         self._crc_enabled = crc
         self._fsync = fsync
         self._crc = 0
@@ -806,6 +815,8 @@ class CkptWriter:
                 check(block.offset + done, memoryview(data))
             self._write(data)
             done += len(data)
+        if block.verify:
+            self._verify(block.verify)
 
     def _source(self, path: Path) -> tuple[int, int]:
         """``(fd, size)`` of a range's source file, kept open for the next ranges from it."""
@@ -842,8 +853,60 @@ class CkptWriter:
 
         self._pending.append(self._checks.submit(run))
 
+    def _verify(self, checks: tuple[RangeCheck, ...]) -> None:
+        """Run the block checks of a range just copied: here, or gathered into batches of
+        about ``VERIFY_BATCH`` bytes for the checks thread (one task per batch: a task per
+        range costs more in thread hand-offs than its check at thousands of small ranges)."""
+        if self._checks is None:
+            if self._buffer is None:
+                self._buffer = bytearray(fileio.BLOCK)
+            view = memoryview(self._buffer)
+
+            def read_at(path: Path, offset: int, length: int) -> memoryview:
+                return view[: os.preadv(self._source(path)[0], [view[: min(length, len(view))]], offset)]
+
+            for c in checks:
+                c.run(read_at)
+            return
+        self._batch.extend(checks)
+        self._batch_bytes += sum(c.nbytes for c in checks)
+        if self._batch_bytes >= VERIFY_BATCH:
+            self._flush_verify()
+
+    def _flush_verify(self) -> None:
+        """Hand the gathered block checks to the checks thread as one task."""
+        if not self._batch:
+            return
+        assert self._checks is not None
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if self._check_buffer is None:
+            self._check_buffer = bytearray(fileio.BLOCK)
+        view = memoryview(self._check_buffer)  # only the checks thread reads into it
+
+        def run() -> None:
+            fds: dict[Path, int] = {}
+
+            def read_at(path: Path, offset: int, length: int) -> memoryview:
+                fd = fds.get(path)
+                if fd is None:
+                    try:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    except FileNotFoundError:
+                        raise CheckpointFormatError("block source file is missing", path=path) from None
+                return view[: os.preadv(fd, [view[: min(length, len(view))]], offset)]
+
+            try:
+                for c in batch:
+                    c.run(read_at)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+        self._pending.append(self._checks.submit(run))
+
     def _wait_checks(self) -> None:
         """Wait for every check handed to the checks thread; raise the first failure."""
+        self._flush_verify()
         pending, self._pending = self._pending, []
         for i, future in enumerate(pending):
             try:
@@ -885,6 +948,7 @@ class CkptWriter:
         return self.path
 
     def abort(self) -> None:
+        self._batch = []
         pending, self._pending = self._pending, []
         for future in pending:
             future.cancel()
@@ -899,6 +963,8 @@ class CkptWriter:
 
 OPEN_SOURCES = 64
 """Source files a writer keeps open at once (least recently used closed first)."""
+VERIFY_BATCH = 8 * 1024 * 1024
+"""Bytes of block checks gathered before they go to the checks thread as one task."""
 
 
 def coalesce(blocks: Iterable[Block]) -> Iterator[Block]:
@@ -908,7 +974,7 @@ def coalesce(blocks: Iterable[Block]) -> Iterator[Block]:
     for b in blocks:
         if isinstance(b, FileRange):
             if run is not None and b.path == run.path and b.offset == run.offset + run.length and b.check is run.check:
-                run = FileRange(run.path, run.offset, run.length + b.length, run.check)
+                run = FileRange(run.path, run.offset, run.length + b.length, run.check, run.verify + b.verify)
                 continue
             if run is not None:
                 yield run
