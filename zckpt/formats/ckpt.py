@@ -688,6 +688,7 @@ class CkptWriter:
         self._pending: list[Future[None]] = []
         self._check_buffer: bytearray | None = None
         self._batch: list[RangeCheck] = []
+        self._unflushed = False
         self._batch_bytes = 0
         self._crc_enabled = crc
         self._fsync = fsync
@@ -718,6 +719,7 @@ class CkptWriter:
     def _write(self, data: bytes | memoryview) -> None:
         assert self._f is not None, "writer already closed"
         self._f.write(data)
+        self._unflushed = True
         n = len(data) if isinstance(data, bytes) else data.nbytes
         self.bytes_written += n
         if self._crc_enabled:
@@ -768,6 +770,11 @@ class CkptWriter:
                     pending = nxt if isinstance(nxt, FileRange) else _as_le_bytes(nxt, dt)
                 take = min(need, _block_size(pending))
                 if isinstance(pending, FileRange):
+                    if take == pending.length:  # the usual case: a whole range
+                        self._copy_range(pending)
+                        pending = None
+                        need -= take
+                        continue
                     self._copy_range(pending.part(0, take))
                     pending = pending.part(take, pending.length - take)
                 else:
@@ -794,7 +801,9 @@ class CkptWriter:
         done = 0
         check = block.check
         if not self._crc_enabled:
-            self._f.flush()
+            if self._unflushed:  # the kernel writes at the file's position: what Python buffers goes first
+                self._f.flush()
+                self._unflushed = False
             if check is None or self._checks is not None:
                 done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
                 if check is not None and done:
