@@ -325,7 +325,9 @@ class ChunkInfo:
         in a sharded array)."""
         if self.at is not None:
             return self.at[0]
-        return "c" + "".join(f"{self.separator}{int(c)}" for c in coords)
+        if not coords:
+            return "c"
+        return "c" + self.separator + self.separator.join([str(int(c)) for c in coords])
 
     @cached_property
     def inner_bytes(self) -> int:
@@ -338,10 +340,11 @@ class ChunkInfo:
             return self.at[0], self.at[1]
         if self.per_shard is None:
             return self.chunk_key(coords), 0
-        shard = tuple(int(c) // k for c, k in zip(coords, self.per_shard, strict=True))
-        local = tuple(int(c) % k for c, k in zip(coords, self.per_shard, strict=True))
+        shard = []
         linear = 0
-        for i, k in zip(local, self.per_shard, strict=True):
+        for c, k in zip(coords, self.per_shard, strict=True):
+            q, i = divmod(int(c), k)
+            shard.append(q)
             linear = linear * k + i
         return self.chunk_key(shard), linear * self.inner_bytes
 
