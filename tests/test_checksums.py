@@ -304,3 +304,44 @@ def test_a_slice_across_chunk_columns_reads_its_rows_once(tmp_path: Path, chunk_
     assert sum(r.read_bytes for r in report.ranks) == value.nbytes
     fetched = sum(r.checked_bytes for r in report.ranks) + value.nbytes
     assert fetched == (2 * value.nbytes if chunk_bytes > 48 and sum_block > 48 else value.nbytes)
+
+
+@pytest.mark.parametrize("overlap", [False, True])  # checks on the writer's thread, or on its checks thread
+def test_copied_ranges_are_checked_on_every_block_they_touch(tmp_path: Path, overlap: bool) -> None:
+    """Four source ranks write runs of 96 bytes into one shard, summed in blocks of 40 bytes
+    (so blocks end inside runs); eight destination ranks copy 48 bytes each. A damaged byte
+    stops exactly the destination files whose range meets the recorded block holding it
+    (worked out here from the geometry alone), and no other."""
+    write_model(tmp_path / "src", [TensorDef("w", (16, 6), "Float32", make_layout((4,), [[0], [-1]]))],
+                device_num=4, scalars=False)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(tmp_path / "src" / "strategy.ckpt"),
+                 IngestOptions(shard_bytes=1 << 20, checksum_block_bytes=40))
+    records = sorted((want.origin, want.length) for want in zckpt.open_store(store).checksums()["w"].values())
+    assert records == [(96 * k, 96) for k in range(4)]  # the geometry the expectations below rest on
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={"w": {0: make_layout((8,), [[0], [-1]])}})))
+    options = ExportOptions(overlap=overlap)
+    value = global_value("w", (16, 6), "Float32")
+    zckpt.export(store, tmp_path / "ok", str(dst), options=options)
+    for rank in range(8):
+        with CkptReader(tmp_path / "ok" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            assert r.array("w").tobytes() == value[2 * rank : 2 * rank + 2].tobytes()
+    (shard,) = [p for p in (store / "tensors" / "w").iterdir() if p.name.startswith("c")]
+    good = shard.read_bytes()
+    for byte in (0, 45, 100, 200, 383):
+        run = byte // 96 * 96
+        block = run + (byte - run) // 40 * 40
+        span = (block, min(run + 96, block + 40))
+        data = bytearray(good)
+        data[byte] ^= 0x10
+        shard.write_bytes(bytes(data))
+        for rank in range(8):
+            out = tmp_path / f"b{byte}-r{rank}"
+            if 48 * rank < span[1] and span[0] < 48 * rank + 48:
+                with pytest.raises(zckpt.StoreError, match="fails its checksum"):
+                    zckpt.export(store, out, str(dst), ranks=[rank], options=options)
+                assert not list(out.rglob("*.ckpt")) and not list(out.rglob("*.tmp-zckpt"))
+            else:
+                zckpt.export(store, out, str(dst), ranks=[rank], options=options)
+    shard.write_bytes(good)
