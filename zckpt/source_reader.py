@@ -46,16 +46,18 @@ class SourceBoxes:
     @classmethod
     def of(cls, specs: Mapping[str, TensorSpec], writes_by_name: Mapping[str, Sequence[Write]],
            slices: Iterable[Slice], indexes: Mapping[int, Mapping[str, EntryInfo]],
-           rank_files: Mapping[int, str]) -> SourceBoxes:
+           rank_files: Mapping[int, str], corners: Corners | None = None) -> SourceBoxes:
         """What the file of ``slices`` needs: only the source boxes that meet them (a task
-        ships this, so it stays proportional to the file, not to the job)."""
+        ships this, so it stays proportional to the file, not to the job). ``corners``: the
+        writes' boxes as arrays, made once for every destination file."""
         writes: dict[str, list[Write]] = {}
         for s in slices:
             held = writes_by_name.get(s.name, ())
             if s.box.ndim == 0 or specs[s.name].kind != "tensor":
                 writes[s.name] = list(held[:1])
             else:
-                writes[s.name] = [held[i] for i in meeting(held, s.box)]
+                hit = meeting(held, s.box, None if corners is None else corners.of(s.name, held))
+                writes[s.name] = [held[i] for i in hit]
         entries: dict[int, dict[str, EntryInfo]] = {}
         for name, ws in writes.items():
             for w in ws:
@@ -64,14 +66,32 @@ class SourceBoxes:
                    {r: str(p) for r, p in rank_files.items() if r in entries}, entries)
 
 
-def meeting(writes: Sequence[Write], box: Box) -> list[int]:
+class Corners:
+    """The boxes of each entry's writes as two arrays (starts, stops), made on first use:
+    every destination file asks which of the same writes meet its slice."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, name: str, writes: Sequence[Write]) -> tuple[np.ndarray, np.ndarray]:
+        got = self._arrays.get(name)
+        if got is None:
+            got = self._arrays[name] = _corners(writes)
+        return got
+
+
+def _corners(writes: Sequence[Write]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([w.box.start for w in writes], dtype=np.int64),
+            np.array([w.box.stop for w in writes], dtype=np.int64))
+
+
+def meeting(writes: Sequence[Write], box: Box, corners: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
     """Indices of the writes whose boxes overlap ``box``, in order: one vectorised test over
     all of them (a 512-rank job gives each parameter up to hundreds of source boxes, and a
-    destination file meets a few)."""
+    destination file meets a few). ``corners``: their boxes as arrays, when made already."""
     if not writes:
         return []
-    starts = np.array([w.box.start for w in writes], dtype=np.int64)
-    stops = np.array([w.box.stop for w in writes], dtype=np.int64)
+    starts, stops = corners if corners is not None else _corners(writes)
     hit = np.all((starts < np.array(box.stop)) & (stops > np.array(box.start)), axis=1)
     return np.flatnonzero(hit).tolist()
 

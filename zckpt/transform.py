@@ -36,7 +36,7 @@ from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
-from zckpt.source_reader import SourceBoxes, SourceReader
+from zckpt.source_reader import Corners, SourceBoxes, SourceReader
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 
@@ -86,9 +86,14 @@ class TransformPlan:
     def _specs(self) -> dict[str, TensorSpec]:
         return {t.name: t for t in self.source.tensors}
 
+    @cached_property
+    def _corners(self) -> Corners:
+        return Corners()
+
     def boxes(self, rank: RankExport) -> SourceBoxes:
         """Where the slices of one destination file live."""
-        return SourceBoxes.of(self._specs, self._writes_by_name, rank.slices, self.indexes, self.source.rank_files)
+        return SourceBoxes.of(self._specs, self._writes_by_name, rank.slices, self.indexes, self.source.rank_files,
+                              self._corners)
 
 
 @dataclass(frozen=True)
