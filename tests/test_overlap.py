@@ -5,6 +5,7 @@ auto overlap is on only where a core is free for the second thread."""
 from __future__ import annotations
 
 import importlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 
 import zckpt
+from zckpt.checksums import BlockCheck
 from zckpt.cli import main as cli_main
 from zckpt.export import ExportOptions
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, random_layout, write_model
 from zckpt.ingest import IngestOptions
@@ -105,16 +107,16 @@ def test_a_range_the_kernel_copied_is_checked_on_the_helper_thread(
     """Whole chunks are copied by the kernel and read for their checks on the helper; a
     damaged one fails the file at commit: no file under its final name, no temporary left."""
     store, dst = _column_split(tmp_path, 48)
-    later: list[Any] = []
-    original = CkptWriter._check_later
+    ran: list[str] = []
+    original = BlockCheck.run
 
-    def spy(self: CkptWriter, block: Any, check: Any) -> None:
-        later.append(block)
-        original(self, block, check)
+    def spy(self: BlockCheck, read_at: Any) -> None:
+        ran.append(threading.current_thread().name)
+        original(self, read_at)
 
-    monkeypatch.setattr(CkptWriter, "_check_later", spy)
-    zckpt.export(store, tmp_path / "ok", str(dst))
-    assert len(later) == 4  # one chunk per rank, each checked after its kernel copy
+    monkeypatch.setattr(BlockCheck, "run", spy)
+    zckpt.export(store, tmp_path / "ok", str(dst), options=ExportOptions(overlap=True))
+    assert len(ran) == 4 and all(t.startswith("zckpt-read") for t in ran)  # one chunk per rank, on the helper
     key = _damage(store, "w", (0, 0))
     with pytest.raises(zckpt.StoreError, match=f"{key} fails its checksum"):
         zckpt.export(store, tmp_path / "bad", str(dst))
