@@ -17,7 +17,8 @@ rank unravelled row-major over ``D``, map entry ``k`` = axis ``D[len(D) - 1 - k]
   their row counts and offsets instead; an optimizer state listed without them but with its
   parameter's ``D`` and map is cut like the parameter;
 * a JSON file's expanded ``tensor_shape``: the global tensor is reshaped to it, cut by the
-  single-axis map, and the slice reshaped back to the real number of dimensions;
+  single-axis map (a manual split still giving dimension 0's pieces, which the expansion
+  leaves whole), and the slice reshaped back to the real number of dimensions;
 * optimizer parallel (``opt_weight_shard_size`` ``s`` > 1, ``-1`` = every replica) cuts
   dimension 0 of that slice into ``s`` equal parts; the part is the mixed-radix number of the
   rank's coordinates on the axes the tensor does not use (size > 1), taken from the innermost
@@ -139,7 +140,9 @@ def expected_shard(g: np.ndarray, lay: Layout, rank: int, *, opt: bool = True) -
     tshape = lay["tshape"]
     if tshape is not None and list(tshape) != list(g.shape):
         flat = [[a] for axes in lay["map"] for a in axes]
-        piece = _tp_slice(g.reshape(tshape), lay["dev"], flat, [], [], rank)
+        if lay["split"] and tshape[0] != g.shape[0]:
+            raise ValueError("a manual split of a dimension 0 that the expanded tensor_shape splits again")
+        piece = _tp_slice(g.reshape(tshape), lay["dev"], flat, lay["split"], lay["offset"], rank)
         real, j = [], 0
         for size in g.shape:
             full, local = 1, 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import oracle
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import zckpt
@@ -139,6 +139,7 @@ def test_split_values_and_crc_sources(tmp_path: Path) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), src_n=st.integers(1, 8), dst_n=st.integers(1, 8),
        src_json=st.booleans(), dst_json=st.booleans())
+@example(seed=264, src_n=5, dst_n=8, src_json=False, dst_json=True)  # manual split beside an expanded JSON dimension
 def test_random_round_trip(seed: int, src_n: int, dst_n: int, src_json: bool, dst_json: bool,
                            tmp_path_factory: pytest.TempPathFactory) -> None:
     tmp = tmp_path_factory.mktemp("rt")
