@@ -440,3 +440,32 @@ def test_lock_files_are_never_followed(job: Job, tmp_path: Path) -> None:
     _clean_refusal(subprocess.run(_export(job, store, out), capture_output=True, text=True, env=_env(), check=False),
                    "symbolic link", locks.OUTPUT_LOCK)
     assert not outside.exists() and not list(out.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+def test_cluster_task_refuses_a_store_rewritten_after_planning(job: Job, tmp_path: Path, fmt: str) -> None:
+    """A task that opens the store itself (a Dask worker: remote stores have no reader lock)
+    is stopped when the store is no longer the one the export was planned on, instead of
+    writing model B's data into a file beside files of model A; the planned store still
+    exports."""
+    from zckpt.export import ExportOptions, PlannedStore, plan_export, write_file
+    from zckpt.export_safetensors import write_safetensors_file
+    from zckpt.ingest import IngestOptions, ingest
+    from zckpt.store import Store
+
+    store = tmp_path / "store.zarr"
+    ingest(job.src("a"), store, job.strategy)
+    opened = Store.open(store)
+    planned = PlannedStore.of(opened)
+    rank = plan_export(opened, str(job.dst), None).ranks[0]
+    opts = ExportOptions(format=fmt)
+    task = write_file if fmt == "ckpt" else write_safetensors_file
+    target = tmp_path / "ok" / f"checkpoint_0.{fmt}"
+    target.parent.mkdir()
+    assert task((rank, str(target)), planned, opts).path == str(target)
+    ingest(job.src("b"), store, job.strategy, IngestOptions(overwrite=True))
+    stale = tmp_path / "stale" / f"checkpoint_0.{fmt}"
+    stale.parent.mkdir()
+    with pytest.raises(StoreError, match="changed after this export was planned"):
+        task((rank, str(stale)), planned, opts)
+    assert not list(stale.parent.iterdir())

@@ -89,6 +89,30 @@ class ExportOptions:
 
 
 @dataclass(frozen=True)
+class PlannedStore:
+    """The store a task opens itself (a Dask worker), with the identity it had when the
+    export was planned: readers of a remote store hold no lock, so a store rewritten by an
+    ingest meanwhile must stop the tasks that would read it, not give their files other
+    data than the files written before."""
+
+    url: str
+    identity: str | None
+
+    @classmethod
+    def of(cls, store: Store) -> PlannedStore:
+        return cls(store.url, store.identity())
+
+    def open(self, storage_options: Mapping[str, Any] | None) -> Store:
+        from zckpt.store import Store
+
+        store = Store.open(self.url, storage_options=storage_options)
+        if store.identity() != self.identity:
+            raise StoreError("the store changed after this export was planned (rewritten by an ingest meanwhile?): "
+                             "rerun the export", path=self.url)
+        return store
+
+
+@dataclass(frozen=True)
 class ExportReport:
     out_dir: str
     ranks: tuple[RankResult, ...]
@@ -245,7 +269,7 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
         # They also hand their files to one publisher, which syncs each while the next is written.
-        results = run_all(write_file, units, store if client is None else store.url, options,
+        results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
                           publisher if client is None else None, client=client,
                           label="export",
                           name=task_name,
@@ -287,19 +311,17 @@ def target_name(out_loc: remote.Location | None, path: Path) -> str:
 
 
 def write_file(
-    unit: tuple[RankExport, str], store: Store | str, options: ExportOptions, publisher: Publisher | None = None,
-    report: Report | None = None,
+    unit: tuple[RankExport, str], store: Store | PlannedStore, options: ExportOptions,
+    publisher: Publisher | None = None, report: Report | None = None,
 ) -> RankResult:
-    """Write one destination file from the store (a Dask task given the store's URL opens
-    the store itself; in this process it is given the open store).
+    """Write one destination file from the store (a Dask task opens the planned store
+    itself; in this process it is given the open store).
 
     A remote destination is written to a local temporary file first and uploaded when
     complete, so that its final name never holds a partial file."""
     rank, target = unit
-    if isinstance(store, str):
-        from zckpt.store import Store
-
-        store = Store.open(store, storage_options=options.storage_options)
+    if isinstance(store, PlannedStore):
+        store = store.open(options.storage_options)
     reader = StoreReader(store, options)
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)

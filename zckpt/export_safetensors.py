@@ -39,6 +39,7 @@ from zckpt.errors import OutputError
 from zckpt.export import (
     ExportOptions,
     ExportReport,
+    PlannedStore,
     StoreReader,
     export_session,
     output_folders,
@@ -150,18 +151,18 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
-        results = run_all(write_safetensors_file, units, store.url, options, client=client,
+        results = run_all(write_safetensors_file, units, PlannedStore.of(store), options, client=client,
                           label="export", progress=options.progress, name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 
 def write_safetensors_file(
-    unit: tuple[RankExport, str], store_path: str, options: ExportOptions, report: Report | None = None
+    unit: tuple[RankExport, str], store: PlannedStore, options: ExportOptions, report: Report | None = None
 ) -> RankResult:
     """Write one destination rank (a Dask task: it opens the store itself)."""
     rank, target = unit
-    reader = StoreReader(Store.open(store_path, storage_options=options.storage_options), options)
+    reader = StoreReader(store.open(options.storage_options), options)
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     if not remote.is_remote(target):
