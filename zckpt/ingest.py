@@ -712,11 +712,10 @@ def _run(
                             {n: layout.shards[n] for n in names if n in layout.shards}, target, index))
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    in_process = engine.scheduler is None and (engine.workers == 1 or not engine.processes)
     with dask_client(engine) as client:
         options = replace(options, overlap=overlap_for(options.overlap, client))
-        with _shard_files(store.url if local and in_process else None):  # every record written when it ends
-            written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options,
+        with _shard_files(local and client is None) as shared:  # every record written when it ends
+            written = run_all(ingest_rank, [j for j in jobs if j.rank not in done], store.url, options, shared,
                               client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
                               progress=options.progress)
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
@@ -753,11 +752,6 @@ class _InProcess:
             f.result()
 
 
-_SHARD_FILES: dict[str, _InProcess] = {}
-"""The ingests whose tasks run in this process, by store path."""
-_SHARD_FILES_LOCK = threading.Lock()
-
-
 def _shard_file_limit() -> int:
     """Shard files kept open at once: a quarter of this process's descriptor limit, at most 1 024."""
     try:
@@ -770,43 +764,36 @@ def _shard_file_limit() -> int:
 
 
 @contextmanager
-def _shard_files(store_path: str | None) -> Iterator[None]:
-    """Open the store's shard files once for every task run in this process (in-process or
-    thread workers) while the ingest runs, with a thread that starts writing back what the
-    tasks wrote (:class:`~zckpt.fileio.WriteBehind`), and close them after; ``None``: tasks run
-    in other processes and open their own (:func:`_task_files`)."""
-    if store_path is None:
-        yield
+def _shard_files(in_process: bool) -> Iterator[_InProcess | None]:
+    """The store's shard files opened once for every task run in this process while the
+    ingest runs, with a thread that starts writing back what the tasks wrote
+    (:class:`~zckpt.fileio.WriteBehind`), closed after; ``False``: tasks run on a cluster and
+    open their own (:func:`_task_files`)."""
+    if not in_process:
+        yield None
         return
     with SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit()) as files, \
             WriteBehind(files) as behind:
         shared = _InProcess(files, behind)
-        with _SHARD_FILES_LOCK:
-            _SHARD_FILES[store_path] = shared
         try:
-            yield
+            yield shared
         except BaseException:
             with contextlib.suppress(Exception):  # the records of ranks done still count on resume
                 shared.wait_records()
             raise
         else:
             shared.wait_records()
-        finally:
-            with _SHARD_FILES_LOCK:
-                _SHARD_FILES.pop(store_path, None)
 
 
 @contextmanager
-def _task_files(store_path: str) -> Iterator[tuple[SharedFiles, _InProcess | None]]:
-    """The shard files a task writes through, and what it shares with the ingest: the
-    ingest's own in this process, else the task's files (closed when it ends) and nothing."""
-    with _SHARD_FILES_LOCK:
-        shared = _SHARD_FILES.get(store_path)
+def _task_files(shared: _InProcess | None) -> Iterator[SharedFiles]:
+    """The shard files a task writes through: the ingest's own in this process, else the
+    task's (closed when it ends)."""
     if shared is not None:
-        yield shared.files, shared
+        yield shared.files
         return
     with SharedFiles(lambda p: _open_chunk_file(p, False), _shard_file_limit()) as own:
-        yield own, None
+        yield own
 
 
 def _target(store: Store, layout: StoreLayout, names: set[str]) -> StoreTarget:
@@ -837,8 +824,10 @@ def _rank_name(job: RankJob | CheckJob) -> str:
     return f"rank {job.rank}"
 
 
-def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: Report | None = None) -> int:
-    """Write one source rank's boxes into the store and mark the rank done (a Dask task)."""
+def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: _InProcess | None = None,
+                report: Report | None = None) -> int:
+    """Write one source rank's boxes into the store and mark the rank done (a Dask task;
+    ``shared``: what the tasks run in the ingest's own process share)."""
     from zckpt.store import Store, encode_runs
 
     if job.target is not None:
@@ -856,7 +845,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, report: R
     known = _RankSums(options.checksum_block_bytes)
     source = integrity.source_identity(job.path)
     with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
-            _task_files(store_path) as (files, shared), \
+            _task_files(shared) as files, \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1, files) as copier:
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
