@@ -69,6 +69,72 @@ def test_copy_passes_the_bytes_copied_to_its_sink(tmp_path: Path, kernel: bool,
     assert (tmp_path / "dst").read_bytes() == data[123:40_123]
 
 
+@pytest.mark.parametrize(("offset", "length", "at", "bufsize"),
+                         [(0, 0, 5, 8), (3, 1000, 17, 7), (123, 40_000, 4099, 4096), (0, 50_000, 0, 1 << 20)])
+def test_copy_at_fills_only_its_range_and_sums_the_bytes_it_wrote(
+    tmp_path: Path, offset: int, length: int, at: int, bufsize: int
+) -> None:
+    """A range copied into a preallocated file lands at ``at`` and nowhere else (the bytes
+    around it are other writers'), and its per-block sums are those of the source bytes."""
+    data = os.urandom(50_000)
+    (tmp_path / "src").write_bytes(data)
+    around = os.urandom(at + length + 100)
+    (tmp_path / "dst").write_bytes(around)
+    summer = BlockSummer(1000, offset)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY)
+    try:
+        fileio.copy_range_at(src, dst, offset, length, at, bytearray(bufsize), summer.feed)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert (tmp_path / "dst").read_bytes() == around[:at] + data[offset : offset + length] + around[at + length :]
+    piece = data[offset : offset + length]
+    assert summer.result() == [google_crc32c.value(piece[i : i + 1000]) for i in range(0, max(1, length), 1000)]
+
+
+def test_copy_at_reads_each_source_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a sink the bytes are read once, summed and written from the same buffer (no
+    kernel copy followed by a second read)."""
+    data = os.urandom(30_000)
+    (tmp_path / "src").write_bytes(data)
+    read: list[int] = []
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        n = real_preadv(fd, buffers, offset)
+        read.append(n)
+        return n
+
+    def no_kernel_copy(*args: object) -> int:
+        raise AssertionError("copied by the kernel, then read again for the sums")
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "copy_file_range", no_kernel_copy)
+    summer = BlockSummer(4096, 10)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        fileio.copy_range_at(src, dst, 10, 25_000, 0, bytearray(4096), summer.feed)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert sum(read) == 25_000
+    assert (tmp_path / "dst").read_bytes() == data[10:25_010]
+
+
+def test_copy_at_past_the_end_of_the_source_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "src").write_bytes(b"x" * 10)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="source ended after 6 of 20"):
+            fileio.copy_range_at(src, dst, 4, 20, 0, bytearray(4))
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
 class _Damaged(Exception):
     pass
 

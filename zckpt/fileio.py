@@ -275,25 +275,24 @@ def copy_range_at(
     src: int, dst: int, offset: int, length: int, at: int, buf: bytearray | None = None, sink: Sink | None = None
 ) -> None:
     """Copy ``length`` bytes of ``src`` at ``offset`` to ``dst`` at ``at`` (a byte range of a
-    shard file that other writers fill around it): in the kernel when it can, else through
-    ``buf``; ``sink`` receives the bytes (read once more through ``buf`` after a kernel copy)."""
+    shard file that other writers fill around it) through ``buf``, passing them to ``sink``
+    on the way: each byte is read once, summed while in the CPU cache, and written.
+
+    Not ``copy_file_range``: the sums need the bytes in this process, and the kernel's copy
+    plus a second read cost more than one read and one write (bench/bench_copy.py: ext4 splices
+    the destination a page at a time, ``pwrite`` fills it a buffer at a time)."""
+    view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length))))
+    size = len(view)
     done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, offset + done, at + done)
-        except OSError:
-            break
+    while done < length:  # a plain loop (no generator): ingest calls this once per run, 10 000s of times
+        n = os.preadv(src, [view[: min(size, length - done)]], offset + done)
         if n == 0:
-            break
+            raise OSError(f"source ended after {done} of {length} bytes")
+        block = view[:n]
+        if sink is not None:
+            sink(offset + done, block)
+        write_at(dst, block, at + done)
         done += n
-    if done and sink is not None:
-        read_through(src, offset, done, buf if buf is not None else bytearray(BLOCK), sink)
-    if done < length:
-        view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length - done))))
-        for pos, block in _blocks(src, offset + done, length - done, view):
-            if sink is not None:
-                sink(pos, block)
-            write_at(dst, block, at + (pos - offset))
 
 
 def write_at(dst: int, data: memoryview | bytes, at: int) -> None:

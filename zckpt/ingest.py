@@ -1016,11 +1016,11 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
 def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier, sum_block: int) -> bool:
     """Fill the box's chunks straight from the source file when the store holds raw chunks
     on a local disk: run by run (:func:`zckpt.store.write_runs`), each one byte range of a
-    chunk or shard file. A run whose rows are one byte range of the source is copied by the
-    kernel (``copy_file_range``: no byte passes through Python); the others are cut from the
-    mapped rows chunk by chunk. Each run's blocks are summed from the bytes it holds in the
-    same pass (read through a buffer, never through the mapping, so resident memory stays
-    flat). Returns ``False`` (nothing written) for other stores, which zarr then writes."""
+    chunk or shard file. A run whose rows are one byte range of the source is copied through
+    a buffer (:func:`zckpt.fileio.copy_range_at`: read once, never through the mapping, so
+    resident memory stays flat); the others are cut from the mapped rows chunk by chunk.
+    Each run's blocks are summed from the bytes it holds in the same pass. Returns ``False``
+    (nothing written) for other stores, which zarr then writes."""
     from zckpt.store import write_runs
 
     if store.is_remote:
