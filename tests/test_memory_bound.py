@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zckpt
+from zckpt import rank_writer
 from zckpt.cli import parse_size
+from zckpt.export import StoreReader
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model
 from zckpt.layout import Box, c_order_pieces
 from zckpt.runner import memory_budget
+from zckpt.source_reader import SourceReader
+from zckpt.transform import TransformOptions, transform
 
 
 @settings(max_examples=300, deadline=None)
@@ -107,3 +114,56 @@ def test_opening_a_shard_keeps_none_of_it_mapped(tmp_path: Path) -> None:
         r.array("w7").sum()  # touching data maps it; releasing drops it again
         r.release_pages()
         assert _mapped_kib(path) <= 4 * 1024
+
+
+def test_bands_from_local_files_are_read_in_small_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the budget, bands of local files are read at most ``LOCAL_BATCH_BYTES`` at a
+    time (fresh batches of half the budget were memory faulted in anew, batch after batch),
+    and the files stay exact: rows that span two chunk columns (export) or two source boxes
+    (transform) are cut through memory here."""
+    lay = make_layout((2,), [[], [0]])
+    wide = TensorDef("wide", (3, 4096), "Float32", lay)
+    model = write_model(tmp_path / "src", [wide], device_num=2)
+    store = tmp_path / "s.zarr"
+    zckpt.ingest(str(tmp_path / "src"), store, str(model.strategy_path), zckpt.IngestOptions())
+    dst = StrategyMap(layouts={"wide": {0: make_layout((3,), [[0], []])}})
+    (tmp_path / "d.ckpt").write_bytes(encode_strategy(dst))
+    monkeypatch.setattr(rank_writer, "LOCAL_BATCH_BYTES", 1024)
+    batches: list[int] = []
+    for cls in (StoreReader, SourceReader):
+        def record(self: Any, items: list[tuple[str, Box]], _real: Any = cls.materialise) -> list[np.ndarray]:
+            got: list[np.ndarray] = _real(self, items)
+            batches.append(sum(a.nbytes for a in got))
+            return got
+        monkeypatch.setattr(cls, "materialise", record)
+    budget = 2**30
+    zckpt.export(store, tmp_path / "e", str(tmp_path / "d.ckpt"), options=zckpt.ExportOptions(block_bytes=budget))
+    exported = len(batches)
+    transform(str(tmp_path / "src"), str(tmp_path / "t"), str(model.strategy_path), str(tmp_path / "d.ckpt"),
+              options=TransformOptions(block_bytes=budget))
+    assert exported and len(batches) > exported, "no band was read through memory"
+    assert max(batches) <= 1024
+    want = global_value("wide", (3, 4096), "Float32")
+    for out in ("e", "t"):
+        for r in range(3):
+            with CkptReader(tmp_path / out / f"rank_{r}" / f"checkpoint_{r}.ckpt") as f:
+                assert f.array("wide").tobytes() == want[r : r + 1].tobytes()
+
+
+def test_remote_stores_keep_batches_of_half_the_budget(tmp_path: Path) -> None:
+    """A remote store's batch is one round of concurrent requests: it stays as large as the
+    budget allows, only local files are read in small batches."""
+    fsspec = pytest.importorskip("fsspec")
+    model = write_model(tmp_path / "src", [TensorDef("w", (4, 8), "Float32", make_layout((2,), [[0], []]))],
+                        device_num=2)
+    base = f"memory://zckpt-{uuid.uuid4().hex[:8]}"
+    zckpt.ingest(str(tmp_path / "src"), f"{base}/s.zarr", str(model.strategy_path))
+    try:
+        budget = 64 * rank_writer.LOCAL_BATCH_BYTES
+        remote = StoreReader(zckpt.open_store(f"{base}/s.zarr"), zckpt.ExportOptions(block_bytes=budget, overlap=True))
+        assert remote.band_bytes == budget // 2
+        local = rank_writer.batch_bytes(budget, True)
+        assert local == rank_writer.LOCAL_BATCH_BYTES < remote.band_bytes
+    finally:
+        fs, path = fsspec.core.url_to_fs(base)
+        fs.rm(path, recursive=True)

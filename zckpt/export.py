@@ -39,7 +39,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
-from zckpt.rank_writer import RankResult, write_ckpt_rank
+from zckpt.rank_writer import RankResult, batch_bytes, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 
 if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
@@ -494,7 +494,7 @@ class StoreReader:
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
         self._checked: Checked = set()
-        self.band_bytes = max(1, options.block_bytes // (2 if wants_overlap(options.overlap) else 1))
+        self.band_bytes = batch_bytes(options.block_bytes, wants_overlap(options.overlap), local=store.location is None)
         """Largest batch of slices read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0

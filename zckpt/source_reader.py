@@ -29,6 +29,7 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo, FileRange
 from zckpt.formats.shards import open_shard, shard_format
 from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import Slice, TensorSpec, Write
+from zckpt.rank_writer import batch_bytes
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class SourceReader:
     def __init__(self, boxes: SourceBoxes, block_bytes: int, *, overlap: bool = False) -> None:
         self.boxes = boxes
         self.shards = ShardFiles(boxes.files, boxes.entries)
-        self.band_bytes = max(1, block_bytes // (2 if overlap else 1))
+        self.band_bytes = batch_bytes(block_bytes, overlap)
         """Largest batch of bands read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0
         self.checked_bytes = 0
