@@ -203,3 +203,26 @@ def test_ingest_killed_at_random_points_resumes_to_the_same_values_and_records(j
         _check_values(job, store)
         shutil.rmtree(store)
     assert killed >= 2, f"only {killed} runs were killed before finishing"
+
+
+def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs where the record is made (the record thread): the rank is never
+    recorded, the ingest fails naming the file and leaves no store."""
+    mod = sys.modules["zckpt.ingest"]  # the module (``zckpt.ingest`` is also the function)
+    src = tmp_path / "src"
+    shutil.copytree(job.root, src)
+    victim = src / "rank_40" / "checkpoint_40.ckpt"
+    finish = mod._ChunkCopier.finish
+
+    def finish_then_touch(self: object) -> object:
+        if Path(self.reader.path) == victim:  # type: ignore[attr-defined]
+            st = victim.stat()
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return finish(self)
+
+    monkeypatch.setattr(mod._ChunkCopier, "finish", finish_then_touch)
+    store = tmp_path / "s.zarr"
+    with pytest.raises(zckpt.SourceError, match="changed while it was being read") as err:
+        _ingest(job, store, src)
+    assert err.value.path == str(victim) and not store.exists()
