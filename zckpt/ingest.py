@@ -865,10 +865,10 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: _
             store.assume_layout(w.name, job.chunks[w.name], job.shards.get(w.name))
     written = 0
     known = _RankSums(options.checksum_block_bytes)
-    source = integrity.source_identity(job.path)
     with open_source(job.path, options.storage_options, verify_crc=False, index=job.index) as reader, \
             _task_files(shared) as files, \
             _ChunkCopier(reader, 2 if wants_overlap(options.overlap) else 1, files) as copier:
+        source = integrity.source_identity(job.path, _descriptor(reader, job.path))  # before any byte is copied
         batch = _WriteBatch(store, options.block_bytes, reader, copier)
         ticker = Ticker(report)
         packed_runs: dict[str, dict[str, list[tuple[int, int, list[int]]]]] = {}
@@ -909,6 +909,18 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: _
     else:
         store.mark_ingested(job.rank, **info())
     return written
+
+
+def _descriptor(reader: object, path: str) -> int | None:
+    """The reader's open file, when it reads ``path`` itself: not a local copy of a remote
+    shard (whose identity is none), nor a split source (several files)."""
+    fileno = getattr(reader, "fileno", None)
+    if fileno is None or remote.is_remote(path):
+        return None
+    try:
+        return int(fileno())
+    except ZckptError:
+        return None
 
 
 def _write_packed(store: Store, reader: CkptReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
