@@ -110,6 +110,7 @@ def test_a_changed_source_inside_a_group_is_redone_and_its_neighbours_kept(job: 
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the same bytes, another time: redone
     report = _ingest(job, store, src)
     assert report.redone.keys() == {4} and report.complete
+    assert report.bytes_written == before[4]["bytes"] > 0  # its neighbours' records were kept: not redone
     assert "ranks_3-5.json" not in _record_files(store)
     assert {"rank_3.json", "rank_4.json", "rank_5.json"} <= set(_record_files(store))
     after = zckpt.open_store(store).progress_records()
@@ -226,3 +227,24 @@ def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_p
     with pytest.raises(zckpt.SourceError, match="changed while it was being read") as err:
         _ingest(job, store, src)
     assert err.value.path == str(victim) and not store.exists()
+
+
+@pytest.mark.parametrize("size", [10, integrity.ENDS_BYTES, 3 * integrity.ENDS_BYTES + 7])
+def test_source_identity_is_size_time_and_the_hash_of_the_ends(tmp_path: Path, size: int) -> None:
+    """What resuming compares with the identity a record holds, whichever zckpt wrote it:
+    read through a path or through a reader's open descriptor alike."""
+    import hashlib
+
+    f = tmp_path / "x.ckpt"
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    f.write_bytes(data)
+    ends = data[:integrity.ENDS_BYTES] + (data[max(integrity.ENDS_BYTES, size - integrity.ENDS_BYTES):]
+                                          if size > integrity.ENDS_BYTES else b"")
+    want = {"size": size, "mtime_ns": f.stat().st_mtime_ns, "ends_sha256": hashlib.sha256(ends).hexdigest()}
+    assert integrity.source_identity(f) == want
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert integrity.source_identity(f, fd) == want
+    finally:
+        os.close(fd)
+    assert integrity.source_identity(tmp_path) is None and integrity.source_identity(tmp_path / "absent") is None
