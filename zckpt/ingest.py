@@ -350,8 +350,9 @@ def ingest(
     """Build a complete store from source shards.
 
     Rerunning the same ingest after a crash resumes it: source ranks already written
-    (a progress record ``progress/rank_<r>.json``) are skipped, the others are rewritten, and the result is the
-    store an uninterrupted run makes, byte for byte. A store holding a different ingest is
+    (a progress record, :mod:`zckpt.records`) are skipped, the others are rewritten, and the result is the
+    store an uninterrupted run makes, byte for byte (only the ranks sharing a record file may
+    differ). A store holding a different ingest is
     refused unless ``overwrite``. When the input turns out to be bad (a zckpt error), the
     incomplete store is removed; after an interruption it is kept, marked incomplete.
     """
