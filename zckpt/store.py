@@ -34,7 +34,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -1556,17 +1556,18 @@ class Store:
             self._writers[name] = [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
         return self._writers[name]
 
-    def missing_in(self, name: str, box: Box) -> list[int]:
-        """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it)."""
-        done = self.ingested_ranks()
+    def missing_in(self, name: str, box: Box, done: Set[int] | None = None) -> list[int]:
+        """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it);
+        ``done``: the ranks ingested, when the caller has them."""
+        done = self.ingested_ranks() if done is None else done
         covered = 0
         missing: list[int] = []
         for r, b in self.writers(name):
-            part = b.intersect(box) if box.ndim else b
-            if part is None:
+            part = b.overlap(box) if box.ndim else b.size
+            if box.ndim and not part:
                 continue
             if r in done:
-                covered += part.size
+                covered += part
             else:
                 missing.append(r)
         if not missing and covered < box.size:
@@ -1580,7 +1581,7 @@ class Store:
         for e in known.values() if names is None else [known[n] for n in dict.fromkeys(names) if n in known]:
             if e.kind == "str" or (e.writer is not None and e.writer in done):  # a packed tensor: one writer
                 continue
-            miss = self.missing_in(e.name, Box.full(e.shape))
+            miss = self.missing_in(e.name, Box.full(e.shape), done)
             if miss == [-1]:
                 problems.append(f"{e.name}: part of the tensor is held by no source rank")
             elif miss:
