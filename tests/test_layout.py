@@ -404,3 +404,18 @@ def test_reference_sliced_by_rank_box_equals_every_shard(fixtures_dir: Path, sid
                     assert got.tobytes() == expect.tobytes(), (rank, name)
                     compared += 1
     assert compared > 0
+
+
+def test_overlap_counts_the_elements_two_boxes_share() -> None:
+    """Against a brute-force count on a grid (boxes may reach outside each other, be empty or 0-d)."""
+    import random
+
+    rng = random.Random(67)
+    for _ in range(500):
+        nd = rng.randint(0, 3)
+        starts = [[rng.randint(0, 5) for _ in range(nd)] for _ in range(2)]
+        a, b = (Box(tuple(s), tuple(x + rng.randint(0, 4) for x in s)) for s in starts)
+        grid = np.zeros((10,) * nd, dtype=np.int8)
+        grid[a.slices()] += 1
+        grid[b.slices()] += 1
+        assert a.overlap(b) == int((grid == 2).sum()) == b.overlap(a), (a, b)

@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Set
-from pathlib import Path
 from typing import Any
 
 from zckpt.dtypes import ms_dtype
@@ -169,21 +168,30 @@ def check_array(kind: str, ms_type: str, shape: tuple[int, ...], name: str, doc:
                                  "damaged", path=where, param=name)
 
 
-def source_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+def source_identity(path: str | os.PathLike[str], fd: int | None = None) -> dict[str, Any] | None:
     """What resuming can check of a local source file without reading it whole: its size,
     its modification time and a SHA-256 of its first and last ``ENDS_BYTES`` (a file
     rewritten in place with its old size and time still differs there in practice: headers
-    and the first and last values). ``None`` for what is not a local regular file."""
-    p = Path(path)
+    and the first and last values). ``None`` for what is not a local regular file. ``fd``:
+    the file already open (a reader's), read there rather than opened again (three system
+    calls instead of six: at 512 ranks each is a wait for the GIL on the planning thread)."""
     try:
-        with open(p, "rb") as f:
-            st = os.fstat(f.fileno())
-            h = hashlib.sha256(f.read(ENDS_BYTES))
-            if st.st_size > ENDS_BYTES:
-                f.seek(max(ENDS_BYTES, st.st_size - ENDS_BYTES))
-                h.update(f.read(ENDS_BYTES))
+        if fd is not None:
+            return _identity(fd)
+        own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _identity(own)
+        finally:
+            os.close(own)
     except (OSError, ValueError):
         return None
+
+
+def _identity(fd: int) -> dict[str, Any]:
+    st = os.fstat(fd)
+    h = hashlib.sha256(os.pread(fd, ENDS_BYTES, 0))
+    if st.st_size > ENDS_BYTES:
+        h.update(os.pread(fd, ENDS_BYTES, max(ENDS_BYTES, st.st_size - ENDS_BYTES)))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ends_sha256": h.hexdigest()}
 
 

@@ -64,6 +64,17 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
 
+    def overlap(self, other: Box) -> int:
+        """Elements in common: ``intersect(other).size`` (0 when it is ``None``) without building
+        the box (a coverage check at 512 ranks asks it of 30 000 writer boxes)."""
+        n = 1
+        for a0, a1, b0, b1 in zip(self.start, self.stop, other.start, other.stop, strict=True):
+            d = min(a1, b1) - max(a0, b0)
+            if d <= 0:
+                return 0
+            n *= d
+        return n
+
     def intersect(self, other: Box) -> Box | None:
         """The common part, or ``None`` when it is empty (0-d boxes always intersect)."""
         start = tuple(max(a, b) for a, b in zip(self.start, other.start, strict=True))

@@ -8,6 +8,13 @@ their own name. Stores up to format 4 kept the same document as the attributes o
 group ``progress/rank_<r>``; creating hundreds of groups through zarr cost more than the
 ingest's own copying at 512 ranks, so format 5 writes plain files, and both are read here.
 
+From format 7, an ingest running its ranks in one process records them in groups: the ranks
+of a contiguous range finished together share one file, ``progress/ranks_<first>-<last>.json``
+(a list of the same documents), so that hundreds of source ranks make a few dozen files
+(creating and renaming 512 record files cost 0.5-0.75 s of CPU at 512 ranks). A group's file
+is written once all of its ranks' bytes are written, like a single record; a crash loses
+the records of the group being filled, and those ranks are redone.
+
 Records are zckpt's bookkeeping, not arrays: they live in the directory of ``progress``, a
 zero-length array (:func:`define_folder`), which zarr never lists.
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +35,11 @@ from zckpt.fileio import write_atomic
 FOLDER = "progress"
 FILE_VERSION = 5
 """Store format version from which records are files (earlier: zarr groups)."""
+GROUP_VERSION = 7
+"""Store format version from which several ranks' records may share a file."""
 _FILE = re.compile(r"rank_(0|[1-9][0-9]*)\.json")
 _GROUP = re.compile(r"rank_(0|[1-9][0-9]*)")
+_RANGE = re.compile(r"ranks_(0|[1-9][0-9]*)-(0|[1-9][0-9]*)\.json")
 
 
 def define_folder(group: Any) -> None:
@@ -51,6 +61,48 @@ def encode(rank: int, info: Mapping[str, Any]) -> bytes:
     return json.dumps({"rank": rank, **info}, separators=(",", ":")).encode("utf-8")
 
 
+def range_name(first: int, last: int) -> str:
+    """The name of the file holding the records of ranks ``first`` to ``last`` (a single
+    rank's is :func:`file_name`)."""
+    return file_name(first) if first == last else f"ranks_{first}-{last}.json"
+
+
+def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """``ranks`` as maximal runs of consecutive ranks ``(first, last)``, in order."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return out
+
+
+def encode_range(infos: Mapping[int, Mapping[str, Any]]) -> bytes:
+    """A range file's bytes: the records of its ranks in order, a JSON list."""
+    return ("[" + ",".join(encode(r, infos[r]).decode("utf-8") for r in sorted(infos)) + "]").encode("utf-8")
+
+
+def decode_named(data: bytes, name: str, where: str) -> dict[int, dict[str, Any]]:
+    """The records of a record file named ``name`` (one rank's or a range's), each checked
+    to describe the rank its name says."""
+    got = ranks_of(name)
+    if got is None:
+        raise StoreError("not a progress record's name", path=where)
+    first, last = got
+    if first == last:
+        return {first: decode(data, first, where)}
+    try:
+        docs = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        raise StoreError("progress record is not JSON: the store is damaged", path=where) from None
+    want = list(range(first, last + 1))
+    if not isinstance(docs, list) or [d.get("rank") if isinstance(d, dict) else None for d in docs] != want:
+        raise StoreError(f"progress record does not describe ranks {first} to {last}: the store is damaged",
+                         path=where)
+    return {r: d for r, d in zip(want, docs, strict=True)}
+
+
 def decode(data: bytes, rank: int, where: str) -> dict[str, Any]:
     """A record file's document, refused by name when it is not one (damaged or hand-edited)."""
     try:
@@ -68,6 +120,70 @@ def write(root: Path, rank: int, info: Mapping[str, Any]) -> None:
     write_atomic(root / FOLDER / file_name(rank), encode(rank, info), fsync=False)
 
 
+def files_for(infos: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, bytes]]:
+    """The record files of several ranks (format 7): ``(name, bytes)`` of one file per run of
+    consecutive ranks (:func:`range_name`)."""
+    out = []
+    for first, last in ranges(infos):
+        part = {r: infos[r] for r in range(first, last + 1)}
+        out.append((range_name(first, last), encode(first, part[first]) if first == last else encode_range(part)))
+    return out
+
+
+def write_many(root: Path, infos: Mapping[int, Mapping[str, Any]]) -> None:
+    """Record several ranks done in the local store at ``root`` (:func:`files_for`), each
+    file written as :func:`write` writes one."""
+    for name, data in files_for(infos):
+        write_atomic(root / FOLDER / name, data, fsync=False)
+
+
+def forget(
+    names: Iterable[str], ranks: Iterable[int], *, read: Callable[[str], bytes],
+    write: Callable[[str, bytes], None], remove: Callable[[str], None], where: Callable[[str], str],
+) -> None:
+    """Remove the records of ``ranks`` from the record files ``names`` (of format 5 and
+    later) of a ``progress`` folder read, written and removed through the callables: a
+    rank's own file goes; a range file holding one of them goes once the records of its
+    other ranks are written again as smaller ranges, so that a crash between never loses
+    a record (a rank then found in two files has the same record in both)."""
+    gone = set(ranks)
+    for n in sorted(names):
+        got = ranks_of(n)
+        if got is None or not gone.intersection(range(got[0], got[1] + 1)):
+            continue
+        if got[0] != got[1]:
+            kept = {r: {k: v for k, v in d.items() if k != "rank"}
+                    for r, d in decode_named(read(n), n, where(n)).items() if r not in gone}
+            for name, data in files_for(kept):
+                write(name, data)
+        remove(n)
+
+
+def forget_local(root: Path, ranks: Iterable[int]) -> None:
+    """:func:`forget` in the local store at ``root``."""
+    folder = root / FOLDER
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    forget(names, ranks, read=lambda n: safe_paths.read_bytes(folder / n, StoreError),
+           write=lambda n, data: write_atomic(folder / n, data, fsync=False),
+           remove=lambda n: (folder / n).unlink(missing_ok=True), where=lambda n: str(folder / n))
+
+
+def ranks_of(name: str) -> tuple[int, int] | None:
+    """``(first, last)`` ranks of a record file's name in ``progress/`` (``rank_<r>.json`` or,
+    format 7, ``ranks_<first>-<last>.json``); ``None`` for anything else, and for a range
+    that is not one (its last rank not after its first)."""
+    m = _FILE.fullmatch(name)
+    if m is not None:
+        return int(m.group(1)), int(m.group(1))
+    m = _RANGE.fullmatch(name)
+    if m is None or int(m.group(2)) <= int(m.group(1)):
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
 def rank_of(name: str) -> tuple[int, bool] | None:
     """``(rank, is_file)`` for a record's name in ``progress/``: ``rank_<r>.json`` (a file,
     format 5) or ``rank_<r>`` (a zarr group, formats 1 to 4); ``None`` for anything else."""
@@ -79,14 +195,19 @@ def rank_of(name: str) -> tuple[int, bool] | None:
 
 
 def local_ranks(root: Path) -> set[int]:
-    """Ranks with a record in the local store at ``root`` (files and format-4 groups)."""
+    """Ranks with a record in the local store at ``root`` (files, named by the ranks they
+    hold, and format-4 groups)."""
     folder = root / FOLDER
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return set()
-    out = set()
+    out: set[int] = set()
     for n in names:
+        span = ranks_of(n)
+        if span is not None:
+            out.update(range(span[0], span[1] + 1))
+            continue
         got = rank_of(n)
         if got is not None and (got[1] or (folder / n / "zarr.json").is_file()):
             out.add(got[0])
@@ -94,8 +215,8 @@ def local_ranks(root: Path) -> set[int]:
 
 
 def read_local(root: Path) -> dict[int, dict[str, Any]]:
-    """Every record of the local store at ``root``: the files' documents and the attributes
-    of format-4 groups (``{rank: record}``)."""
+    """Every record of the local store at ``root``: the files' documents (one rank's or a
+    range's) and the attributes of format-4 groups (``{rank: record}``)."""
     folder = root / FOLDER
     try:
         names = sorted(os.listdir(folder))
@@ -103,16 +224,13 @@ def read_local(root: Path) -> dict[int, dict[str, Any]]:
         return {}
     out: dict[int, dict[str, Any]] = {}
     for n in names:
-        got = rank_of(n)
-        if got is None:
-            continue
-        rank, is_file = got
-        if is_file:
+        if ranks_of(n) is not None:
             path = folder / n
-            out[rank] = decode(safe_paths.read_bytes(path, StoreError), rank, str(path))
+            out.update(decode_named(safe_paths.read_bytes(path, StoreError), n, str(path)))
             continue
+        got = rank_of(n)  # not a file: a format-4 group
         meta = folder / n / "zarr.json"
-        if meta.is_file():
+        if got is not None and meta.is_file():
             doc = json.loads(safe_paths.read_bytes(meta, StoreError))
-            out.setdefault(rank, dict(doc.get("attributes") or {}))
+            out.setdefault(got[0], dict(doc.get("attributes") or {}))
     return out

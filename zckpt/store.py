@@ -34,7 +34,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -59,8 +59,9 @@ from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
 
 FORMAT = "zckpt-store"
-VERSION = 6
-"""6: small tensors that one source rank writes whole are packed into one array per data type
+VERSION = 7
+"""7: the progress records of consecutive ranks may share one file (:mod:`zckpt.records`);
+6: small tensors that one source rank writes whole are packed into one array per data type
 (:mod:`zckpt.packed`); 5: progress records are plain files (:mod:`zckpt.records`), not zarr
 groups; 4: local stores group chunks into shards (``sharding_indexed``), checksums per block of
 each writer's run of a shard; 3: chunk checksums per block (``crc32c_blocks``); 2: one per
@@ -838,27 +839,29 @@ class Store:
         except StoreError:
             return {}
         out: dict[int, dict[str, Any]] = {}
-        files: dict[int, str] = {}
+        files: dict[str, tuple[int, int]] = {}
         for name, is_dir in present:
-            got = rank_records.rank_of(name)
-            if got is None or got[1] == is_dir:
+            span = rank_records.ranks_of(name)
+            if span is not None and not is_dir:
+                files[name] = span
                 continue
-            if got[1]:
-                files[got[0]] = folder.child(name).path
-            elif not read:
+            got = rank_records.rank_of(name)
+            if got is None or got[1] or not is_dir:
+                continue
+            if not read:
                 out[got[0]] = {}
             else:
                 node = self.group[f"{rank_records.FOLDER}/{name}"]
                 out[got[0]] = dict(node.attrs) if isinstance(node, zarr.Group) else {}
         if files and read:
             with remote.remote_errors(StoreError, self.url, "cannot read progress records"):
-                fetched = folder.fs.cat(list(files.values()))
+                fetched = folder.fs.cat([folder.child(n).path for n in files])
             by_name = {str(k).rstrip("/").rsplit("/", 1)[-1]: v for k, v in fetched.items()}
-            for rank in files:
-                name = rank_records.file_name(rank)
-                out[rank] = rank_records.decode(by_name.get(name, b""), rank, self.where(rank_records.FOLDER, name))
+            for name in sorted(files):
+                out.update(rank_records.decode_named(by_name.get(name, b""), name,
+                                                     self.where(rank_records.FOLDER, name)))
         else:
-            out.update({rank: {} for rank in files})
+            out.update({rank: {} for first, last in files.values() for rank in range(first, last + 1)})
         return out
 
     def define(
@@ -1038,16 +1041,27 @@ class Store:
 
     def forget_ranks(self, ranks: Iterable[int]) -> None:
         """Remove the progress records of ``ranks`` (their writes will be redone)."""
-        for r in ranks:
-            if self.version < rank_records.FILE_VERSION:
+        ranks = list(ranks)
+        if self.version < rank_records.FILE_VERSION:
+            for r in ranks:
                 with contextlib.suppress(KeyError):
                     del self.group[f"progress/rank_{r}"]
-            elif self.location is None:
-                (self.path / rank_records.FOLDER / rank_records.file_name(r)).unlink(missing_ok=True)
-            else:
+        elif self.location is None:
+            rank_records.forget_local(self.path, ranks)
+        else:
+            folder = self.location.child(rank_records.FOLDER)
+            try:
+                names = [n for n, is_dir in remote.listdir(folder, StoreError) if not is_dir]
+            except StoreError:
+                names = []
+
+            def remove(name: str) -> None:
                 with contextlib.suppress(StoreError):
-                    remote.remove(self.location.child(rank_records.FOLDER).child(rank_records.file_name(r)),
-                                  StoreError)
+                    remote.remove(folder.child(name), StoreError)
+
+            rank_records.forget(names, ranks, read=lambda n: remote.read_bytes(folder.child(n), StoreError),
+                                write=lambda n, data: remote.write_bytes(folder.child(n), data, StoreError),
+                                remove=remove, where=lambda n: self.where(rank_records.FOLDER, n))
         self._ingested = None
 
     @staticmethod
@@ -1115,6 +1129,17 @@ class Store:
             remote.write_bytes(self.location.child(rank_records.FOLDER).child(rank_records.file_name(rank)),
                                rank_records.encode(rank, info), StoreError)
         self._ingested = None
+
+    def mark_ingested_many(self, infos: Mapping[int, Mapping[str, Any]]) -> None:
+        """Write the progress records of several ranks (``{rank: info}``, each as
+        :meth:`mark_ingested` takes it): in a local store of format 7, ranks in a row share
+        one file (:func:`zckpt.records.write_many`); elsewhere one record each."""
+        if self.location is None and self.version >= rank_records.GROUP_VERSION:
+            rank_records.write_many(self.path, infos)
+            self._ingested = None
+            return
+        for rank in sorted(infos):
+            self.mark_ingested(rank, **infos[rank])
 
     def mark_complete(self) -> None:
         problems = self.coverage_problems()
@@ -1531,17 +1556,18 @@ class Store:
             self._writers[name] = [(int(r), Box.from_json(b)) for r, b in meta.get("writers", [])]
         return self._writers[name]
 
-    def missing_in(self, name: str, box: Box) -> list[int]:
-        """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it)."""
-        done = self.ingested_ranks()
+    def missing_in(self, name: str, box: Box, done: Set[int] | None = None) -> list[int]:
+        """Source ranks whose region of ``box`` is not in the store yet ([-1] = nobody has it);
+        ``done``: the ranks ingested, when the caller has them."""
+        done = self.ingested_ranks() if done is None else done
         covered = 0
         missing: list[int] = []
         for r, b in self.writers(name):
-            part = b.intersect(box) if box.ndim else b
-            if part is None:
+            part = b.overlap(box) if box.ndim else b.size
+            if box.ndim and not part:
                 continue
             if r in done:
-                covered += part.size
+                covered += part
             else:
                 missing.append(r)
         if not missing and covered < box.size:
@@ -1555,7 +1581,7 @@ class Store:
         for e in known.values() if names is None else [known[n] for n in dict.fromkeys(names) if n in known]:
             if e.kind == "str" or (e.writer is not None and e.writer in done):  # a packed tensor: one writer
                 continue
-            miss = self.missing_in(e.name, Box.full(e.shape))
+            miss = self.missing_in(e.name, Box.full(e.shape), done)
             if miss == [-1]:
                 problems.append(f"{e.name}: part of the tensor is held by no source rank")
             elif miss:
