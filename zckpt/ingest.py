@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zckpt import fileio, integrity, locks, packed, remote, safe_paths
-from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, file_sums
+from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, crc32c, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
@@ -1157,15 +1157,20 @@ class _ChunkCopier:
             self.files.release(path)
 
     def _copy(self, name: str, run: Run, path: str, offset: int, sum_block: int, create: bool) -> _Written:
-        summer = BlockSummer(sum_block, offset)
+        buf = self._buffer()
         fd = self._acquire(path, create)
         try:
-            copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, self._buffer(), summer.feed)
+            sums = (_copy_block(self.reader.fileno(), fd, offset, run.length, run.offset, buf)
+                    if 0 < run.length <= min(len(buf), sum_block) else None)
+            if sums is None:
+                summer = BlockSummer(sum_block, offset)
+                copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, buf, summer.feed)
+                sums = summer.result()
         finally:
             self._give_back(path, fd, create)
         if not create:
             self.written.append((path, run.offset, run.length))
-        return name, run.key, run.offset, run.length, summer.result()
+        return name, run.key, run.offset, run.length, sums
 
     def _cut(self, name: str, run: Run, path: str, box: Box, sum_block: int, create: bool) -> _Written:
         summer = BlockSummer(sum_block, 0)
@@ -1192,6 +1197,21 @@ class _ChunkCopier:
         futures, self.futures = self.futures, []
         done, self.done = self.done + [x for f in futures for x in f.result()], []
         return done
+
+
+def _copy_block(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray) -> list[int] | None:
+    """:func:`zckpt.fileio.copy_range_at` of a run that fits one buffer and one checksum block
+    (most runs of a many-rank job: 28 800 of 74 KB on average at 512 ranks), in one read, one
+    sum and one write, with no summer object: its one block sum, or ``None`` when the source
+    ends early (the caller's general copy then says where)."""
+    view = memoryview(buf)[:length]
+    if os.preadv(src, [view], offset) != length:
+        return None
+    crc = crc32c(view)
+    done = os.pwrite(dst, view, at)
+    if done != length:
+        write_at(dst, view[done:], at + done)
+    return [crc]
 
 
 def _open_chunk_file(path: str, create: bool) -> int:
