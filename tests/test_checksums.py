@@ -345,3 +345,21 @@ def test_copied_ranges_are_checked_on_every_block_they_touch(tmp_path: Path, ove
             else:
                 zckpt.export(store, out, str(dst), ranks=[rank], options=options)
     shard.write_bytes(good)
+
+
+def test_a_run_of_one_block_is_copied_whole_with_its_crc32c(tmp_path: Path) -> None:
+    """The one-read copy of a small run writes exactly the source bytes at its place and sums
+    them as the reference CRC-32C does; a source that ends early is left to the general copy."""
+    from zckpt.ingest import _copy_block
+
+    payload = bytes(range(256)) * 40 + b"tail"
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(payload)
+    dst.write_bytes(b"\xee" * 20000)
+    buf = bytearray(1 << 16)
+    with open(src, "rb") as s, open(dst, "r+b") as d:
+        assert _copy_block(s.fileno(), d.fileno(), 100, 5000, 3000, buf) == [google_crc32c.value(payload[100:5100])]
+        assert _copy_block(s.fileno(), d.fileno(), len(payload) - 10, 11, 0, buf) is None
+    got = dst.read_bytes()
+    assert got[3000:8000] == payload[100:5100]
+    assert got[:3000] == b"\xee" * 3000 and got[8000:] == b"\xee" * 12000
