@@ -1049,7 +1049,7 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier, sum_block: int) -> bool:
+def _write_runs(batch: _WriteBatch, reader: CkptReader, w: Write, sum_block: int) -> bool:
     """Fill the box's chunks straight from the source file when the store holds raw chunks
     on a local disk: run by run (:func:`zckpt.store.write_runs`), each one byte range of a
     chunk or shard file. A run whose rows are one byte range of the source is copied through
@@ -1057,8 +1057,7 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     resident memory stays flat); the others are cut from the mapped rows chunk by chunk.
     Each run's blocks are summed from the bytes it holds in the same pass. Returns ``False``
     (nothing written) for other stores, which zarr then writes."""
-    from zckpt.store import write_runs
-
+    store = batch.store
     if store.is_remote:
         return False
     info = store.chunk_info(w.name)
@@ -1071,11 +1070,11 @@ def _write_runs(store: Store, reader: CkptReader, w: Write, copier: _ChunkCopier
     folder = str(info.folder) + os.sep
     todo: list[tuple[Run, str, int | None]] = []
     row0 = w.box.start[0]
-    for run in write_runs(info, w.box):
+    for run in batch.write_runs(info, w.box):
         span = (reader.row_bytes_range(w.name, run.tiles[0].start[0] - row0, run.tiles[-1].stop[0] - row0)
                 if whole_rows else None)
         todo.append((run, folder + run.key, span[0] if span is not None and span[1] == run.length else None))
-    copier.write(w.name, w.box, todo, sum_block, create)
+    batch.copier.write(w.name, w.box, todo, sum_block, create)
     return True
 
 
@@ -1098,6 +1097,7 @@ class _ChunkCopier:
 
     def __init__(self, reader: CkptReader, threads: int, files: fileio.SharedFiles) -> None:
         self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
+        self._src: int | None = None
         self.files = files
         """Shard files, opened once per ingest in this process (chunk files are created per run)."""
         self.written: list[tuple[str, int, int]] = []
@@ -1120,7 +1120,8 @@ class _ChunkCopier:
         """Write the runs of one source box (one task: runs are often a few KiB): each
         ``(run, file, source offset)`` is copied from the source bytes at that offset (its
         rows, in one piece), or, without an offset, cut chunk by chunk from the mapped rows."""
-        if self.pool is None or sum(run.length for run, _, _ in runs) < INLINE_BYTES:
+        if self.pool is None or (runs[0][0].length if len(runs) == 1 else sum(r.length for r, _, _ in runs)) \
+                < INLINE_BYTES:
             self.done.extend(self._write(name, box, runs, sum_block, create))
         else:
             self.futures.append(self.pool.submit(self._write, name, box, runs, sum_block, create))
@@ -1158,13 +1159,16 @@ class _ChunkCopier:
 
     def _copy(self, name: str, run: Run, path: str, offset: int, sum_block: int, create: bool) -> _Written:
         buf = self._buffer()
+        src = self._src
+        if src is None:
+            src = self._src = self.reader.fileno()
         fd = self._acquire(path, create)
         try:
-            sums = (_copy_block(self.reader.fileno(), fd, offset, run.length, run.offset, buf)
+            sums = (_copy_block(src, fd, offset, run.length, run.offset, buf)
                     if 0 < run.length <= min(len(buf), sum_block) else None)
             if sums is None:
                 summer = BlockSummer(sum_block, offset)
-                copy_range_at(self.reader.fileno(), fd, offset, run.length, run.offset, buf, summer.feed)
+                copy_range_at(src, fd, offset, run.length, run.offset, buf, summer.feed)
                 sums = summer.result()
         finally:
             self._give_back(path, fd, create)
@@ -1230,6 +1234,11 @@ class _WriteBatch:
     """
 
     def __init__(self, store: Store, limit: int, reader: CkptReader, copier: _ChunkCopier) -> None:
+        from zckpt.store import write_runs
+
+        self.write_runs = write_runs
+        """:func:`zckpt.store.write_runs`, imported once per rank, not per box: an import
+        statement run 28 800 times was the largest Python cost of a 512-rank ingest's writes."""
         self.store = store
         self.reader = reader
         self.copier = copier
@@ -1275,7 +1284,7 @@ def _write(
     if w.box.ndim == 0:
         batch.add(w.name, (), reader.array(w.name))
         return entry.nbytes
-    if _write_runs(batch.store, reader, w, batch.copier, known.block_bytes):
+    if _write_runs(batch, reader, w, known.block_bytes):
         return entry.nbytes
     row_bytes = entry.nbytes // entry.shape[0]
     if chunks[0] * row_bytes <= block_bytes:
