@@ -29,7 +29,7 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -79,16 +79,16 @@ Block = np.ndarray | FileRange
 """A piece of tensor data handed to :meth:`CkptWriter.write_blocks`."""
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Payload bytes of one ``Value`` of an entry: ``length`` bytes at file ``offset``."""
+class Segment(NamedTuple):
+    """Payload bytes of one ``Value`` of an entry: ``length`` bytes at file ``offset`` (a
+    tuple, as :class:`EntryInfo`: the index of a 512-rank job is 30 000 of each, built four
+    times faster than frozen dataclasses)."""
 
     offset: int
     length: int
 
 
-@dataclass(frozen=True)
-class EntryInfo:
+class EntryInfo(NamedTuple):
     """One logical checkpoint entry (all ``Value``s sharing a tag).
 
     ``kind`` is ``"tensor"``, ``"str"`` (an ``append_dict`` string) or ``"map"``
