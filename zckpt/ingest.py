@@ -949,7 +949,6 @@ def _written_checksums(
     to file were summed from the source bytes in the copy; the others are read back (page
     cache)."""
     out: dict[str, dict[str, list[int]]] = {}
-    buffer = bytearray(fileio.BLOCK)
     for w in writes:
         if store.entry(w.name).kind != "tensor":
             continue  # MapParameter bytes are passed through as one opaque array
@@ -961,7 +960,7 @@ def _written_checksums(
             continue
         for key, path in store.chunk_files(w.name, w.box):
             out.setdefault(w.name, {})[key] = (done[key] if key in done
-                                               else file_sums(path, known.block_bytes, buffer=buffer)[0])
+                                               else file_sums(path, known.block_bytes, buffer=_thread_buffer())[0])
     return out
 
 
@@ -1083,7 +1082,16 @@ INLINE_BYTES = 1024 * 1024
 copy thread costs more than copying them (a job on hundreds of ranks has 100 000s of them)."""
 
 _THREAD = threading.local()
-"""Each copying thread's buffer (:meth:`_ChunkCopier._buffer`)."""
+"""Each copying thread's buffer (:func:`_thread_buffer`)."""
+
+def _thread_buffer() -> bytearray:
+    """This thread's copy buffer, one for the life of the thread: a fresh 1 MiB per rank task
+    cost 0.3 s at 512 ranks (the copies), and 0.1 s more where the sums were read back."""
+    buf: bytearray | None = getattr(_THREAD, "buffer", None)
+    if buf is None:
+        buf = _THREAD.buffer = bytearray(fileio.BLOCK)
+    return buf
+
 
 _Written = tuple[str, str, int, int, list[int]]
 """``(entry name, file key, offset, length, block sums)`` of a run written."""
@@ -1140,12 +1148,6 @@ class _ChunkCopier:
                 raise full from None
         return done
 
-    def _buffer(self) -> bytearray:
-        buf = getattr(_THREAD, "buffer", None)
-        if buf is None:  # one per thread for the life of the thread: a fresh 1 MiB per rank task cost 0.3 s at 512
-            buf = _THREAD.buffer = bytearray(fileio.BLOCK)
-        return buf
-
     def _acquire(self, path: str, create: bool) -> int:
         """A descriptor to write ``path``: a new chunk file (created, closed by :meth:`_give_back`),
         or a shard file (shared, never closed here)."""
@@ -1158,7 +1160,7 @@ class _ChunkCopier:
             self.files.release(path)
 
     def _copy(self, name: str, run: Run, path: str, offset: int, sum_block: int, create: bool) -> _Written:
-        buf = self._buffer()
+        buf = _thread_buffer()
         src = self._src
         if src is None:
             src = self._src = self.reader.fileno()
