@@ -1084,6 +1084,7 @@ copy thread costs more than copying them (a job on hundreds of ranks has 100 000
 _THREAD = threading.local()
 """Each copying thread's buffer (:func:`_thread_buffer`)."""
 
+
 def _thread_buffer() -> bytearray:
     """This thread's copy buffer, one for the life of the thread: a fresh 1 MiB per rank task
     cost 0.3 s at 512 ranks (the copies), and 0.1 s more where the sums were read back."""
