@@ -10,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 
 from zckpt import generate
+from zckpt.checksums import BlockCheck, ChunkSums, Mismatch
 from zckpt.dtypes import MS_DTYPES, ms_dtype
 from zckpt.errors import CheckpointFormatError, UsageError
 from zckpt.formats import ckpt as ckpt_mod
@@ -716,22 +719,106 @@ def test_many_small_file_ranges_open_each_source_once_and_copy_runs_whole(
     expected = b"".join(p.path.read_bytes()[p.offset:p.offset + p.length] for p in pieces)
     opened: list[str] = []
     copies: list[int] = []
-    real_open, real_copy = ckpt_mod.os.open, ckpt_mod.fileio.kernel_copy
+    real_open, real_copy = ckpt_mod.os.open, CkptWriter._copy_range
 
     def counting_open(path: object, *a: object, **k: object) -> int:
         opened.append(str(path))
         return real_open(path, *a, **k)  # type: ignore[arg-type]
 
-    def counting_copy(src: int, dst: int, offset: int, length: int) -> int:
-        copies.append(length)
-        return real_copy(src, dst, offset, length)
+    def counting_copy(self: CkptWriter, block: ckpt_mod.FileRange) -> None:
+        copies.append(block.length)
+        real_copy(self, block)
 
     monkeypatch.setattr(ckpt_mod.os, "open", counting_open)
-    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", counting_copy)
+    monkeypatch.setattr(CkptWriter, "_copy_range", counting_copy)
     out = tmp_path / "out.ckpt"
     with CkptWriter(out, fsync=False) as w:
         w.write_blocks("t", "Float32", (1200, 16), pieces)
     assert sorted(p for p in opened if not p.endswith(".tmp-zckpt")) == sorted(str(p) for p in sources)
-    assert len(copies) == 12  # 12 runs of 100 consecutive pieces
+    assert copies == [100 * 16 * 4] * 12  # 12 runs of 100 consecutive pieces
     with CkptReader(out) as r:
         assert r.array("t").tobytes() == expected
+
+
+@pytest.mark.parametrize("shift", [0, 1, 13])
+def test_a_file_range_is_copied_by_the_kernel_only_where_its_pages_line_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shift: int
+) -> None:
+    """The kernel copies a range whose bytes fall at the same place in a page as the file's
+    end (ext4 splices each page into two pages otherwise, dearer than a read and a write);
+    any other range goes through the buffer. The bytes are the range's either way."""
+    n = 3 * mmap.PAGESIZE + 100
+    header = len(value_header("w", "UInt8", [n], n))  # where the payload starts in the new file
+    offset = mmap.PAGESIZE + header % mmap.PAGESIZE + shift
+    data = np.random.default_rng(shift).integers(0, 256, offset + n + 50, dtype=np.uint8).tobytes()
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    kernel: list[int] = []
+    real = ckpt_mod.fileio.kernel_copy
+
+    def spy(src_fd: int, dst_fd: int, at: int, length: int) -> int:
+        kernel.append(length)
+        return real(src_fd, dst_fd, at, length)
+
+    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", spy)
+    with CkptWriter(tmp_path / "out.ckpt", fsync=False) as w:
+        w.write_blocks("w", "UInt8", (n,), iter([ckpt_mod.FileRange(src, offset, n)]))
+    assert kernel == ([n] if shift == 0 else [])
+    with CkptReader(tmp_path / "out.ckpt") as r:
+        assert r.array("w").tobytes() == data[offset : offset + n]
+
+
+class _Bad(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("offset", "length", "first", "stop"), [
+    (100, 300, 1, 7),  # blocks 64-448 around the range: both edges read only to check
+    (100, 300, 3, 7),  # its first blocks were checked for an earlier range: bytes 100-192 copied first
+    (100, 300, 1, 4),  # its last blocks were: bytes 256-400 copied after the check
+    (100, 300, 3, 4),  # both
+    (128, 128, 2, 4),  # exactly two blocks
+    (950, 50, 14, 16),  # the short last block
+])
+def test_a_verified_range_is_written_from_the_bytes_its_checks_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, length: int, first: int, stop: int
+) -> None:
+    """The writer serves the reads of a range's block checks and writes the range's part of
+    them: the file holds exactly the range, every byte of the range and of the blocks is
+    read once, and a damaged byte in a checked block stops the file."""
+    size = 1000
+    data = np.random.default_rng(offset + first).integers(0, 256, size, dtype=np.uint8).tobytes()
+    src = tmp_path / "chunk.bin"
+    src.write_bytes(data)
+    sums = ChunkSums("crc32c", tuple(google_crc32c.value(data[i : i + 64]) for i in range(0, size, 64)), 64)
+
+    def fail(want: ChunkSums, bad: Mismatch) -> Exception:
+        return _Bad(str(bad))
+
+    def write(out: Path) -> None:
+        check = BlockCheck(src, ((sums, size, first, stop),), fail)
+        with CkptWriter(out, fsync=False) as w:
+            w.write_blocks("w", "UInt8", (length,), iter([ckpt_mod.FileRange(src, offset, length, None, (check,))]))
+
+    read: list[tuple[int, int]] = []
+    real_preadv = ckpt_mod.os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], at: int) -> int:
+        got = real_preadv(fd, buffers, at)
+        read.append((at, got))
+        return got
+
+    monkeypatch.setattr(ckpt_mod.os, "preadv", preadv)
+    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", lambda *a: 0)  # every byte through the buffer
+    write(tmp_path / "ok.ckpt")
+    with CkptReader(tmp_path / "ok.ckpt") as r:
+        assert r.array("w").tobytes() == data[offset : offset + length]
+    touched = sorted(set(range(offset, offset + length)) | set(range(first * 64, min(size, stop * 64))))
+    assert sorted(b for at, n in read for b in range(at, at + n)) == touched  # each byte read once
+    for byte in (first * 64, min(size, stop * 64) - 1):
+        damaged = bytearray(data)
+        damaged[byte] ^= 0x20
+        src.write_bytes(bytes(damaged))
+        with pytest.raises(_Bad, match=f"block {byte // 64} of 16"):
+            write(tmp_path / f"bad{byte}.ckpt")
+        assert not list(tmp_path.glob(f"bad{byte}.ckpt*"))

@@ -5,7 +5,7 @@ auto overlap is on only where a core is free for the second thread."""
 from __future__ import annotations
 
 import importlib
-import threading
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.checksums import BlockCheck
 from zckpt.cli import main as cli_main
 from zckpt.export import ExportOptions
 from zckpt.formats.ckpt import CkptReader
@@ -101,25 +100,42 @@ def _damage(store: Path, name: str, coords: tuple[int, ...]) -> str:
     return key
 
 
-def test_a_range_the_kernel_copied_is_checked_on_the_helper_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_copied_range_is_read_once_and_checked_in_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
-    """Whole chunks are copied by the kernel and read for their checks on the helper; a
-    damaged one fails the file at commit: no file under its final name, no temporary left."""
+    """Whole chunks are copied through the writer's buffer and checked on the bytes read for
+    the copy: each chunk is read once (no kernel copy followed by a second read), with or
+    without the helper thread; a damaged one fails the file: no file under its final name,
+    no temporary left."""
     store, dst = _column_split(tmp_path, 48)
-    ran: list[str] = []
-    original = BlockCheck.run
+    chunk_dir = store / "tensors" / "w"
+    read: dict[str, int] = {}
+    real_preadv = os.preadv
 
-    def spy(self: BlockCheck, read_at: Any) -> None:
-        ran.append(threading.current_thread().name)
-        original(self, read_at)
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        n = real_preadv(fd, buffers, offset)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.parent == chunk_dir.resolve():
+            read[path.name] = read.get(path.name, 0) + n
+        return n
 
-    monkeypatch.setattr(BlockCheck, "run", spy)
-    zckpt.export(store, tmp_path / "ok", str(dst), options=ExportOptions(overlap=True))
-    assert len(ran) == 4 and all(t.startswith("zckpt-read") for t in ran)  # one chunk per rank, on the helper
+    def no_kernel_copy(*args: object) -> int:
+        raise AssertionError("a checked range was copied by the kernel")
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "copy_file_range", no_kernel_copy)
+    zckpt.export(store, tmp_path / "ok", str(dst), options=ExportOptions(overlap=overlap))
+    (shard,) = [p.name for p in chunk_dir.iterdir() if p.name.startswith("c")]
+    assert read == {shard: 4 * 48}  # four slices, each one inner chunk of 4 x 3 float32, read once
+    value = global_value("w", (8, 6), "Float32")
+    for rank in range(4):
+        with CkptReader(tmp_path / "ok" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:
+            rows, cols = rank // 2 * 4, rank % 2 * 3
+            assert r.array("w").tobytes() == value[rows : rows + 4, cols : cols + 3].tobytes()
     key = _damage(store, "w", (0, 0))
     with pytest.raises(zckpt.StoreError, match=f"{key} fails its checksum"):
-        zckpt.export(store, tmp_path / "bad", str(dst))
+        zckpt.export(store, tmp_path / "bad", str(dst), options=ExportOptions(overlap=overlap))
     assert not list((tmp_path / "bad").rglob("*.ckpt")) and not list((tmp_path / "bad").rglob("*.tmp-zckpt"))
 
 

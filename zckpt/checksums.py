@@ -262,10 +262,10 @@ class RangeCheck(Protocol):
 @dataclass(frozen=True)
 class BlockCheck:
     """The recorded blocks a byte range of one file touches, checked by reading them whole
-    after the range was copied elsewhere (the kernel copied it, so its bytes never passed
-    through this process). ``parts``: per record the range meets, in file order, ``(sums,
+    through ``read_at`` (a writer copying the range serves the reads and writes the range's
+    part of them on the way). ``parts``: per record the range meets, in file order, ``(sums,
     record bytes, first block, stop block)``. Plain data, cheap to make: a destination file
-    copies thousands of ranges, and the checks of many run as one batch on another thread."""
+    copies thousands of ranges."""
 
     path: Path
     parts: tuple[tuple[ChunkSums, int, int, int], ...]

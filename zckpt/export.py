@@ -66,9 +66,9 @@ class ExportOptions:
     """Local workers (``workers`` > 1) as processes instead of threads of this process."""
     overlap: bool | None = None
     """Each task reads and checks on a second thread while it writes: the next band of
-    slices is read ahead (each band then at most half of ``block_bytes``), and ranges the
-    kernel copies are read for their checks meanwhile. ``None`` (auto): only when every
-    host runs fewer tasks at once than it has cores (:func:`zckpt.runner.overlap_for`)."""
+    slices is read ahead (each band then at most half of ``block_bytes``). ``None`` (auto):
+    only when every host runs fewer tasks at once than it has cores
+    (:func:`zckpt.runner.overlap_for`)."""
     scheduler: str | None = None
     progress: bool | str = False
     """Progress on stderr: ``"bars"`` (or ``True``), ``"json"`` (one JSON object per line),
@@ -857,10 +857,10 @@ class _Span(NamedTuple):
 
 @dataclass(frozen=True)
 class _StoreCheck:
-    """The checks of one copied range, worked out where they run (the writer's checks
-    thread): finding the records a range meets costs about as much as checking them, and
-    the thread copying ranges has the rest to do. Checks run in the order of the ranges, so
-    blocks shared by ranges that follow each other are read once."""
+    """The checks of one copied range, worked out when the writer copies it (it reads the
+    range's bytes through the blocks these checks read: :meth:`CkptWriter._copy_range`).
+    Checks run in the order of the ranges, so blocks shared by ranges that follow each
+    other are checked once."""
 
     reader: StoreReader
     name: str

@@ -4,8 +4,8 @@ A destination file is a list of slices (:class:`~zckpt.plan.RankExport`); where 
 bytes come from is a :class:`BoxReader`. The store (:class:`zckpt.export.StoreReader`)
 and the source shards themselves (:class:`zckpt.source_reader.SourceReader`) are two such
 places, so one executor serves ``export`` and the direct ``transform`` alike: a slice the
-reader can hand out as file ranges is copied file to file by the kernel, any other is cut
-into bands read batch by batch (at most ``band_bytes`` in memory, the next batch read on a
+reader can hand out as file ranges is copied file to file (:meth:`CkptWriter.write_blocks`),
+any other is cut into bands read batch by batch (at most ``band_bytes`` in memory, the next batch read on a
 helper thread while the current one is written when ``overlap`` says so).
 """
 
@@ -114,7 +114,7 @@ def write_ckpt_rank(
         helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
                   if wants_overlap(overlap) else None)
         source = BandSource(reader, [(name, b) for name, bands in plan for b in bands], reader.band_bytes, helper)
-        w = stack.enter_context(CkptWriter(target, crc=crc, fsync=fsync, checks=helper, publisher=publisher))
+        w = stack.enter_context(CkptWriter(target, crc=crc, fsync=fsync, publisher=publisher))
         for s in rank.slices:
             kind = reader.kind(s.name)
             if kind == "str":

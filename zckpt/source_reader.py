@@ -6,7 +6,7 @@ payload bytes lie. A destination slice is the union of its intersections with th
 so :class:`SourceReader` serves the executor (:mod:`zckpt.rank_writer`) from the shards
 themselves, the way :class:`zckpt.export.StoreReader` serves it from a store: pieces that
 are whole rows of both the source shard and the destination slice are handed out as byte
-ranges of the shard files (the kernel copies them), anything else is read with ``pread``
+ranges of the shard files (the writer copies them file to file), anything else is read with ``pread``
 and cut into the slice, one band at a time. Tasks never parse a shard again: the indexes
 travel with the plan.
 """

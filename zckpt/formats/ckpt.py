@@ -25,7 +25,6 @@ import os
 import stat
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -56,11 +55,11 @@ another dim is 0, the array is empty), so the reader refuses such dims at index 
 @dataclass(frozen=True)
 class FileRange:
     """``length`` bytes at ``offset`` of the file ``path``: a block a writer copies file to
-    file (``copy_file_range``) instead of through memory. With ``check``, the writer copies
-    it through a buffer and passes the bytes to ``check`` on the way (parts share it). The
-    ``verify`` checks read the recorded blocks the range lies in themselves: the writer runs
-    them once the range is copied (on its checks thread when it has one), before the file
-    is published."""
+    file without holding the tensor in memory (through one reused buffer, or by the kernel).
+    With ``check``, the writer passes the bytes to ``check`` on the way (parts share it).
+    The ``verify`` checks read the recorded blocks the range lies in themselves: the writer
+    hands them the bytes it copies and writes what they read of the range as they go (each
+    byte read once), before the file is published."""
 
     path: Path
     offset: int
@@ -673,26 +672,19 @@ def _tensor_prefix(dims: tuple[int, ...], ms_type: str, content_len: int) -> byt
 class CkptWriter:
     """Writes a ``.ckpt`` entry by entry to a temporary file beside it and renames on :meth:`commit`.
 
-    Leaving the context without committing (an exception) removes the temporary file.
-    With ``checks`` (an executor of one thread), a file range that carries a check is copied
-    by the kernel and its bytes are read for the check on that thread meanwhile; the file
-    is renamed only once every check has passed, so a failed check still leaves nothing
-    under the final name.
+    Leaving the context without committing (an exception) removes the temporary file. A
+    file range that carries checks is checked in the pass that copies it, so a failed check
+    raises before the file is committed and leaves nothing under the final name.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, fsync: bool = True,
-                 checks: Executor | None = None, publisher: fileio.Publisher | None = None) -> None:
+                 publisher: fileio.Publisher | None = None) -> None:
         self.path = Path(path)
         self._publisher = publisher
         """Where a committed file is synced and renamed (on its thread), else here."""
         self.size = 0
         """The file's size once committed."""
-        self._checks = checks
-        self._pending: list[Future[None]] = []
-        self._check_buffer: bytearray | None = None
-        self._batch: list[RangeCheck] = []
         self._unflushed = False
-        self._batch_bytes = 0
         self._crc_enabled = crc
         self._fsync = fsync
         self._crc = 0
@@ -741,8 +733,7 @@ class CkptWriter:
         self, name: str, ms_type: str, shape: tuple[int, ...], blocks: Iterable[Block]
     ) -> None:
         """Stream a tensor given as consecutive blocks of its C-order bytes: arrays (row
-        blocks), or ranges of other files, copied by the kernel without passing through
-        this process when no CRC trailer is being summed.
+        blocks), or ranges of other files (:meth:`_copy_range`).
 
         Tensors above MindSpore's slice size are split into several Values exactly as
         MindSpore does (np.array_split of axis 0), so readers see familiar files.
@@ -793,42 +784,83 @@ class CkptWriter:
             )
 
     def _copy_range(self, block: FileRange) -> None:
-        """Append a file range: in the kernel when possible, through a bounded buffer when
-        a CRC trailer needs the bytes or the filesystems cannot copy between them."""
+        """Append a file range: through the writer's buffer in one pass (each byte read once,
+        passed to the range's checks and the CRC trailer while in the CPU cache, then
+        written), or by the kernel when nothing needs the bytes and the range's pages line
+        up with the file's (:meth:`_kernel_copies`)."""
         assert self._f is not None, "writer already closed"
         src, size = self._source(block.path)
         if size < block.offset + block.length:
             raise CheckpointFormatError(
                 f"block {block.offset}+{block.length} lies past the end of the file", path=block.path
             )
+        if block.verify:
+            self._copy_verified(block, src)
+        else:
+            self._copy_bytes(block.path, src, block.offset, block.length, block.check)
+
+    def _kernel_copies(self, offset: int) -> bool:
+        """Whether ``copy_file_range`` is the cheaper copy of source bytes at ``offset`` to the
+        file's end: only when they fall at the same place in a page. Otherwise ext4 splices
+        each source page into two destination pages and costs more than a read and a write
+        through the buffer (bench/bench_copy.py)."""
+        return not self._crc_enabled and (offset - self.bytes_written) % mmap.PAGESIZE == 0
+
+    def _copy_bytes(self, path: Path, src: int, offset: int, length: int, check: Sink | None) -> None:
+        """Append ``length`` bytes of ``src`` at ``offset``, passing them to ``check``."""
+        assert self._f is not None, "writer already closed"
         done = 0
-        check = block.check
-        if not self._crc_enabled:
+        if check is None and self._kernel_copies(offset):
             if self._unflushed:  # the kernel writes at the file's position: what Python buffers goes first
                 self._f.flush()
                 self._unflushed = False
-            if check is None or self._checks is not None:
-                done = fileio.kernel_copy(src, self._f.fileno(), block.offset, block.length)
-                if check is not None and done:
-                    self._check_later(block.part(0, done), check)
-                if check is not None and done < block.length:
-                    self._wait_checks()  # the rest is checked here, after the parts before it
-            else:
-                if self._buffer is None:
-                    self._buffer = bytearray(fileio.BLOCK)
-                fileio.buffered_copy(src, self._f.fileno(), block.offset, block.length, self._buffer, check)
-                done = block.length
+            done = fileio.kernel_copy(src, self._f.fileno(), offset, length)
             self.bytes_written += done
-        while done < block.length:
-            data = os.pread(src, min(block.length - done, 16 * 1024 * 1024), block.offset + done)
-            if not data:
-                raise CheckpointFormatError(f"file ended after {done} of {block.length} bytes", path=block.path)
+        view = self._view()
+        while done < length:
+            n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
+            if not n:
+                raise CheckpointFormatError(f"file ended after {done} of {length} bytes", path=path)
             if check is not None:
-                check(block.offset + done, memoryview(data))
-            self._write(data)
-            done += len(data)
-        if block.verify:
-            self._verify(block.verify)
+                check(offset + done, view[:n])
+            self._write(view[:n])
+            done += n
+
+    def _copy_verified(self, block: FileRange, src: int) -> None:
+        """Copy a range while its checks read the recorded blocks it lies in: the bytes they
+        read from the range are written on the way (read once, checked while in the CPU
+        cache); the parts they do not read (blocks checked already for an earlier range) are
+        copied plainly, in order. A ``check`` of the range receives its bytes as written."""
+        stop = block.offset + block.length
+        pos = block.offset
+        check = block.check
+        view = self._view()
+
+        def read_at(path: Path, offset: int, length: int) -> memoryview:
+            nonlocal pos
+            if path != block.path:
+                raise AssertionError(f"a check of a range of {block.path} reads {path}")
+            if pos < min(offset, stop):  # bytes of the range before these: copied first
+                self._copy_bytes(block.path, src, pos, min(offset, stop) - pos, check)
+                pos = min(offset, stop)
+            data = view[: os.preadv(src, [view[: min(length, len(view))]], offset)]
+            lo, hi = max(offset, pos), min(offset + len(data), stop)
+            if lo == pos and lo < hi:
+                if check is not None:
+                    check(lo, data[lo - offset : hi - offset])
+                self._write(data[lo - offset : hi - offset])
+                pos = hi
+            return data
+
+        for c in block.verify:
+            c.run(read_at)
+        if pos < stop:
+            self._copy_bytes(block.path, src, pos, stop - pos, check)
+
+    def _view(self) -> memoryview:
+        if self._buffer is None:
+            self._buffer = bytearray(fileio.BLOCK)
+        return memoryview(self._buffer)
 
     def _source(self, path: Path) -> tuple[int, int]:
         """``(fd, size)`` of a range's source file, kept open for the next ranges from it."""
@@ -849,86 +881,6 @@ class CkptWriter:
         while self._sources:
             os.close(self._sources.popitem()[1][0])
 
-    def _check_later(self, block: FileRange, check: Sink) -> None:
-        """Read a range copied by the kernel for its check, on the checks thread (in order)."""
-        assert self._checks is not None
-        if self._check_buffer is None:
-            self._check_buffer = bytearray(fileio.BLOCK)
-        buf = self._check_buffer  # only the checks thread reads into it
-
-        def run() -> None:
-            fd = os.open(block.path, os.O_RDONLY)
-            try:
-                fileio.read_through(fd, block.offset, block.length, buf, check)
-            finally:
-                os.close(fd)
-
-        self._pending.append(self._checks.submit(run))
-
-    def _verify(self, checks: tuple[RangeCheck, ...]) -> None:
-        """Run the block checks of a range just copied: here, or gathered into batches of
-        about ``VERIFY_BATCH`` bytes for the checks thread (one task per batch: a task per
-        range costs more in thread hand-offs than its check at thousands of small ranges)."""
-        if self._checks is None:
-            if self._buffer is None:
-                self._buffer = bytearray(fileio.BLOCK)
-            view = memoryview(self._buffer)
-
-            def read_at(path: Path, offset: int, length: int) -> memoryview:
-                return view[: os.preadv(self._source(path)[0], [view[: min(length, len(view))]], offset)]
-
-            for c in checks:
-                c.run(read_at)
-            return
-        self._batch.extend(checks)
-        self._batch_bytes += sum(c.nbytes for c in checks)
-        if self._batch_bytes >= VERIFY_BATCH:
-            self._flush_verify()
-
-    def _flush_verify(self) -> None:
-        """Hand the gathered block checks to the checks thread as one task."""
-        if not self._batch:
-            return
-        assert self._checks is not None
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
-        if self._check_buffer is None:
-            self._check_buffer = bytearray(fileio.BLOCK)
-        view = memoryview(self._check_buffer)  # only the checks thread reads into it
-
-        def run() -> None:
-            fds: dict[Path, int] = {}
-
-            def read_at(path: Path, offset: int, length: int) -> memoryview:
-                fd = fds.get(path)
-                if fd is None:
-                    try:
-                        fd = fds[path] = os.open(path, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise CheckpointFormatError("block source file is missing", path=path) from None
-                return view[: os.preadv(fd, [view[: min(length, len(view))]], offset)]
-
-            try:
-                for c in batch:
-                    c.run(read_at)
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-
-        self._pending.append(self._checks.submit(run))
-
-    def _wait_checks(self) -> None:
-        """Wait for every check handed to the checks thread; raise the first failure."""
-        self._flush_verify()
-        pending, self._pending = self._pending, []
-        for i, future in enumerate(pending):
-            try:
-                future.result()
-            except BaseException:
-                for rest in pending[i + 1 :]:
-                    rest.cancel()
-                wait(pending)
-                raise
-
     def write_string(self, name: str, value: str) -> None:
         """Write an ``append_dict`` string entry the way MindSpore does (dims [0], type "str")."""
         self._claim(name)
@@ -946,7 +898,6 @@ class CkptWriter:
         """Finish the file: trailer, flush, fsync, atomic rename to the final name (with a
         publisher: handed to it, which syncs and renames it on its thread)."""
         assert self._f is not None, "writer already closed"
-        self._wait_checks()
         if self._crc_enabled:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
         f, self._f = self._f, None
@@ -960,11 +911,6 @@ class CkptWriter:
         return self.path
 
     def abort(self) -> None:
-        self._batch = []
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.cancel()
-        wait(pending)
         self._close_sources()
         if self._f is not None:
             self._f.close()
@@ -975,8 +921,6 @@ class CkptWriter:
 
 OPEN_SOURCES = 64
 """Source files a writer keeps open at once (least recently used closed first)."""
-VERIFY_BATCH = 8 * 1024 * 1024
-"""Bytes of block checks gathered before they go to the checks thread as one task."""
 
 
 def coalesce(blocks: Iterable[Block]) -> Iterator[Block]:
