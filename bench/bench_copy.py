@@ -14,6 +14,11 @@ alignment). Two ways are compared:
 * ``kernel+read``: ``copy_file_range`` of the run, then a second read of it for the sums
   (what ingest did before).
 
+With ``--no-sums`` nothing is summed and the ways are ``read+write`` (through the buffer) and
+``kernel`` (``copy_file_range`` alone): the choice of a ``.ckpt`` writer copying a range
+nothing checks (the direct path), where the shift is the page phase between the range and
+the file's end.
+
 Prints the CPU seconds of the process (user + system, minimum and median of ``--repeat``)
 and the median wall time. The file is copied warm (in the page cache): this measures the
 CPU each way costs, not the disk.
@@ -40,7 +45,7 @@ from benchlib import MiB, machine  # noqa: E402
 from zckpt import fileio  # noqa: E402
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, Sink  # noqa: E402
 
-Copy = Callable[[int, int, int, int, int, bytearray, Sink], None]
+Copy = Callable[[int, int, int, int, int, bytearray, Sink | None], None]
 
 
 def kernel_then_read(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray, sink: Sink) -> None:
@@ -54,7 +59,18 @@ def kernel_then_read(src: int, dst: int, offset: int, length: int, at: int, buf:
     fileio.read_through(src, offset, length, buf, sink)
 
 
+def kernel_only(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray, sink: Sink | None) -> None:
+    """The kernel copies the run; nothing reads it (an unchecked range)."""
+    done = 0
+    while done < length:
+        n = os.copy_file_range(src, dst, length - done, offset + done, at + done)
+        if n <= 0:
+            raise OSError("copy_file_range copied nothing")
+        done += n
+
+
 WAYS: dict[str, Copy] = {"read+write": fileio.copy_range_at, "kernel+read": kernel_then_read}
+UNSUMMED: dict[str, Copy] = {"read+write": fileio.copy_range_at, "kernel": kernel_only}
 
 
 def cpu() -> float:
@@ -62,8 +78,10 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def copy_all(copy: Copy, src: int, dst: int, size: int, run: int, threads: int, shift: int) -> list[list[int]]:
-    """Every run of the file copied (runs dealt to the threads in turn); the sums of each run."""
+def copy_all(copy: Copy, src: int, dst: int, size: int, run: int, threads: int, shift: int,
+             summed: bool = True) -> list[list[int]]:
+    """Every run of the file copied (runs dealt to the threads in turn); the sums of each run
+    (none unless ``summed``)."""
     starts = list(range(0, size - shift, run))
     sums: list[list[int]] = [[] for _ in starts]
 
@@ -71,8 +89,9 @@ def copy_all(copy: Copy, src: int, dst: int, size: int, run: int, threads: int, 
         buf = bytearray(fileio.BLOCK)
         for i in mine:
             summer = BlockSummer(BLOCK_BYTES, starts[i])
-            copy(src, dst, starts[i], min(run, size - shift - starts[i]), starts[i] + shift, buf, summer.feed)
-            sums[i] = summer.result()
+            copy(src, dst, starts[i], min(run, size - shift - starts[i]), starts[i] + shift, buf,
+                 summer.feed if summed else None)
+            sums[i] = summer.result() if summed else []
 
     pool = [threading.Thread(target=work, args=(range(t, len(starts), threads),)) for t in range(threads)]
     for t in pool:
@@ -96,6 +115,7 @@ def main() -> None:
     ap.add_argument("--shift", default="0,13")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
+    ap.add_argument("--no-sums", action="store_true", help="copy unchecked ranges: read+write against the kernel alone")
     a = ap.parse_args()
     size = parse_size(a.size)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -104,30 +124,33 @@ def main() -> None:
         with open(src_path, "wb") as f:
             for _ in range(0, size, 16 * MiB):
                 f.write(os.urandom(min(16 * MiB, size - f.tell())))
-        print(f"{size / MiB:.0f} MiB copied warm in runs, 256 KiB CRC-32C blocks; {machine(root)}")
+        what = "no sums" if a.no_sums else "256 KiB CRC-32C blocks"
+        print(f"{size / MiB:.0f} MiB copied warm in runs, {what}; {machine(root)}")
         print(f"{'runs':>6} {'threads':>7} {'shift':>5} {'way':>12} {'CPU s min':>9} {'median':>7} {'wall s':>7}")
         src = os.open(src_path, os.O_RDONLY)
         try:
             for run in (parse_size(r) for r in a.runs.split(",")):
                 for threads in (int(t) for t in a.threads.split(",")):
                     for shift in (int(s) for s in a.shift.split(",")):
-                        measure(src, dst_path, size, run, threads, shift, a.repeat)
+                        measure(src, dst_path, size, run, threads, shift, a.repeat, not a.no_sums)
         finally:
             os.close(src)
 
 
-def measure(src: int, dst_path: Path, size: int, run: int, threads: int, shift: int, repeat: int) -> None:
+def measure(src: int, dst_path: Path, size: int, run: int, threads: int, shift: int, repeat: int,
+            summed: bool = True) -> None:
     """Each way ``repeat`` times, alternated; their sums must agree."""
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name in WAYS}
+    ways = WAYS if summed else UNSUMMED
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     first: list[list[int]] | None = None
     for _ in range(repeat):
-        for name, copy in WAYS.items():
+        for name, copy in ways.items():
             dst_path.unlink(missing_ok=True)
             dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 os.pwrite(dst, b"\0", size + shift)  # the preallocated shard file: sparse until written
                 c0, t0 = cpu(), time.perf_counter()
-                sums = copy_all(copy, src, dst, size, run, threads, shift)
+                sums = copy_all(copy, src, dst, size, run, threads, shift, summed)
                 got[name].append((cpu() - c0, time.perf_counter() - t0))
             finally:
                 os.close(dst)
