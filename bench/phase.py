@@ -124,6 +124,11 @@ def _copy_in_two(src: Path, out: Path) -> None:
 
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
+    if phase in ("ingest", "export", "transform", "cli"):  # in the process the ``zckpt`` program makes
+        from zckpt.cli import ONE_THREAD  # (zckpt.cli.run): BLAS on one thread, set before numpy's import
+
+        for name in ONE_THREAD:
+            os.environ.setdefault(name, "1")
     overlap = False if "--no-overlap" in args else True if "--overlap" in args else None
     sync = "--sync" in args
     profile: str | None = None

@@ -187,3 +187,51 @@ def test_one_option_vocabulary_with_the_old_spellings_kept() -> None:
     with pytest.raises(SystemExit) as bad:
         p.parse_args(["export", "S", "--out", "O", "--block-size", "12XB"])
     assert bad.value.code == EXIT_USAGE
+
+
+_BLAS_PROBE = """
+import atexit, ctypes, json, os, runpy, sys
+
+def report():
+    threads = None  # what numpy's OpenBLAS itself says, when its library is found
+    libs = {l.split()[-1] for l in open('/proc/self/maps') if 'openblas' in l and l.split()[-1].endswith('.so')}
+    for path in sorted(libs):
+        lib = ctypes.CDLL(path)
+        for name in ('scipy_openblas_get_num_threads64_', 'scipy_openblas_get_num_threads', 'openblas_get_num_threads'):
+            if hasattr(lib, name):
+                threads = getattr(lib, name)()
+    print(json.dumps({'env': os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy': 'numpy' in sys.modules,
+                      'blas_threads': threads}))
+
+atexit.register(report)
+sys.argv = ['zckpt', *sys.argv[1:]]
+runpy.run_module('zckpt.cli', run_name='__main__', alter_sys=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("own", [None, "2"])
+def test_the_program_keeps_blas_on_one_thread_unless_told(tmp_path: Path, own: str | None) -> None:
+    """``python -m zckpt.cli`` (as the console script) sets OPENBLAS_NUM_THREADS=1 before numpy
+    is imported, so OpenBLAS starts no thread pool; a value the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    if own is not None:
+        env["OPENBLAS_NUM_THREADS"] = own
+    cmd = [sys.executable, "-c", _BLAS_PROBE, "plan", "--src-strategy", str(EXAMPLE / "src/strategy.ckpt"),
+           "--dst-strategy", str(EXAMPLE / "dst/strategy.ckpt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["numpy"]  # the command did import numpy: the setting was there before it
+    assert got["env"] == (own or "1")
+    if got["blas_threads"] is not None:
+        assert got["blas_threads"] == min(int(own or "1"), os.cpu_count() or 1)
+
+
+def test_main_leaves_the_callers_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the program (:func:`zckpt.cli.run`) sets the BLAS thread count; ``main`` called
+    from Python changes nothing in its caller's process."""
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert cli_main(["plan", "--src-strategy", str(EXAMPLE / "src/strategy.ckpt")]) == 0
+    assert "OPENBLAS_NUM_THREADS" not in os.environ

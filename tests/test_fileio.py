@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from zckpt import fileio
 from zckpt.checksums import BlockSummer, ChunkSums, SpanCheck, block_sums
+from zckpt.errors import DiskFullError
 
 
 @pytest.mark.parametrize("how", ["kernel-or-buffer", "buffer"])
@@ -296,3 +298,34 @@ def test_write_behind_asks_for_merged_ranges_of_each_batch(tmp_path: Path, monke
         behind.add([("b", 0, 10)])  # not a batch yet: dropped at close
     assert asked == [("a", 0, 70, os.POSIX_FADV_DONTNEED), ("b", 100, 50, os.POSIX_FADV_DONTNEED)]
     assert (tmp_path / "a").read_bytes() == b"x" * 300
+
+
+@pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL])
+def test_allocate_leaves_the_file_alone_where_blocks_cannot_be_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    monkeypatch.setattr(fileio, "_fallocate", lambda: lambda fd, mode, offset, length: err)
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        assert fileio.allocate(f.fileno(), 1 << 20, path) is False
+    assert path.stat().st_size == 0
+
+
+def test_allocate_names_the_file_of_any_other_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f"
+    for err, kind in ((errno.EDQUOT, DiskFullError), (errno.EIO, OSError)):
+        monkeypatch.setattr(fileio, "_fallocate", lambda e=err: lambda fd, mode, offset, length: e)
+        with open(path, "wb") as f, pytest.raises(kind) as got:
+            fileio.allocate(f.fileno(), 1 << 20, path)
+        assert str(path) in str(got.value) and got.type is kind
+
+
+def test_allocate_grows_the_file_to_zeros(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    with open(path, "r+b") as f:
+        fileio.allocate(f.fileno(), 10_000, path)
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 3:
+            pytest.skip("this system cannot reserve blocks")
+    assert path.read_bytes() == b"abc" + bytes(10_000 - 3)

@@ -235,3 +235,95 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
     with CkptReader(src / "rank_3" / "checkpoint_3.ckpt", sparse=True) as a, \
             CkptReader(src / "rank_3" / "checkpoint_3.ckpt") as b:
         assert a.entries == b.entries
+
+
+BIG = TensorDef("big", (512, 256), "Float32", make_layout((8,), [[0], []]))
+"""512 KiB over 8 source ranks: a shard file of many disk blocks (a sparse one holds one, its index's)."""
+
+
+def _big_model(tmp_path: Path) -> Path:
+    write_model(tmp_path / "src", [BIG], device_num=8, scalars=False)
+    return tmp_path / "src"
+
+
+RESERVING = frozenset({"ext4", "xfs", "btrfs", "tmpfs", "f2fs", "bcachefs", "ocfs2", "gfs2"})
+"""Linux filesystems whose ``fallocate(2)`` reserves blocks."""
+
+
+def _reserves_blocks(path: Path) -> bool:
+    """Whether ``path`` lies on one of :data:`RESERVING` (the longest mount point above it in
+    /proc/self/mounts): told apart from zckpt's own allocation, which the test checks."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return False
+    real = str(path.resolve())
+    above = [(m, t) for m, t in mounts if real == m or real.startswith(m.rstrip("/") + "/")]
+    return bool(above) and max(above, key=lambda mt: len(mt[0]))[1] in RESERVING
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_define_reserves_shard_blocks_that_still_read_as_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard files are allocated when the arrays are defined; an ingest stopped right
+    after leaves a store that holds nothing (no rank recorded, not complete, export refuses),
+    and the rerun writes every rank: allocated blocks are not data."""
+    if not _reserves_blocks(tmp_path):
+        pytest.skip("this filesystem does not reserve blocks (fallocate)")
+    src, store = _big_model(tmp_path), tmp_path / "s.zarr"
+    mod = importlib.import_module("zckpt.ingest")
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise _Stop
+
+    with monkeypatch.context() as m:
+        m.setattr(mod, "_run", stop)
+        with pytest.raises(_Stop):
+            _ingest(src, store, 1 << 20)
+    (shard,) = _chunk_files(store, "big")
+    st = shard.stat()
+    assert st.st_size >= BIG.shape[0] * BIG.shape[1] * 4
+    assert st.st_blocks * 512 >= st.st_size  # reserved, not sparse
+    left = zckpt.open_store(store)
+    assert not left.complete and left.ingested_ranks() == set()
+    with pytest.raises(zckpt.StoreError):
+        zckpt.export(store, tmp_path / "out")
+    report = zckpt.ingest(str(src), store, str(src / "strategy.ckpt"), IngestOptions(shard_bytes=1 << 20))
+    assert report.complete and report.bytes_written == BIG.shape[0] * BIG.shape[1] * 4
+    assert verify(store).ok
+    zckpt.export(store, tmp_path / "out")
+    with CkptReader(tmp_path / "out" / "rank_0" / "checkpoint_0.ckpt") as r:
+        assert r.array("big").tobytes() == global_value("big", BIG.shape, "Float32").tobytes()
+
+
+def test_a_full_disk_at_define_names_the_shard_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room for a shard file: the ingest stops before writing data, naming that file; the
+    store it leaves holds no ingest (a rerun starts anew) and nothing looks complete."""
+    import errno
+
+    src, store = _big_model(tmp_path), tmp_path / "s.zarr"
+    calls: list[int] = []
+
+    def no_space(fd: int, mode: int, offset: int, length: int) -> int:
+        calls.append(length)
+        return errno.ENOSPC
+
+    with monkeypatch.context() as m:
+        m.setattr(zckpt.fileio, "_fallocate", lambda: no_space)
+        with pytest.raises(zckpt.errors.DiskFullError) as err:
+            _ingest(src, store, 1 << 20)
+    assert calls
+    assert err.value.path == str(store / "tensors" / "big" / "c.0.0")
+    assert "no space left" in str(err.value)
+    left = zckpt.open_store(store)
+    assert not left.complete and left.ingested_ranks() == set()
+    assert "fingerprint" not in left.manifest  # the next ingest starts anew
+    with pytest.raises(zckpt.StoreError):
+        zckpt.export(store, tmp_path / "out")
+    report = zckpt.ingest(str(src), store, str(src / "strategy.ckpt"), IngestOptions(shard_bytes=1 << 20))
+    assert report.complete and not report.resumed
+    assert verify(store).ok

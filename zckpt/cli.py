@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from zckpt.errors import OutputError, UsageError, ZckptError
 from zckpt.runner import memory_budget
 
+if TYPE_CHECKING:
+    import numpy as np
+
 MiB = 1024 * 1024
+
+ONE_THREAD = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""The BLAS libraries behind numpy (pip's OpenBLAS, conda's MKL) start a thread per core when
+numpy is imported, 0.1 s of every command's start on 2 cores; zckpt does no linear algebra.
+Set by :func:`run`, the program's entry, before numpy's import (this module imports it
+only where a command needs it); never by ``import zckpt``, which leaves its caller's
+process as it was."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -424,6 +433,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 def rank_ranges(ranks: Sequence[int] | np.ndarray) -> str:
     """``[0, 1, 2, 3, 8, 10, 11]`` -> ``"0-3, 8, 10-11"``: a 4 096-rank list stays one short line."""
+    import numpy as np
+
     a = np.asarray(ranks, dtype=np.int64)
     if a.size == 0:
         return "none"
@@ -629,5 +640,13 @@ def _silence_stdout() -> None:
         pass
 
 
+def run() -> int:
+    """The ``zckpt`` program (console script and ``python -m zckpt.cli``): :func:`main` in a
+    process whose BLAS stays on one thread (:data:`ONE_THREAD`; a user's own setting wins)."""
+    for name in ONE_THREAD:
+        os.environ.setdefault(name, "1")
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

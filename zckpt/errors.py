@@ -66,4 +66,5 @@ class UsageError(ZckptError, ValueError):
 class DiskFullError(ZckptError, OSError):
     """The device (or quota) holding a file zckpt writes is full: the error names that file.
     Nothing it leaves looks complete: temporary files are removed, a store stays marked
-    incomplete (rerun the ingest once space is freed: it resumes)."""
+    incomplete (rerun the ingest once space is freed: it resumes, or starts anew when the
+    disk was full before any data was written)."""

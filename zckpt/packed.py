@@ -37,7 +37,7 @@ from zckpt import safe_paths
 from zckpt.checksums import block_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
-from zckpt.fileio import write_at
+from zckpt.fileio import allocate, disk_full_named, write_at
 from zckpt.layout import Box
 
 PACK_BYTES = 64 * 1024
@@ -159,12 +159,15 @@ def chunk_files(array: PackedArray) -> list[tuple[str, int]]:
 
 
 def preallocate(folder: Path, array: PackedArray) -> None:
-    """Create every chunk file of ``array`` at its final size (sparse until written; the
-    gaps left at chunk ends read as the fill value 0)."""
+    """Create every chunk file of ``array`` at its final size, its blocks reserved where the
+    filesystem can (:func:`zckpt.fileio.allocate`; the gaps left at chunk ends read as the
+    fill value 0)."""
     for key, nbytes in chunk_files(array):
         fd = safe_paths.open_write(folder / key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, StoreError)
         try:
-            os.ftruncate(fd, nbytes)
+            with disk_full_named(folder / key):
+                if not allocate(fd, nbytes, folder / key):
+                    os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
 

@@ -1066,16 +1066,20 @@ class Store:
 
     @staticmethod
     def _preallocate(folder: Path, t: TensorSpec, chunks: tuple[int, ...], per_shard: tuple[int, ...]) -> None:
-        """Every shard file of a sharded array at its final size (sparse until written),
-        with its index at the end: the index follows from the layout, so it is written once
-        here and never read back or rewritten."""
+        """Every shard file of a sharded array at its final size, its blocks reserved where
+        the filesystem can (:func:`zckpt.fileio.allocate`: a full disk fails here, naming the
+        file), with its index at the end: the index follows from the layout, so it is written
+        once here and never read back or rewritten. Reserved blocks are not written data:
+        what is present is what the progress records say, never the file's size."""
         info = ChunkInfo(t.shape, chunks, True, ".", folder, per_shard, ms_dtype(t.ms_type).storage.itemsize)
         for shard in np.ndindex(*info.shard_count()):
             data, index = info.shard_layout(shard)
-            fd = safe_paths.open_write(folder / info.chunk_key(shard), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                       StoreError)
+            path = folder / info.chunk_key(shard)
+            fd = safe_paths.open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, StoreError)
             try:
-                os.pwrite(fd, index, data)
+                with fileio.disk_full_named(path):
+                    fileio.allocate(fd, data + len(index), path)
+                    os.pwrite(fd, index, data)
             finally:
                 os.close(fd)
 
