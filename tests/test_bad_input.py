@@ -16,6 +16,7 @@ from zckpt.cli import main as cli_main
 from zckpt.formats.ckpt import CkptReader, value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.layout import Box
+from zckpt.safe_paths import temp_name
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 
@@ -153,6 +154,30 @@ def test_existing_output_refused_without_overwrite(example: Path, tmp_path: Path
     shutil.copytree(example / "src" / "checkpoints" / "rank_0", only0 / "rank_0")
     code, err = _run(["ingest", str(only0), "--store", str(store)], capsys)  # no strategy: another ingest
     assert code == 1 and "holds a different ingest" in err
+
+
+def test_export_killed_while_writing_its_marker_reruns(example: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An export killed between creating its marker's temporary file and renaming it leaves
+    only that file: the rerun of the same export removes it and writes every rank, where it
+    used to refuse the directory as another export's."""
+    store = tmp_path / "s.zarr"
+    assert cli_main(_ingest_args(example, store)) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    half = temp_name(out / ".zckpt-export.json")  # the marker's temporary name, as write_atomic makes it
+    half.write_bytes(b'{"fingerp')
+    assert cli_main(["export", str(store), "--strategy", str(example / "dst" / "strategy.ckpt"),
+                     "--out", str(out)]) == 0
+    assert not half.exists()
+    expected = example / "dst" / "expected"
+    wrote = sorted(p.relative_to(out) for p in out.rglob("*.ckpt"))
+    assert wrote and wrote == sorted(p.relative_to(expected) for p in expected.rglob("*.ckpt"))
+    assert all((out / p).read_bytes() == (expected / p).read_bytes() for p in wrote)
+    (out / "notes.txt").write_text("someone else's file")  # any other stray file still makes it not ours
+    code, err = _run(["export", str(store), "--out", str(tmp_path / "out"), "--prefix", "net_",
+                      "--strategy", str(example / "dst" / "strategy.ckpt")], capsys)
+    assert code == 1 and "already holds" in err
 
 
 def test_incomplete_store_refused_by_export(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

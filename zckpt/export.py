@@ -370,6 +370,8 @@ def resume_or_refuse(
     files) and matching the plan are kept, and only the rest are written.
     """
     marker = out / MARKER
+    for half_written in _marker_temps(out):
+        half_written.unlink(missing_ok=True)
     present = [p for p in out.iterdir() if p.name not in (MARKER, locks.OUTPUT_LOCK)] if out.is_dir() else []
     todo = jobs
     if present and not overwrite:
@@ -389,6 +391,17 @@ def resume_or_refuse(
         write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
     output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
     return todo
+
+
+def _marker_temps(out: Path) -> list[Path]:
+    """Temporary files of a marker whose export was killed while writing it: no output was
+    written yet (the marker goes first), so they hold nothing and must not make a rerun of the
+    same export look like another one's directory."""
+    if not out.is_dir():
+        return []
+    prefix = f".{MARKER}."
+    return [p for p in out.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp-zckpt")
+            and p.is_file() and not p.is_symlink()]
 
 
 def resume_or_refuse_remote(
