@@ -8,9 +8,11 @@ Layout (readable without zckpt, see docs/store-format.md)::
 
 Array keys are the entry names percent-encoded so that no name can escape the store.
 BFloat16 arrays have Zarr's extension data type ``bfloat16`` (format version 2 and later; version 1
-stored them as ``uint16``); importing this module registers that type with zarr-python
-(:mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them as their ``uint16`` bit
-patterns (:func:`bits_view`), as it does every other bf16 value.
+stored them as ``uint16``); the first use of zarr-python here registers that type with it
+(:mod:`zckpt.zarr_local`, :mod:`zckpt.zarr_bfloat16`), and zckpt itself reads and writes them
+as their ``uint16`` bit patterns (:func:`bits_view`), as it does every other bf16 value.
+Local stores are opened, read and exported without zarr-python (its import alone costs a few
+tenths of a second): the group's and the arrays' ``zarr.json`` are read as JSON.
 Each array's attributes say which source rank wrote which box ("writers"); a region is
 present when its writer's rank has its progress record, ``progress/rank_<r>.json`` (format 5;
 a ``progress/rank_<r>`` group before, see :mod:`zckpt.records`). Chunks divide the
@@ -34,22 +36,15 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence, Set
+from collections.abc import Awaitable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import zarr
-from zarr.abc.store import ByteRequest
-from zarr.core.array import AsyncArray
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
-from zarr.core.metadata import ArrayV3Metadata
-from zarr.core.sync import sync as zarr_sync
-from zarr.storage import FsspecStore, LocalStore
 
-from zckpt import fileio, integrity, packed, remote, safe_paths, zarr_bfloat16
+from zckpt import fileio, integrity, packed, remote, safe_paths
 from zckpt import records as rank_records
 from zckpt.checksums import ChunkSums, Mismatch, crc32c, file_sums
 from zckpt.dtypes import ms_dtype
@@ -57,6 +52,15 @@ from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
 from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
+
+if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.zarr_local
+    import zarr
+    from zarr.storage import FsspecStore
+
+    from zckpt.zarr_bfloat16 import BFloat16
+
+    ZarrType = np.dtype[Any] | BFloat16
+    """What an array is created with: a numpy dtype, or Zarr's ``bfloat16`` extension type."""
 
 FORMAT = "zckpt-store"
 VERSION = 7
@@ -76,8 +80,6 @@ NO_CHUNK = 2**64 - 1
 
 Checked = set[tuple[str, str, int]]
 """Chunk blocks already checked in this process: ``(entry name, record key, block index)``."""
-
-zarr_bfloat16.register()
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
 _MAX_KEY = 180
@@ -168,14 +170,12 @@ class EntryRecord:
         )
 
 
-ZarrType = np.dtype | zarr_bfloat16.BFloat16
-"""What an array is created with: a numpy dtype, or Zarr's ``bfloat16`` extension type."""
-
-
 def zarr_type(ms_type: str, kind: str) -> ZarrType:
     """The Zarr data type of an entry's array: the numpy dtype holding MindSpore's bytes
     (``uint8`` for a map's encoded bytes), except BFloat16, which is Zarr's ``bfloat16`` so
     that other readers (TensorStore, zarr-python with the type registered) see bf16 numbers."""
+    from zckpt import zarr_bfloat16
+
     if kind != "tensor":
         return np.dtype("u1")
     if ms_type == "BFloat16":
@@ -188,6 +188,12 @@ def bits_view(arr: zarr.Array[Any]) -> zarr.Array[Any]:
     same bytes: only the in-memory metadata says ``uint16``), which is how zckpt carries bf16
     everywhere; other arrays are returned unchanged. The view never writes its metadata (zckpt
     does not change array attributes after creation), so the store keeps ``bfloat16``."""
+    from zarr.core.array import AsyncArray
+    from zarr.core.metadata import ArrayV3Metadata
+
+    from zckpt import zarr_bfloat16
+    from zckpt.zarr_local import zarr
+
     meta = arr.metadata
     if not isinstance(getattr(meta, "data_type", None), zarr_bfloat16.BFloat16):
         return arr
@@ -215,6 +221,10 @@ def _template(dtype: ZarrType, sharded: bool = False) -> dict[str, Any]:
     Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk (or shard) in the
     array's folder, with no directory per chunk coordinate to create.
     """
+    from zarr.core.buffer import default_buffer_prototype
+
+    from zckpt.zarr_local import zarr
+
     key = (dtype.str if isinstance(dtype, np.dtype) else str(dtype.to_json(zarr_format=3)), sharded)
     if key not in _TEMPLATES:
         arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dtype,
@@ -466,6 +476,7 @@ def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
     """Run coroutines concurrently on zarr's own event loop and return their results."""
     if not coros:
         return []
+    from zarr.core.sync import sync as zarr_sync
 
     async def run() -> list[Any]:
         return list(await asyncio.gather(*coros))
@@ -510,6 +521,8 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _fsspec_store(url: str, storage_options: remote.StorageOptions, *, read_only: bool) -> FsspecStore:
     """zarr's own fsspec store for a URL (it wraps synchronous filesystems such as ``memory://``)."""
+    from zarr.storage import FsspecStore
+
     return FsspecStore.from_url(url, storage_options=remote.fs_options(storage_options), read_only=read_only)
 
 
@@ -518,64 +531,37 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     zarr leaves no file, which raw chunk readers then miss. zarr 3.1 drops ``config`` when it
     opens an existing array, and ``Array.with_config`` only exists from zarr 3.1.6 (numpy 1.26
     gets 3.1.5), so the array is rebuilt from its metadata with that runtime config."""
+    from zarr.core.array import AsyncArray
+
+    from zckpt.zarr_local import zarr
+
     a = node._async_array
     return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
                                  config={"order": "C", "write_empty_chunks": True}))
 
 
+def _group_attributes(root: Path) -> dict[str, Any]:
+    """The attributes of the Zarr v3 group at ``root``, read from its ``zarr.json`` alone
+    (not through zarr-python, whose import costs every command a few tenths of a second)."""
+    try:
+        doc = json.loads(safe_paths.read_bytes(root / "zarr.json", StoreError))
+        if not isinstance(doc, dict):
+            raise ValueError("zarr.json is not a JSON object")
+        if doc.get("zarr_format") != 3:
+            raise ValueError(f"zarr.json: zarr_format is {doc.get('zarr_format')!r}, not 3")
+        if doc.get("node_type") != "group":
+            raise ValueError(f"zarr.json: node_type is {doc.get('node_type')!r}, not 'group'")
+        attrs = doc.get("attributes", {})
+        if not isinstance(attrs, dict):
+            raise ValueError("zarr.json: attributes is not a JSON object")
+    except (OSError, ValueError, StoreError) as err:
+        raise StoreError(f"cannot open zarr store: {err}", path=root) from None
+    return attrs
+
+
 def _new_manifest() -> dict[str, Any]:
     """The manifest of a store just created: no entries yet, a fresh identity."""
     return {"format": FORMAT, "version": VERSION, "complete": False, "entries": []}
-
-
-class ConfinedStore(LocalStore):
-    """zarr's local store that never follows a symbolic link below its root, nor a key that
-    climbs out of it (:mod:`zckpt.safe_paths`): zarr itself reads and writes any path it
-    is given. Each folder is checked once; each file read costs one ``lstat``."""
-
-    def __init__(self, root: Path | str, *, read_only: bool = False) -> None:
-        super().__init__(root, read_only=read_only)
-        self.confined = safe_paths.Confined(self.root, StoreError)
-
-    def _check(self, key: str, reading: bool = True) -> None:
-        path = self.confined.file(key)
-        if reading:
-            safe_paths.refuse_link(path, StoreError)
-
-    async def get(self, key: str, prototype: BufferPrototype | None = None,
-                  byte_range: ByteRequest | None = None) -> Buffer | None:
-        self._check(key)
-        return await super().get(key, prototype, byte_range)
-
-    def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
-                 byte_range: ByteRequest | None = None) -> Buffer | None:
-        self._check(key)
-        return super().get_sync(key, prototype=prototype, byte_range=byte_range)
-
-    async def get_partial_values(self, prototype: BufferPrototype,
-                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
-        key_ranges = list(key_ranges)
-        for key, _ in key_ranges:
-            self._check(key)
-        return await super().get_partial_values(prototype, key_ranges)
-
-    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
-        self._check(key, reading=False)  # zarr writes a temporary file and renames it over the key
-        await super()._set(key, value, exclusive)
-
-    def set_sync(self, key: str, value: Buffer) -> None:
-        self._check(key, reading=False)
-        super().set_sync(key, value)
-
-    async def delete(self, key: str) -> None:
-        self._check(key, reading=False)
-        await super().delete(key)
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        if prefix.strip("/"):
-            self.confined.folder(prefix.strip("/"))
-        async for key in super().list_dir(prefix):
-            yield key
 
 
 class Store:
@@ -637,6 +623,8 @@ class Store:
     @property
     def group(self) -> zarr.Group:
         if self._group is None:
+            from zckpt.zarr_local import ConfinedStore, zarr
+
             try:
                 self._group = zarr.open_group(ConfinedStore(self.path, read_only=self._mode == "r"),
                                               mode=self._mode, zarr_format=3)
@@ -676,6 +664,8 @@ class Store:
                 shutil.rmtree(p)
             else:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
+        from zckpt.zarr_local import ConfinedStore, zarr
+
         group = zarr.open_group(ConfinedStore(p), mode="w-", zarr_format=3)
         group.attrs["zckpt"] = _new_manifest()
         return cls(p, group, mode="w-")
@@ -690,6 +680,8 @@ class Store:
             if ("zarr.json", False) not in children:
                 raise StoreError("refusing to overwrite a location that is not a zarr store", path=url)
             remote.remove(loc, StoreError, recursive=True)
+        from zckpt.zarr_local import zarr
+
         with remote.remote_errors(StoreError, url, "cannot create zarr store"):
             group = zarr.open_group(_fsspec_store(url, storage_options, read_only=False), mode="w-", zarr_format=3)
             group.attrs["zckpt"] = _new_manifest()
@@ -708,22 +700,24 @@ class Store:
         p = remote.local_path(path)
         if not (p / "zarr.json").is_file():
             raise StoreError("not a zarr store (no zarr.json)", path=p)
-        try:
-            group = zarr.open_group(ConfinedStore(p, read_only=mode == "r"), mode=mode, zarr_format=3)
-        except Exception as err:  # zarr raises several unrelated types for a broken store
-            raise StoreError(f"cannot open zarr store: {err}", path=p) from None
-        meta = group.attrs.get("zckpt")
+        attrs = _group_attributes(p)
+        meta = attrs.get("zckpt")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise StoreError("zarr store was not written by zckpt (no zckpt manifest)", path=p)
         if int(meta.get("version", 0)) > VERSION:
             raise StoreError(f"store format version {meta.get('version')} is newer than this zckpt", path=p)
-        return cls(p, group, mode=mode)
+        store = cls(p, None, mode=mode)
+        store._manifest = meta
+        store._other_attrs = {k: v for k, v in attrs.items() if k != "zckpt"}
+        return store
 
     @classmethod
     def _open_remote(cls, url: str, mode: Literal["r", "r+", "a"], storage_options: remote.StorageOptions) -> Store:
         loc = remote.locate(url, storage_options, StoreError)
         if not remote.isfile(loc.child("zarr.json"), StoreError):
             raise StoreError("not a zarr store (no zarr.json)", path=url)
+        from zckpt.zarr_local import zarr
+
         with remote.remote_errors(StoreError, url, "cannot open zarr store"):
             group = zarr.open_group(_fsspec_store(url, storage_options, read_only=mode == "r"), mode=mode,
                                     zarr_format=3)
@@ -851,6 +845,8 @@ class Store:
             if not read:
                 out[got[0]] = {}
             else:
+                from zckpt.zarr_local import zarr
+
                 node = self.group[f"{rank_records.FOLDER}/{name}"]
                 out[got[0]] = dict(node.attrs) if isinstance(node, zarr.Group) else {}
         if files and read:
@@ -947,6 +943,8 @@ class Store:
                 loc.fs.pipe({loc.child(k).path: v for k, v in docs.items()})  # concurrent puts
         created = _gather([c for _, c in pending])
         for (name, _), node in zip(pending, created, strict=True):
+            from zckpt.zarr_local import zarr
+
             self._keep(name, zarr.Array(node))
         for pack in packing.arrays if packing is not None else ():
             where = self.path / pack.key
@@ -1107,6 +1105,8 @@ class Store:
             return
         from zarr.api.asynchronous import open_array
 
+        from zckpt.zarr_local import zarr
+
         with self._io_errors("cannot open arrays"):
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
                                          zarr_format=3) for n in todo])
@@ -1165,6 +1165,8 @@ class Store:
             raise StoreError("string entries have no array", path=self.url, param=name)
         if e.offset is not None:
             return self._keep(name, self._packed_array(e))
+        from zckpt.zarr_local import zarr
+
         try:
             node = writing_empty_chunks(zarr.open_array(store=self.group.store, path=e.key, mode=self._mode))
         except Exception as err:  # zarr raises several types for a missing or broken node
@@ -1177,6 +1179,8 @@ class Store:
         against their recorded checksum) under the attributes its array would have had.
         For the occasional reader (``load --param``, replica checks); export and verify
         read the packed bytes directly (:meth:`chunk_at`)."""
+        from zckpt.zarr_local import zarr
+
         info = self.chunk_info(e.name)
         assert info.at is not None and info.folder is not None
         self.verify_chunks(e.name, Box.full(e.shape))
@@ -1527,6 +1531,8 @@ class Store:
     ) -> int:
         """:meth:`verify_chunks` on a remote store: each chunk's stored bytes are fetched through
         zarr's store API, a few at a time (concurrent requests, at most ~64 MiB in flight)."""
+        from zarr.core.buffer import default_buffer_prototype
+
         info = self.chunk_info(name)
         chunk_bytes = max(1, math.prod(info.chunks) * ms_dtype(self.entry(name).ms_type).storage.itemsize)
         per_batch = max(1, (64 * 1024 * 1024) // chunk_bytes)
