@@ -26,7 +26,7 @@ from zckpt.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example"
-HEAVY = ("zarr", "dask", "distributed", "fsspec", "numcodecs")
+HEAVY = ("zarr", "dask", "distributed", "fsspec", "numcodecs", "asyncio")
 
 
 def _cli_modules(args: list[str]) -> list[str]:

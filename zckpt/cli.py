@@ -35,7 +35,7 @@ process as it was."""
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.")
-    p.add_argument("--version", action="version", version=f"zckpt {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
     ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
@@ -133,6 +133,20 @@ def _parser() -> argparse.ArgumentParser:
     _storage_args(con)
     _verify_args(sub)
     return p
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, the installed version looked up only when asked: ``importlib.metadata``
+    (email, zipfile, ...) would otherwise cost every command's start ~15 ms."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"zckpt {_version()}")
+        parser.exit()
 
 
 def _version() -> str:

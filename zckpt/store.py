@@ -27,7 +27,6 @@ written once, when the array is defined (:func:`shard_grid`, :func:`write_runs`)
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import contextlib
 import hashlib
@@ -476,6 +475,8 @@ def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
     """Run coroutines concurrently on zarr's own event loop and return their results."""
     if not coros:
         return []
+    import asyncio
+
     from zarr.core.sync import sync as zarr_sync
 
     async def run() -> list[Any]:
