@@ -20,9 +20,10 @@ from ckpt_compare import diff_dirs
 from test_roundtrip_generated import _check_output, _dst_strategy, _model
 
 import zckpt
+from zckpt.dtypes import MS_DTYPES
 from zckpt.errors import StoreError
 from zckpt.generate import write_model
-from zckpt.store import Store
+from zckpt.store import Store, _array_json, zarr_type
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example"
@@ -146,3 +147,38 @@ def test_store_array_registers_bfloat16_before_handing_out_a_zarr_array(tmp_path
     lines = proc.stdout.splitlines()
     assert lines[0] == "uint16", lines  # zckpt carries bf16 as its bit patterns
     assert lines[1] == "bfloat16", lines  # the caller's zarr-python: ml_dtypes' bfloat16
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("ms_type,kind", [*((t, "tensor") for t in MS_DTYPES), ("Float32", "map")])
+def test_array_documents_equal_zarr_pythons_own(ms_type: str, kind: str, sharded: bool) -> None:
+    """zckpt writes its arrays' ``zarr.json`` itself; zarr-python, the independent reference,
+    renders the same array (data type, fill value, codecs, sharding, chunk keys) to the same
+    document, byte for byte."""
+    import zarr
+    from zarr.core.buffer import default_buffer_prototype
+
+    attrs = {"zckpt": {"name": "w", "writers": [[0, [[0, 0], [6, 4]]]]}}
+    ref = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(6, 4), chunks=(1, 2),
+                            shards=(3, 4) if sharded else None, dtype=zarr_type(ms_type, kind), compressors=None,
+                            fill_value=0, attributes=attrs, chunk_key_encoding={"name": "default", "separator": "."})
+    want = ref.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    got = _array_json(ms_type, kind, (6, 4), (1, 2), attrs, (3, 2) if sharded else None)
+    assert json.loads(got) == json.loads(want)
+    assert got == json.dumps(json.loads(want))  # the same keys in the same order
+
+
+def test_group_and_progress_documents_equal_zarr_pythons_own(tmp_path: Path) -> None:
+    """A local store's ``tensors``/``maps`` groups and its ``progress`` array are written
+    without zarr-python; zarr-python writes the same bytes for the same nodes (remote
+    stores still create them through it)."""
+    import zarr
+
+    from zckpt import records
+
+    ref = zarr.open_group(str(tmp_path / "ref.zarr"), mode="w-", zarr_format=3)
+    ref.require_group("tensors")
+    records.define_folder(ref)
+    store = _example_store(tmp_path)
+    for node in ("tensors", records.FOLDER):
+        assert (store / node / "zarr.json").read_bytes() == (tmp_path / "ref.zarr" / node / "zarr.json").read_bytes()

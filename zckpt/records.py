@@ -42,13 +42,26 @@ _GROUP = re.compile(r"rank_(0|[1-9][0-9]*)")
 _RANGE = re.compile(r"ranks_(0|[1-9][0-9]*)-(0|[1-9][0-9]*)\.json")
 
 
+FOLDER_ATTRIBUTES = {"zckpt": {"records": "progress/rank_<r>.json, one per source rank done"}}
+
+
 def define_folder(group: Any) -> None:
     """Create ``progress`` in a new store's root ``group`` as a zero-length ``uint8`` array:
     the record files live in its directory, where zarr looks only for chunk keys, so a zarr
     reader walking the hierarchy meets one empty array and no unknown objects (in a group,
     every file would be reported as "not recognized as a component of a Zarr hierarchy")."""
     group.create_array(FOLDER, shape=(0,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None,
-                       attributes={"zckpt": {"records": "progress/rank_<r>.json, one per source rank done"}})
+                       attributes=FOLDER_ATTRIBUTES)
+
+
+def folder_document() -> dict[str, Any]:
+    """The ``zarr.json`` that :func:`define_folder` has zarr-python write (tests compare the
+    two), for local stores, which write it without importing zarr-python."""
+    return {"shape": [0], "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0, "codecs": [{"name": "bytes"}], "attributes": FOLDER_ATTRIBUTES, "zarr_format": 3,
+            "node_type": "array", "storage_transformers": []}
 
 
 def file_name(rank: int) -> str:

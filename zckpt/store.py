@@ -210,35 +210,49 @@ def _data_type_name(arr: zarr.Array[Any]) -> str:
     return str(arr.metadata.data_type.to_json(zarr_format=3))  # type: ignore[union-attr]
 
 
-_TEMPLATES: dict[tuple[str, bool], dict[str, Any]] = {}
+def _type_name(ms_type: str, kind: str) -> tuple[str, int]:
+    """The Zarr data type of an entry's array as its ``zarr.json`` names it, and its item size
+    (:func:`zarr_type`, without importing zarr-python)."""
+    if kind != "tensor":
+        return "uint8", 1
+    if ms_type == "BFloat16":
+        return "bfloat16", 2
+    dtype = ms_dtype(ms_type).storage
+    return dtype.name, dtype.itemsize
 
 
-def _template(dtype: ZarrType, sharded: bool = False) -> dict[str, Any]:
-    """zarr's own ``zarr.json`` for an uncompressed array of ``dtype`` (rendered once), with
-    or without the sharding codec (inner chunks uncompressed, index at the end).
+def _template(ms_type: str, kind: str, sharded: bool = False) -> dict[str, Any]:
+    """The ``zarr.json`` that zarr-python writes for an uncompressed array of the entry's data
+    type (tests/test_lazy_zarr.py compares the two for every type), with or without the
+    sharding codec (inner chunks uncompressed, index at the end); written here so that
+    defining a store's arrays needs no zarr-python.
 
     Chunk keys use the ``.`` separator (``c.0.1``): one file per chunk (or shard) in the
     array's folder, with no directory per chunk coordinate to create.
     """
-    from zarr.core.buffer import default_buffer_prototype
+    name, itemsize = _type_name(ms_type, kind)
+    raw: dict[str, Any] = {"name": "bytes"}
+    if itemsize > 1:  # zckpt's storage types are little-endian
+        raw["configuration"] = {"endian": "little"}
+    codecs: list[dict[str, Any]] = [raw]
+    if sharded:
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [1], "codecs": [raw],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            "index_location": "end"}}]
+    fill: Any = False if name == "bool" else 0.0 if "float" in name else 0
+    return {"shape": [2], "data_type": name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2 if sharded else 1]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+            "fill_value": fill, "codecs": codecs, "attributes": {}, "zarr_format": 3, "node_type": "array",
+            "storage_transformers": []}
 
-    from zckpt.zarr_local import zarr
 
-    key = (dtype.str if isinstance(dtype, np.dtype) else str(dtype.to_json(zarr_format=3)), sharded)
-    if key not in _TEMPLATES:
-        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dtype,
-                                shards=(2,) if sharded else None, compressors=None, fill_value=0,
-                                chunk_key_encoding={"name": "default", "separator": "."})
-        buf = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
-        _TEMPLATES[key] = json.loads(buf.to_bytes())
-    return _TEMPLATES[key]
-
-
-def _array_json(dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
+def _array_json(ms_type: str, kind: str, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
                 per_shard: Sequence[int] | None = None) -> str:
     """An array's ``zarr.json``: ``chunks`` is the chunk shape, the inner chunk shape of a
     sharded array whose shards hold ``per_shard`` inner chunks per dimension."""
-    doc = json.loads(json.dumps(_template(dtype, per_shard is not None)))
+    doc = _template(ms_type, kind, per_shard is not None)
     doc["shape"] = [int(s) for s in shape]
     grid = [int(c) for c in chunks] if per_shard is None else [int(c) * int(k) for c, k in zip(chunks, per_shard,
                                                                                                    strict=True)]
@@ -249,12 +263,24 @@ def _array_json(dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], at
     return json.dumps(doc)
 
 
+GROUP_DOCUMENT: dict[str, Any] = {"attributes": {}, "zarr_format": 3, "node_type": "group"}
+"""A group's ``zarr.json`` as zarr-python writes it (``tensors``, ``maps``)."""
+
+
+def _write_json(folder: Path, doc: Mapping[str, Any]) -> None:
+    """A node's ``zarr.json`` in a local store being defined (no data yet: not atomic), laid
+    out as zarr-python lays it out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "zarr.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+
+
 def _write_array_json(
-    folder: Path, dtype: ZarrType, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
+    folder: Path, ms_type: str, kind: str, shape: Sequence[int], chunks: Sequence[int], attributes: dict[str, Any],
     per_shard: Sequence[int] | None = None,
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "zarr.json").write_text(_array_json(dtype, shape, chunks, attributes, per_shard), encoding="utf-8")
+    (folder / "zarr.json").write_text(_array_json(ms_type, kind, shape, chunks, attributes, per_shard),
+                                      encoding="utf-8")
 
 
 def _raw_bytes_codec(codecs: Any) -> bool:
@@ -665,11 +691,11 @@ class Store:
                 shutil.rmtree(p)
             else:
                 raise StoreError("refusing to overwrite a directory that is not a zarr store", path=p)
-        from zckpt.zarr_local import ConfinedStore, zarr
-
-        group = zarr.open_group(ConfinedStore(p), mode="w-", zarr_format=3)
-        group.attrs["zckpt"] = _new_manifest()
-        return cls(p, group, mode="w-")
+        p.mkdir(parents=True)
+        store = cls(p, None, mode="w-")
+        store._other_attrs = {}
+        store._write_manifest(_new_manifest())
+        return store
 
     @classmethod
     def _create_remote(cls, url: str, overwrite: bool, storage_options: remote.StorageOptions) -> Store:
@@ -889,11 +915,12 @@ class Store:
             raise StoreError("sharded and packed arrays are written to local uncompressed stores only", path=self.url)
         records: list[EntryRecord] = []
         pending: list[tuple[str, Awaitable[Any]]] = []
-        agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
         fast = compressors is None
         docs: dict[str, bytes] = {}
-        if fast:
-            for folder in ("tensors", "maps"):
+        for folder in ("tensors", "maps"):
+            if self.location is None:
+                _write_json(self.path / folder, GROUP_DOCUMENT)
+            elif fast:
                 self.group.require_group(folder)
         for t in tensors:
             if t.kind == "str":
@@ -906,7 +933,6 @@ class Store:
                 continue
             key = encode_key(t.name)
             folder = "tensors" if t.kind == "tensor" else "maps"
-            dtype = zarr_type(t.ms_type, t.kind)
             attrs: dict[str, Any] = {
                 "name": t.name,
                 "ms_dtype": t.ms_type,
@@ -918,19 +944,20 @@ class Store:
             if t.note:
                 attrs["note"] = t.note
             if fast and self.location is not None:
-                docs[f"{folder}/{key}/zarr.json"] = _array_json(dtype, t.shape, chunks[t.name],
+                docs[f"{folder}/{key}/zarr.json"] = _array_json(t.ms_type, t.kind, t.shape, chunks[t.name],
                                                                 {"zckpt": attrs}).encode("utf-8")
             elif fast:
-                _write_array_json(self.path / folder / key, dtype, t.shape, chunks[t.name], {"zckpt": attrs},
-                                  shards.get(t.name))
+                _write_array_json(self.path / folder / key, t.ms_type, t.kind, t.shape, chunks[t.name],
+                                  {"zckpt": attrs}, shards.get(t.name))
                 if t.name in shards:
                     self._preallocate(self.path / folder / key, t, chunks[t.name], shards[t.name])
             else:
+                agroup = self.group._async_group  # zarr's async API: create thousands of arrays concurrently
                 pending.append((t.name, agroup.create_array(
                 f"{folder}/{key}",
                 shape=t.shape,
                 chunks=chunks[t.name],
-                dtype=dtype,
+                dtype=zarr_type(t.ms_type, t.kind),
                 compressors=compressors,
                 fill_value=0,
                 attributes={"zckpt": attrs},
@@ -949,10 +976,13 @@ class Store:
             self._keep(name, zarr.Array(node))
         for pack in packing.arrays if packing is not None else ():
             where = self.path / pack.key
-            _write_array_json(where, zarr_type(pack.ms_type, "tensor"), (pack.length,), (pack.chunk,),
+            _write_array_json(where, pack.ms_type, "tensor", (pack.length,), (pack.chunk,),
                               {"zckpt": {"kind": "packed", "ms_dtype": pack.ms_type}})
             packed.preallocate(where, pack)
-        rank_records.define_folder(self.group)
+        if self.location is None:
+            _write_json(self.path / rank_records.FOLDER, rank_records.folder_document())
+        else:
+            rank_records.define_folder(self.group)
         self._seal_manifest(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
         self._entries = {r.name: r for r in records}  # as the manifest now says: not parsed back
 
