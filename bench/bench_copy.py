@@ -50,12 +50,7 @@ Copy = Callable[[int, int, int, int, int, bytearray, Sink | None], None]
 
 def kernel_then_read(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray, sink: Sink) -> None:
     """The previous way: the kernel copies the run, then it is read again for the sums."""
-    done = 0
-    while done < length:
-        n = os.copy_file_range(src, dst, length - done, offset + done, at + done)
-        if n <= 0:
-            raise OSError("copy_file_range copied nothing")
-        done += n
+    kernel_only(src, dst, offset, length, at, buf, None)
     fileio.read_through(src, offset, length, buf, sink)
 
 

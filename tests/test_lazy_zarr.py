@@ -30,6 +30,13 @@ EXAMPLE = ROOT / "docs" / "example"
 HEAVY = ("zarr", "dask", "distributed", "fsspec", "numcodecs", "asyncio")
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter that imports this checkout's zckpt; it must succeed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
 def _cli_modules(args: list[str]) -> list[str]:
     """Run ``python -m zckpt.cli ARGS`` in a fresh interpreter; the heavy top-level packages it
     had imported when the command returned."""
@@ -42,9 +49,7 @@ def _cli_modules(args: list[str]) -> list[str]:
         "    assert exit.code in (0, None), exit.code\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr
+    proc = _python(code)
     return list(json.loads(proc.stdout.splitlines()[-1].replace("'", '"')))
 
 
@@ -141,9 +146,7 @@ def test_store_array_registers_bfloat16_before_handing_out_a_zarr_array(tmp_path
         "import zarr\n"
         f"print(zarr.open_array({str(store)!r}, path=e.key, mode='r').dtype)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr
+    proc = _python(code)
     lines = proc.stdout.splitlines()
     assert lines[0] == "uint16", lines  # zckpt carries bf16 as its bit patterns
     assert lines[1] == "bfloat16", lines  # the caller's zarr-python: ml_dtypes' bfloat16
