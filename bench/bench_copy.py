@@ -51,7 +51,14 @@ Copy = Callable[[int, int, int, int, int, bytearray, Sink | None], None]
 def kernel_then_read(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray, sink: Sink) -> None:
     """The previous way: the kernel copies the run, then it is read again for the sums."""
     kernel_only(src, dst, offset, length, at, buf, None)
-    fileio.read_through(src, offset, length, buf, sink)
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
+        if n == 0:
+            raise OSError(f"source ended after {done} of {length} bytes")
+        sink(offset + done, view[:n])
+        done += n
 
 
 def kernel_only(src: int, dst: int, offset: int, length: int, at: int, buf: bytearray, sink: Sink | None) -> None:

@@ -1,4 +1,4 @@
-"""Byte-range copies between files (zckpt.fileio): kernel path and buffered fallback."""
+"""Byte-range copies between files (zckpt.fileio): one read, summed and written from one buffer."""
 
 from __future__ import annotations
 
@@ -14,61 +14,6 @@ import pytest
 from zckpt import fileio
 from zckpt.checksums import BlockSummer, ChunkSums, SpanCheck, block_sums
 from zckpt.errors import DiskFullError
-
-
-@pytest.mark.parametrize("how", ["kernel-or-buffer", "buffer"])
-@pytest.mark.parametrize(("offset", "length", "bufsize"), [(0, 0, 8), (3, 1000, 7), (100, 5000, 4096), (0, 9999, 1)])
-def test_copies_exactly_the_range_after_what_dst_holds(
-    tmp_path: Path, how: str, offset: int, length: int, bufsize: int
-) -> None:
-    data = os.urandom(10_000)
-    (tmp_path / "src").write_bytes(data)
-    src = os.open(tmp_path / "src", os.O_RDONLY)
-    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.write(dst, b"head")
-        if how == "buffer":
-            fileio.buffered_copy(src, dst, offset, length, bytearray(bufsize))
-        else:
-            fileio.copy_range(src, dst, offset, length, bytearray(bufsize))
-        os.write(dst, b"tail")
-    finally:
-        os.close(src)
-        os.close(dst)
-    assert (tmp_path / "dst").read_bytes() == b"head" + data[offset : offset + length] + b"tail"
-
-
-def test_a_range_past_the_end_of_the_source_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "src").write_bytes(b"x" * 10)
-    src = os.open(tmp_path / "src", os.O_RDONLY)
-    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
-    try:
-        with pytest.raises(OSError, match="source ended after 10 of 20"):
-            fileio.buffered_copy(src, dst, 0, 20, bytearray(4))
-    finally:
-        os.close(src)
-        os.close(dst)
-
-
-@pytest.mark.parametrize("kernel", [True, False])
-def test_copy_passes_the_bytes_copied_to_its_sink(tmp_path: Path, kernel: bool,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sink sees the bytes from the same pass as the copy (buffered) or one read after
-    the kernel copied (kernel): per-block sums of them equal those of the bytes themselves."""
-    data = os.urandom(50_000)
-    (tmp_path / "src").write_bytes(data)
-    if not kernel:
-        monkeypatch.setattr(fileio, "kernel_copy", lambda *a: 0)
-    summer = BlockSummer(1000, 123)
-    src = os.open(tmp_path / "src", os.O_RDONLY)
-    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        fileio.copy_range(src, dst, 123, 40_000, bytearray(4096), summer.feed)
-    finally:
-        os.close(src)
-        os.close(dst)
-    assert summer.result() == [google_crc32c.value(data[i : i + 1000]) for i in range(123, 40_123, 1000)]
-    assert (tmp_path / "dst").read_bytes() == data[123:40_123]
 
 
 @pytest.mark.parametrize(("offset", "length", "at", "bufsize"),

@@ -43,59 +43,6 @@ def kernel_copy(src: int, dst: int, offset: int, length: int) -> int:
     return done
 
 
-def _blocks(src: int, offset: int, length: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
-    """The range read into ``view`` one block at a time, with each block's file offset
-    (each block valid until the next)."""
-    done = 0
-    while done < length:
-        n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            raise OSError(f"source ended after {done} of {length} bytes")
-        yield offset + done, view[:n]
-        done += n
-
-
-def buffered_copy(
-    src: int, dst: int, offset: int, length: int, buf: bytearray | None = None, sink: Sink | None = None
-) -> None:
-    """Copy through ``buf`` (or a fresh ``BLOCK``-sized one) to ``dst`` at its position,
-    passing the bytes to ``sink`` on the way."""
-    view = memoryview(buf if buf is not None else bytearray(min(BLOCK, max(1, length))))
-    for at, block in _blocks(src, offset, length, view):
-        if sink is not None:
-            sink(at, block)
-        written = 0
-        while written < len(block):
-            written += os.write(dst, block[written:])
-
-
-def read_through(src: int, offset: int, length: int, buf: bytearray, sink: Sink) -> None:
-    """Pass a range of ``src`` to ``sink``, read through ``buf`` (no mapping: the process's
-    resident memory stays at one buffer whatever the file size)."""
-    view = memoryview(buf)
-    size = len(view)
-    done = 0
-    while done < length:  # a plain loop (no generator): ingest calls this once per run, 10 000s of times
-        n = os.preadv(src, [view[: min(size, length - done)]], offset + done)
-        if n == 0:
-            raise OSError(f"source ended after {done} of {length} bytes")
-        sink(offset + done, view[:n])
-        done += n
-
-
-def copy_range(
-    src: int, dst: int, offset: int, length: int, buf: bytearray | None = None, sink: Sink | None = None
-) -> None:
-    """Append ``length`` bytes of ``src`` at ``offset`` to ``dst`` (at its position), passing
-    them to ``sink``: the kernel copies when it can (then the bytes are read once more,
-    through ``buf``, for the sink), else one pass through ``buf`` does both."""
-    done = kernel_copy(src, dst, offset, length)
-    if done and sink is not None:
-        read_through(src, offset, done, buf if buf is not None else bytearray(BLOCK), sink)
-    if done < length:
-        buffered_copy(src, dst, offset + done, length - done, buf, sink)
-
-
 FULL = (errno.ENOSPC, errno.EDQUOT)
 """``OSError`` numbers of a full device or an exhausted quota."""
 
