@@ -5,6 +5,7 @@ Uses the bundled MindSpore example (docs/example), so it runs without ../shared.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,42 @@ def test_truncated_ckpt(example: Path, tmp_path: Path, capsys: pytest.CaptureFix
     code, err = _run(_ingest_args(example, store), capsys)
     assert code == 1
     assert "checkpoint_3.ckpt" in err and "truncated" in err
+    assert not store.exists()
+
+
+@pytest.mark.parametrize("way", ["whole chunks", "runs"])
+def test_source_truncated_after_it_was_indexed(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """A shard cut short between its index and the copy (another program rewriting it) is
+    named with the parameter whose payload it ends in, on both copy paths, and no store is left."""
+    import importlib
+
+    ingest_mod = importlib.import_module("zckpt.ingest")  # the module: zckpt.ingest is also the function
+
+    real = ingest_mod._whole_chunk_copies
+    cut: list[tuple[str, str]] = []
+
+    def truncating(store: object, reader: CkptReader, writes: tuple[object, ...],
+                   limit: int) -> tuple[list[object], tuple[object, ...]]:
+        whole, left = real(store, reader, writes, limit)  # type: ignore[arg-type]
+        if way == "runs":
+            whole, left = [], writes
+        if whole and not cut:
+            first = whole[0]
+            os.truncate(reader.path, first.source + first.length // 2)  # type: ignore[attr-defined]
+            cut.append((Path(reader.path).name, first.name))  # type: ignore[attr-defined]
+        elif left and not cut:
+            entry = reader.entries[left[0].name]  # type: ignore[attr-defined]
+            os.truncate(reader.path, entry.segments[0].offset + entry.segments[0].length // 2)
+            cut.append((Path(reader.path).name, entry.name))
+        return whole, left  # type: ignore[return-value]
+
+    monkeypatch.setattr(ingest_mod, "_whole_chunk_copies", truncating)
+    store = tmp_path / "s.zarr"
+    code, err = _run(_ingest_args(example, store), capsys)
+    assert cut, "no source was cut: the test missed the copy"
+    assert code == 1
+    assert cut[0][0] in err and cut[0][1] in err and "changed after it was indexed" in err
     assert not store.exists()
 
 

@@ -271,6 +271,10 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
         raise
 
 
+class SourceEnded(OSError):
+    """A copy's source file is shorter than the range asked for (it changed after it was read)."""
+
+
 def copy_range_at(
     src: int, dst: int, offset: int, length: int, at: int, buf: bytearray | None = None, sink: Sink | None = None
 ) -> None:
@@ -287,7 +291,7 @@ def copy_range_at(
     while done < length:  # a plain loop (no generator): ingest calls this once per run, 10 000s of times
         n = os.preadv(src, [view[: min(size, length - done)]], offset + done)
         if n == 0:
-            raise OSError(f"source ended after {done} of {length} bytes")
+            raise SourceEnded(f"source ended after {done} of {length} bytes")
         block = view[:n]
         if sink is not None:
             sink(offset + done, block)

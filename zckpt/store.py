@@ -366,6 +366,11 @@ class ChunkInfo:
         return "c" + self.separator + self.separator.join([str(int(c)) for c in coords])
 
     @cached_property
+    def prefix(self) -> str:
+        """The array's folder as a path prefix of its chunk keys (``folder/``)."""
+        return "" if self.folder is None else str(self.folder) + os.sep
+
+    @cached_property
     def inner_bytes(self) -> int:
         return math.prod(self.chunks) * self.itemsize
 
