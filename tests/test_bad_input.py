@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from zckpt.cli import main as cli_main
 from zckpt.formats.ckpt import CkptReader, value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.layout import Box
+from zckpt.plan import Write
 from zckpt.safe_paths import temp_name
+from zckpt.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 
@@ -61,20 +64,20 @@ def test_source_truncated_after_it_was_indexed(example: Path, tmp_path: Path, ca
     real = ingest_mod._whole_chunk_copies
     cut: list[tuple[str, str]] = []
 
-    def truncating(store: object, reader: CkptReader, writes: tuple[object, ...],
-                   limit: int) -> tuple[list[object], tuple[object, ...]]:
-        whole, left = real(store, reader, writes, limit)  # type: ignore[arg-type]
+    def truncating(store: Store, reader: CkptReader, writes: tuple[Write, ...],
+                   limit: int) -> tuple[list[Any], tuple[Write, ...]]:
+        whole, left = real(store, reader, writes, limit)
         if way == "runs":
             whole, left = [], writes
         if whole and not cut:
             first = whole[0]
-            os.truncate(reader.path, first.source + first.length // 2)  # type: ignore[attr-defined]
-            cut.append((Path(reader.path).name, first.name))  # type: ignore[attr-defined]
+            os.truncate(reader.path, first.source + first.length // 2)
+            cut.append((Path(reader.path).name, first.name))
         elif left and not cut:
-            entry = reader.entries[left[0].name]  # type: ignore[attr-defined]
-            os.truncate(reader.path, entry.segments[0].offset + entry.segments[0].length // 2)
-            cut.append((Path(reader.path).name, entry.name))
-        return whole, left  # type: ignore[return-value]
+            seg = reader.entries[left[0].name].segments[0]
+            os.truncate(reader.path, seg.offset + seg.length // 2)
+            cut.append((Path(reader.path).name, left[0].name))
+        return whole, left
 
     monkeypatch.setattr(ingest_mod, "_whole_chunk_copies", truncating)
     store = tmp_path / "s.zarr"
