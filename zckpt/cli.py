@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="pack small tensors only when there are at least this many (default 1024)")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+    ing.add_argument("--helper", action=argparse.BooleanOptionalAction, default=None,
+                     help="copy part of the ranks in a second process on this machine; the negative form copies in "
+                          "this process alone (default: for local jobs of 256 MiB or more, with a core to spare and "
+                          "no Dask cluster)")
     _engine_args(ing)
     _storage_args(ing)
 
@@ -343,7 +347,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
         overlap=a.overlap, progress=_progress(a),
         storage_options=parse_storage_options(a.storage_option) or None, file_suffix=a.file_suffix,
-        choice_func=_choice_func(a),
+        choice_func=_choice_func(a), helper=a.helper,
     )
     if a.pack_bytes is not None:
         opts = replace(opts, pack_bytes=a.pack_bytes)

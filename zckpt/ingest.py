@@ -42,12 +42,13 @@ from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
-from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.runner import Engine, dask_client, overlap_for, run_all, usable_cpus, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
 from zckpt.unsharded import SameModel, check_same_model
 
 if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
+    from zckpt.helper import Helper
     from zckpt.store import ChunkInfo, EntryRecord, Run, Store
 
 MiB = 1024 * 1024
@@ -90,6 +91,10 @@ class IngestOptions:
     choice_func: Callable[[str], bool] | None = None
     """MindSpore's ``choice_func``: called with each entry name, ``False`` leaves the entry out
     of the store (it is never read)."""
+    helper: bool | None = None
+    """Copy part of the ranks in a second process (:mod:`zckpt.helper`) while this one copies
+    the others, both on this machine. ``None`` (auto): for a local job of at least
+    :data:`HELPER_BYTES` with a core to spare and no Dask cluster."""
     overlap: bool | None = None
     """Each task copies chunk files on two threads, so that one chunk is read while another
     is written. ``None`` (auto): only when every host runs fewer tasks at once than it has
@@ -212,12 +217,16 @@ def entry_filter(choice_func: Callable[[str], bool] | None) -> Callable[[str], b
 def read_indexes(
     files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
     while_reading: Callable[[], object] | None = None,
+    before_reading: Callable[[Mapping[int, SourceFile]], object] | None = None,
 ) -> dict[int, dict[str, EntryInfo]]:
     """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
     files (:func:`zckpt.fileio.read_soon`), before they are walked: work that can wait for
     the disk at the same time (ingest imports Zarr there). Files too large to be read ahead
-    whole are walked sparsely: only the pages of their headers come from the disk."""
+    whole are walked sparsely: only the pages of their headers come from the disk.
+    ``before_reading`` is given the files first (ingest starts its helper process there)."""
     out: dict[int, dict[str, EntryInfo]] = {}
+    if before_reading is not None:
+        before_reading(files)
     local = [p for p in files.values() if isinstance(p, Path)]
     sparse = bool(local) and not fileio.read_soon(local)  # headers lie between payloads
     if while_reading is not None:
@@ -308,6 +317,7 @@ def prepare_ingest(
     choice_func: Callable[[str], bool] | None = None,
     block_bytes: int = 64 * MiB,
     while_reading: Callable[[], object] | None = None,
+    before_reading: Callable[[Mapping[int, SourceFile]], object] | None = None,
 ) -> PreparedIngest:
     """Find the sources and plan the ingest. Without a strategy, rank files besides rank 0's
     must be the same model byte for byte (:mod:`zckpt.unsharded`), else this refuses."""
@@ -323,7 +333,8 @@ def prepare_ingest(
     files = relevant_ranks(found, smap)
     if smap is not None:
         refuse_stageless(smap, found, files, require_complete=require_complete)
-    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options, while_reading=while_reading)
+    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=storage_options, while_reading=while_reading,
+                           before_reading=before_reading)
     left_out: set[str] = set()
     if keep is not None:
         left_out = {n for idx in indexes.values() for n in idx if not keep(n)}
@@ -357,16 +368,33 @@ def ingest(
     incomplete store is removed; after an interruption it is kept, marked incomplete.
     """
     t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:  # ends the helper process, if one was started
+        return _ingest(src, store_path, strategy, options, stack, t0)
+
+
+def _ingest(
+    src: str | Path | Mapping[int, str | Path], store_path: str | Path, strategy: StrategyArg, options: IngestOptions,
+    stack: contextlib.ExitStack, t0: float,
+) -> IngestReport:
+    is_remote = isinstance(store_path, str) and remote.is_remote(store_path)
+    helper: list[Helper] = []
+
+    def start_helper(files: Mapping[int, SourceFile]) -> None:
+        if _wants_helper(files, options, is_remote):
+            from zckpt.helper import Helper
+
+            helper.append(stack.enter_context(Helper(["zckpt.ingest", "zckpt.store"])))
+
     prepared = prepare_ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
         storage_options=options.storage_options, file_suffix=options.file_suffix, choice_func=options.choice_func,
         block_bytes=options.block_bytes,
         # with a cold cache Zarr's import reads its own files from the disk: while the shards are read, not after
         while_reading=lambda: importlib.import_module("zckpt.store"),
+        before_reading=start_helper,
     )
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
-    is_remote = isinstance(store_path, str) and remote.is_remote(store_path)
     layout = store_layout(plan, smap, options, sharded=not is_remote)
     if not is_remote:
         layout = _resumable_layout(remote.local_path(store_path), layout, plan, smap, options)
@@ -389,7 +417,8 @@ def ingest(
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
                              fingerprint=layout.fingerprint(), shards=layout.shards, packing=layout.packing)
             written, compared, ranks = ((0, 0, ()) if state == "complete"
-                                        else _run(plan, layout, store, options, prepared.indexes))
+                                        else _run(plan, layout, store, options, prepared.indexes,
+                                                                          helper[0] if helper else None))
             complete = not plan.uncovered
             if complete and state != "complete":
                 store.mark_complete()
@@ -688,9 +717,53 @@ class StoreTarget:
     infos: Mapping[str, ChunkInfo]
 
 
+HELPER_BYTES = 256 * MiB
+"""Jobs from this size on copy in two processes when a core is free (:mod:`zckpt.helper`):
+starting the helper costs about 0.3 s of CPU on that core, the copies then take half the
+time (512 ranks, 2 GiB: 1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
+
+
+def _wants_helper(files: Mapping[int, SourceFile], options: IngestOptions, is_remote: bool) -> bool:
+    """Whether this ingest copies in two processes (:data:`IngestOptions.helper`): never for
+    a remote store or a single source file."""
+    if is_remote or len(files) < 2:
+        return False
+    if options.helper is not None:
+        return options.helper
+    if options.workers != 1 or options.scheduler is not None or usable_cpus() < 2:
+        return False
+    if not all(isinstance(p, Path) for p in files.values()):
+        return False
+    total = 0
+    for p in files.values():
+        with contextlib.suppress(OSError):
+            total += os.stat(p).st_size
+    return total >= HELPER_BYTES
+
+
+def _aside(todo: list[RankJob], group: int) -> int:
+    """Where the helper's share of ``todo`` begins: about half the bytes, on a border of the
+    progress record groups (each process groups its own ranks as one process would)."""
+    total = sum(j.nbytes for j in todo)
+    done = 0
+    for i in range(0, len(todo), group):
+        if done * 2 >= total:
+            return i
+        done += sum(j.nbytes for j in todo[i:i + group])
+    return len(todo)
+
+
+def ingest_ranks(jobs: list[RankJob], store_path: str, options: IngestOptions, ranks: int) -> list[int]:
+    """:func:`ingest_rank` of several ranks with their own shard files, write-behind and
+    record thread (the helper's share; ``ranks``: how many the whole run writes, which sets
+    the record groups)."""
+    with _shard_files(True, ranks) as shared:
+        return [ingest_rank(j, store_path, options, shared) for j in jobs]
+
+
 def _run(
     plan: IngestPlan, layout: StoreLayout, store: Store, options: IngestOptions,
-    indexes: Mapping[int, Mapping[str, EntryInfo]] | None = None,
+    indexes: Mapping[int, Mapping[str, EntryInfo]] | None = None, helper: Helper | None = None,
 ) -> tuple[int, int, tuple[int, ...]]:
     tensors = list(layout.tensors)
     chunks = layout.chunks
@@ -717,9 +790,20 @@ def _run(
         options = replace(options, overlap=overlap_for(options.overlap, client))
         todo = [j for j in jobs if j.rank not in done]
         with _shard_files(local and client is None, len(todo)) as shared:  # every record written when it ends
-            written = run_all(ingest_rank, todo, store.url, options, shared,
-                              client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
-                              progress=options.progress)
+            aside = None
+            if helper is not None and shared is not None and client is None:
+                first = _aside(todo, shared.group)
+                if first < len(todo):
+                    helper.submit(ingest_ranks, todo[first:], store.url, options, len(todo))
+                    aside = (first, helper.result)
+            try:
+                written = run_all(ingest_rank, todo, store.url, options, shared,
+                                  client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,
+                                  progress=options.progress, aside=aside)
+            except BaseException:
+                if helper is not None:
+                    helper.close()  # no more writes once this fails: the store may be removed next
+                raise
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
             compared = run_all(compare_replicas, checks, options, client=client, label="verify",

@@ -175,8 +175,13 @@ def run_all(
     size: Callable[[T], int] = lambda _: 1,
     name: Callable[[T], str] = lambda _: "",
     progress: bool | str = False,
+    aside: tuple[int, Callable[[], list[R]]] | None = None,
 ) -> list[R]:
     """``[fn(unit, *args, report=...) for unit in units]``, on the cluster when there is one.
+
+    ``aside``: ``(first, results)``, without a cluster: the units from ``first`` on run
+    elsewhere (:mod:`zckpt.helper`) and ``results()`` waits for theirs once this process has
+    run its own; the view counts them done then.
 
     Each task gets a ``report(param, nbytes)`` callable (``None`` when progress is off)
     that feeds the view of this phase (:mod:`zckpt.progress`): directly in this process,
@@ -191,12 +196,20 @@ def run_all(
     topic: str | None = None
     try:
         if client is None:
+            first = aside[0] if aside is not None else len(units)
             out = []
-            for i, u in enumerate(units):
+            for i, u in enumerate(units[:first]):
                 out.append(fn(u, *args, report=view.reporter(i) if view is not None else None))
                 if view is not None:
                     view.finish(i)
+            if aside is not None:
+                out.extend(aside[1]())
+                for i in range(first, len(units)):
+                    if view is not None:
+                        view.finish(i)
             return out
+        if aside is not None:
+            raise ValueError("units run aside only without a cluster")
         from distributed import as_completed
 
         if view is not None:

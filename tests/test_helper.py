@@ -1,0 +1,237 @@
+"""The ingest's helper process (zckpt.helper): the store it helps write is the one a single
+process writes, byte for byte; a failure in its share reaches the caller with the file and
+reason; a helper that dies, or a caller killed mid-run, leaves nothing that looks complete
+and no helper behind. Values are checked against the generator's, not read back from zckpt."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zckpt
+from zckpt.cli import main as cli_main
+from zckpt.errors import SourceError, ZckptError
+from zckpt.generate import GeneratedModel, TensorDef, random_layout, write_model
+from zckpt.helper import Helper
+from zckpt.runner import run_all
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = 40  # two ranks per record group (ceil(40 / 32)): the helper's share starts on a group border
+ingest_mod = importlib.import_module("zckpt.ingest")  # the module: zckpt.ingest is also the function
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> GeneratedModel:
+    rng = np.random.default_rng(40)
+    tensors = [TensorDef(f"layer{i}.w", (160, 24), "Float32" if i % 3 else "BFloat16",
+                         random_layout(rng, (160, 24), RANKS)) for i in range(12)]
+    return write_model(tmp_path_factory.mktemp("helper") / "src", tensors, device_num=RANKS)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _args(job: GeneratedModel, store: Path, *extra: str) -> list[str]:
+    return ["ingest", str(job.root), "--strategy", str(job.strategy_path), "--store", str(store), "--quiet", *extra]
+
+
+def _helpers_of(pid: int) -> list[int]:
+    """Processes running ``zckpt.helper`` for the process ``pid`` (its pid is their first argument)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"zckpt.helper" in argv and str(pid).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_store_with_a_helper_is_the_single_process_store(job: GeneratedModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    shares: list[tuple[int, int]] = []
+    real = ingest_mod._aside
+
+    def spy(todo: list[object], group: int) -> int:
+        first: int = real(todo, group)
+        shares.append((first, len(todo)))
+        return first
+
+    monkeypatch.setattr(ingest_mod, "_aside", spy)
+    alone, helped = tmp_path / "alone.zarr", tmp_path / "helped.zarr"
+    assert cli_main(_args(job, alone, "--no-helper")) == 0
+    assert not shares, "--no-helper still split the ranks"
+    assert cli_main(_args(job, helped, "--helper")) == 0
+    assert shares and 0 < shares[0][0] < shares[0][1] == RANKS and shares[0][0] % 2 == 0
+    assert _snapshot(helped) == _snapshot(alone)
+    st = zckpt.open_store(helped)
+    for t in job.tensors:
+        got, want = np.asarray(st.array(t.name)[...]), job.global_value(t.name)
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), t.name
+
+
+def test_failure_in_the_helpers_share_names_the_file(job: GeneratedModel, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(job.root, src)
+    real = ingest_mod._aside
+    cut: list[Path] = []
+
+    def truncate_helpers_rank(todo: list[object], group: int) -> int:
+        first: int = real(todo, group)
+        last = todo[-1]  # copied by the helper
+        path = Path(last.path)  # type: ignore[attr-defined]
+        os.truncate(path, path.stat().st_size // 2)
+        cut.append(path)
+        return first
+
+    monkeypatch.setattr(ingest_mod, "_aside", truncate_helpers_rank)
+    store = tmp_path / "s.zarr"
+    code = cli_main(["ingest", str(src), "--strategy", str(job.strategy_path), "--store", str(store), "--quiet",
+                     "--helper"])
+    err = capsys.readouterr().err
+    assert cut and code == 1
+    assert cut[0].name in err and "the file changed after planning" in err, err
+    assert not store.exists()
+
+
+def test_a_helper_that_dies_fails_the_ingest(job: GeneratedModel, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    real = Helper.result
+
+    def killed_first(self: Helper) -> object:
+        self.proc.send_signal(signal.SIGKILL)
+        return real(self)
+
+    monkeypatch.setattr(Helper, "result", killed_first)
+    store = tmp_path / "s.zarr"
+    code = cli_main(_args(job, store, "--helper"))
+    err = capsys.readouterr().err
+    assert code == 1 and "helper process ended without a result" in err
+    assert not store.exists()
+
+
+def test_killed_ingest_takes_its_helper_along_and_resumes(job: GeneratedModel, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ref = tmp_path / "ref.zarr"
+    assert cli_main(_args(job, ref, "--no-helper")) == 0
+    store = tmp_path / "s.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "zckpt.cli", *_args(job, store, "--helper")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    helpers: list[int] = []
+    deadline = time.monotonic() + 60
+    while not helpers and proc.poll() is None and time.monotonic() < deadline:
+        helpers = _helpers_of(proc.pid)
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.fail("the ingest ended before its helper was seen: the job is too small for this test")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _helpers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert helpers and not _helpers_of(proc.pid), "the helper outlived the ingest that started it"
+    assert cli_main(_args(job, store, "--helper")) == 0
+    assert _snapshot(store) == _snapshot(ref)
+
+
+def test_busy_helper_ends_with_the_process_that_started_it() -> None:
+    """A helper in the middle of its call (not waiting for one, which ends on its own when the
+    pipe closes) is killed with its caller: a rerun must not meet it writing."""
+    code = ("import time, zckpt.helper as h\n"
+            "x = h.Helper()\nx.submit(time.sleep, 60)\nprint('submitted', flush=True)\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    caller = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout is not None and caller.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 30
+        helpers = _helpers_of(caller.pid)
+        while not helpers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            helpers = _helpers_of(caller.pid)
+        assert helpers, "no helper process found"
+        time.sleep(0.5)  # the helper has read its call and sleeps in it
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while _helpers_of(caller.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _helpers_of(caller.pid), "the busy helper outlived its caller"
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        for pid in _helpers_of(caller.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_helper_returns_results_and_raises_errors_as_raised() -> None:
+    from zckpt.errors import CheckpointFormatError
+    from zckpt.formats.ckpt import CkptReader
+
+    with Helper() as h:
+        h.submit(divmod, 17, 5)
+        assert h.result() == (3, 2)
+    with Helper(["zckpt.formats.ckpt"]) as h:
+        h.submit(CkptReader, "/nonexistent/rank_0.ckpt")
+        with pytest.raises(CheckpointFormatError) as info:
+            h.result()
+    assert info.value.path == "/nonexistent/rank_0.ckpt" and "cannot open" in str(info.value)
+    with Helper() as h:
+        h.submit(os.kill, os.getpid() + 10**7, 0)  # no such process: a builtin error crosses too
+        with pytest.raises(ProcessLookupError):
+            h.result()
+
+
+def test_exception_that_cannot_cross_keeps_its_class_name_and_message() -> None:
+    import io
+
+    from zckpt.helper import _answer
+
+    out = io.BytesIO()
+    _answer(out, "error", _Unpicklable("lost"))
+    kind, value = pickle.loads(out.getvalue())
+    assert kind == "error" and isinstance(value, ZckptError) and str(value) == "_Unpicklable: lost"
+    err = SourceError("bad", path="f.ckpt", param="w")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is SourceError and (back.path, back.param, str(back)) == ("f.ckpt", "w", str(err))
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self) -> str | tuple[object, ...]:
+        raise TypeError("no")
+
+
+def test_helper_never_used_ends_quietly() -> None:
+    h = Helper(["zckpt.ingest"])
+    h.close()
+    assert h.proc.returncode is not None
+
+
+def test_run_all_runs_the_units_aside_elsewhere_in_order() -> None:
+    calls: list[int] = []
+
+    def fn(u: int, *, report: object) -> int:
+        calls.append(u)
+        return u * 10
+
+    out = run_all(fn, [1, 2, 3, 4], client=None, label="t", aside=(2, lambda: [30, 40]))
+    assert out == [10, 20, 30, 40] and calls == [1, 2]
+    with pytest.raises(ValueError):
+        run_all(fn, [1], client=object(), label="t", aside=(0, lambda: [10]))

@@ -1,0 +1,132 @@
+"""A second process on this machine that runs one batch of a phase's tasks.
+
+One Python process copies on one core: at 512 source ranks an ingest's copies are CPU-bound
+(a read, a checksum and a write per 74 KB run, 28 800 of them) while the machine's second
+core idles. A helper process started here takes part of the ranks and the two copy at once.
+
+Why not the usual engines: a Dask LocalCluster of worker processes takes about 2 s to start
+(a third of a 2 GiB job; zckpt uses Dask to scale out, :mod:`zckpt.runner`), threads share
+one interpreter lock (two copy threads gained nothing measurable), and ``multiprocessing``
+runs the caller's main script again in the new process (a script that calls
+``zckpt.ingest`` without a ``__main__`` guard would ingest twice). The helper is a plain
+``python -m zckpt.helper``: it imports the modules named, waits for one pickled call on its
+standard input, runs it and writes the pickled result (or the exception) on its standard
+output. Nothing is shared but the files the call writes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from zckpt.errors import ZckptError
+
+R = TypeVar("R")
+
+
+class Helper:
+    """The helper process, started at once so that its imports overlap the caller's work:
+    :meth:`submit` one call, :meth:`result` waits for it; leaving the context ends the
+    process (killed if it is still running: the caller failed or was interrupted)."""
+
+    def __init__(self, warm: Sequence[str] = ()) -> None:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])  # this zckpt, wherever it was imported from
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "zckpt.helper", str(os.getpid()), *warm],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._submitted = False
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> None:
+        """Send the call (``fn`` must be a module-level function); at most one per helper."""
+        if self._submitted:
+            raise RuntimeError("a helper runs one call")
+        self._submitted = True
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            pickle.dump((fn, args), stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            stdin.close()
+        except BrokenPipeError:
+            pass  # the helper ended early: result() says how
+
+    def result(self) -> Any:
+        """The call's result; its exception is raised here as the helper raised it."""
+        stdout = self.proc.stdout
+        assert stdout is not None
+        try:
+            kind, value = pickle.load(stdout)
+        except (EOFError, pickle.UnpicklingError):
+            code = self.proc.wait()
+            raise ZckptError(f"the helper process ended without a result (exit status {code})") from None
+        self.proc.wait()
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> Helper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _answer(out: IO[bytes], kind: str, value: object) -> None:
+    try:
+        data = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # an exception that cannot cross: its class and message still do
+        data = pickle.dumps(("error", ZckptError(f"{type(value).__name__}: {value}")))
+    out.write(data)
+    out.flush()
+
+
+def _end_with(parent: int) -> None:
+    """Linux: be killed when the process that started this one ends (killed mid-ingest, its
+    rerun must not meet a helper still writing into the store)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it ended before the request was made
+        os._exit(1)
+
+
+def main(argv: Sequence[str]) -> int:
+    if sys.platform.startswith("linux"):
+        _end_with(int(argv[0]))
+    for name in argv[1:]:
+        importlib.import_module(name)
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # the call's prints must not mix with the result
+    try:
+        fn, args = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        return 0  # not needed after all
+    try:
+        result = fn(*args)
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
+        _answer(out, "error", err)
+        return 1
+    _answer(out, "ok", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
