@@ -71,6 +71,24 @@ def test_cli_ingest_export_matches_expected(sid: str, reader: str, tmp_path: Pat
     assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
 
 
+@pytest.mark.parametrize("sid", ["s01", "s05", "s09", "s16"])
+def test_cli_ingest_and_export_with_helper_processes_match_expected(sid: str, tmp_path: Path) -> None:
+    """Part of the ranks and of the files written by a second process (zckpt.helper)."""
+    d = scenario(sid)
+    store = tmp_path / "store.zarr"
+    args = ["ingest", str(d / "src" / "checkpoints"), "--store", str(store), "--helper", "--quiet"]
+    src = _strategy(d / "src")
+    if src:
+        args += ["--strategy", src]
+    assert cli_main(args) == 0
+    exp = ["export", str(store), "--out", str(tmp_path / "out"), "--helper", "--quiet"]
+    dst = _strategy(d / "dst")
+    if dst:
+        exp += ["--strategy", dst]
+    assert cli_main(exp) == 0
+    assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
+
+
 @pytest.mark.parametrize("sid", PLAIN)
 def test_api_transform_checkpoints_matches_expected(sid: str, tmp_path: Path) -> None:
     d = scenario(sid)

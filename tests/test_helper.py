@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,14 +64,14 @@ def _helpers_of(pid: int) -> list[int]:
 def test_store_with_a_helper_is_the_single_process_store(job: GeneratedModel, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     shares: list[tuple[int, int]] = []
-    real = ingest_mod._aside
+    real = ingest_mod.share_from
 
-    def spy(todo: list[object], group: int) -> int:
-        first: int = real(todo, group)
-        shares.append((first, len(todo)))
+    def spy(sizes: list[int], step: int) -> int:
+        first: int = real(sizes, step)
+        shares.append((first, len(sizes)))
         return first
 
-    monkeypatch.setattr(ingest_mod, "_aside", spy)
+    monkeypatch.setattr(ingest_mod, "share_from", spy)
     alone, helped = tmp_path / "alone.zarr", tmp_path / "helped.zarr"
     assert cli_main(_args(job, alone, "--no-helper")) == 0
     assert not shares, "--no-helper still split the ranks"
@@ -90,18 +91,16 @@ def test_failure_in_the_helpers_share_names_the_file(job: GeneratedModel, tmp_pa
     import shutil
 
     shutil.copytree(job.root, src)
-    real = ingest_mod._aside
+    real = Helper.submit
     cut: list[Path] = []
 
-    def truncate_helpers_rank(todo: list[object], group: int) -> int:
-        first: int = real(todo, group)
-        last = todo[-1]  # copied by the helper
-        path = Path(last.path)  # type: ignore[attr-defined]
+    def truncate_helpers_rank(self: Helper, fn: Any, *args: Any) -> None:
+        path = Path(args[0][-1].path)  # the helper's last rank
         os.truncate(path, path.stat().st_size // 2)
         cut.append(path)
-        return first
+        real(self, fn, *args)
 
-    monkeypatch.setattr(ingest_mod, "_aside", truncate_helpers_rank)
+    monkeypatch.setattr(Helper, "submit", truncate_helpers_rank)
     store = tmp_path / "s.zarr"
     code = cli_main(["ingest", str(src), "--strategy", str(job.strategy_path), "--store", str(store), "--quiet",
                      "--helper"])
@@ -222,6 +221,87 @@ def test_helper_never_used_ends_quietly() -> None:
     h = Helper(["zckpt.ingest"])
     h.close()
     assert h.proc.returncode is not None
+
+
+def _dst_strategy(job: GeneratedModel, tmp_path: Path, ranks: int) -> Path:
+    from zckpt.formats.strategy import StrategyMap, encode_strategy
+
+    rng = np.random.default_rng(ranks)
+    layouts = {}
+    for t in job.tensors:
+        layout = random_layout(rng, t.shape, ranks)
+        assert layout is not None
+        layouts[t.name] = {0: layout}
+    dst = StrategyMap(layouts=layouts)
+    path = tmp_path / f"dst{ranks}.ckpt"
+    path.write_bytes(encode_strategy(dst))
+    return path
+
+
+def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(job, store, "--no-helper")) == 0
+    dst = _dst_strategy(job, tmp_path, 6)
+    submitted: list[int] = []
+    real = Helper.submit
+
+    def spy(self: Helper, fn: Any, *args: Any) -> None:
+        submitted.append(len(args[0]))
+        real(self, fn, *args)
+
+    monkeypatch.setattr(Helper, "submit", spy)
+    alone, helped = tmp_path / "alone", tmp_path / "helped"
+    assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(alone), "--quiet", "--no-helper"]) == 0
+    assert not submitted
+    assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(helped), "--quiet", "--helper"]) == 0
+    assert submitted and 0 < submitted[0] < 6
+    assert _snapshot(helped) == _snapshot(alone)
+    reference = tmp_path / "whole"  # one rank holding every tensor, compared with the generator's values
+    assert cli_main(["export", str(store), "--out", str(reference), "--quiet", "--helper"]) == 0
+    from zckpt.formats.ckpt import CkptReader
+
+    with CkptReader(next(reference.rglob("*.ckpt"))) as r:
+        for t in job.tensors:
+            assert np.asarray(r.array(t.name)).tobytes() == job.global_value(t.name).tobytes(), t.name
+
+
+def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: GeneratedModel, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(job, store, "--no-helper", "--pack-size", "0")) == 0  # each tensor its own array
+    dst = _dst_strategy(job, tmp_path, 4)
+    real = Helper.submit
+    damaged: list[tuple[str, str]] = []
+
+    def damage_a_chunk_then_submit(self: Helper, fn: Any, *args: Any) -> None:
+        rank, target = args[0][-1]  # the helper's last file
+        name = rank.slices[0].name
+        chunks = [p for p in sorted((store / "tensors" / name).rglob("*")) if p.is_file() and p.name != "zarr.json"]
+        assert chunks, name
+        for chunk in chunks:  # every chunk of that tensor, whichever the file reads
+            data = bytearray(chunk.read_bytes())
+            data[0] ^= 0xFF
+            chunk.write_bytes(bytes(data))
+        damaged.append((name, target))
+        real(self, fn, *args)
+
+    monkeypatch.setattr(Helper, "submit", damage_a_chunk_then_submit)
+    out = tmp_path / "out"
+    code = cli_main(["export", str(store), "--strategy", str(dst), "--out", str(out), "--quiet", "--helper"])
+    err = capsys.readouterr().err
+    assert damaged and code == 1 and damaged[0][0] in err and "s.zarr" in err, err
+    assert not Path(damaged[0][1]).exists(), "the file that read damaged bytes was published"
+
+
+def test_share_from_halves_the_bytes_on_step_borders() -> None:
+    from zckpt.helper import share_from
+
+    assert share_from([1, 1, 1, 1]) == 2
+    assert share_from([10, 1, 1, 1]) == 1
+    assert share_from([1, 1, 1, 1, 1, 1], step=4) == 4
+    assert share_from([5]) == 1 and share_from([]) == 0
 
 
 def test_run_all_runs_the_units_aside_elsewhere_in_order() -> None:

@@ -60,10 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="pack small tensors only when there are at least this many (default 1024)")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
-    ing.add_argument("--helper", action=argparse.BooleanOptionalAction, default=None,
-                     help="copy part of the ranks in a second process on this machine; the negative form copies in "
-                          "this process alone (default: for local jobs of 256 MiB or more, with a core to spare and "
-                          "no Dask cluster)")
+    _helper_arg(ing, "copy part of the source ranks")
     _engine_args(ing)
     _storage_args(ing)
 
@@ -75,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
+    _helper_arg(exp, ".ckpt output: write part of the destination files")
     exp.add_argument("--no-verify-checksums", action="store_true",
                      help="do not check chunks against the CRC-32C recorded at ingest")
     _format_args(exp, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
@@ -185,6 +183,12 @@ def _format_args(p: argparse.ArgumentParser, per_stage_help: str) -> None:
                         "<prefix><r>.safetensors.index.json (default: never split)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+
+
+def _helper_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--helper", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"{what} in a second process on this machine; the negative form works in this process "
+                        "alone (default: for local jobs of 256 MiB or more, with a core to spare and no Dask cluster)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -380,7 +384,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                          reader=a.reader, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
-                         overlap=a.overlap, per_stage=a.per_stage,
+                         overlap=a.overlap, per_stage=a.per_stage, helper=a.helper,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
     opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
                    storage_options=parse_storage_options(a.storage_option) or None)

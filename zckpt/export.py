@@ -34,6 +34,8 @@ from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import Publisher, disk_full_named, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
+from zckpt.helper import Helper, share_from
+from zckpt.helper import wanted as helper_wanted
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
@@ -64,6 +66,10 @@ class ExportOptions:
     workers: int = 1
     processes: bool = False
     """Local workers (``workers`` > 1) as processes instead of threads of this process."""
+    helper: bool | None = None
+    """``.ckpt`` files from a local store into a local directory: write part of the files in a
+    second process (:mod:`zckpt.helper`) while this one writes the others. ``None`` (auto):
+    from :data:`zckpt.helper.HELPER_BYTES` on, with a core to spare and no Dask cluster."""
     overlap: bool | None = None
     """Each task reads and checks on a second thread while it writes: the next band of
     slices is read ahead (each band then at most half of ``block_bytes``). ``None`` (auto):
@@ -261,20 +267,35 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
+    unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, _ in units]
+    by_target = {t: n for (_, t), n in zip(units, unit_bytes, strict=True)}
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client, Publisher(options.fsync) as publisher:
+    local = store.location is None and out_loc is None
+    with _helper_for(local and len(units) > 1, options, sum(unit_bytes)) as helper, \
+            dask_client(engine) as client, Publisher(options.fsync) as publisher:
         options = replace(options, overlap=overlap_for(options.overlap, client))
+        aside = None
+        if helper is not None and client is None:
+            first = share_from(unit_bytes)
+            if first < len(units):
+                helper.submit(write_files, units[first:], PlannedStore.of(store), options)
+                aside = (first, helper.result)
         # In this process the tasks share the parent's Store: its checksum records and chunk
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
         # They also hand their files to one publisher, which syncs each while the next is written.
-        results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
-                          publisher if client is None else None, client=client,
-                          label="export",
-                          name=task_name,
-                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices),
-                          progress=options.progress)
+        try:
+            results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
+                              publisher if client is None else None, client=client,
+                              label="export",
+                              name=task_name,
+                              size=lambda u: by_target[u[1]],
+                              progress=options.progress, aside=aside)
+        except BaseException:
+            if helper is not None:
+                helper.close()  # no more files once this fails
+            raise
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 
@@ -308,6 +329,24 @@ def task_name(unit: tuple[RankExport, str]) -> str:
 def target_name(out_loc: remote.Location | None, path: Path) -> str:
     """What a task receives: a local path, or the URL of a remote file."""
     return str(path) if out_loc is None else out_loc.url_of(path.as_posix())
+
+
+@contextlib.contextmanager
+def _helper_for(possible: bool, options: ExportOptions, nbytes: int) -> Iterator[Helper | None]:
+    """The helper process of this export (:mod:`zckpt.helper`), or ``None``."""
+    if not possible or not helper_wanted(options.helper, options.workers, options.scheduler, nbytes):
+        yield None
+        return
+    with Helper(["zckpt.export", "zckpt.store"]) as helper:
+        yield helper
+
+
+def write_files(units: list[tuple[RankExport, str]], store: PlannedStore, options: ExportOptions) -> list[RankResult]:
+    """:func:`write_file` of several destination files with the store opened once and their
+    own publisher (the helper's share of an export)."""
+    opened = store.open(options.storage_options)
+    with Publisher(options.fsync) as publisher:
+        return [write_file(u, opened, options, publisher) for u in units]
 
 
 def write_file(

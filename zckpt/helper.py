@@ -29,6 +29,35 @@ from zckpt.errors import ZckptError
 
 R = TypeVar("R")
 
+HELPER_BYTES = 256 * 1024 * 1024
+"""Jobs from this size on run in two processes when a core is free: starting the helper
+costs about 0.3 s of CPU on that core, and a 512-rank ingest's copies then take half the
+time (2 GiB: 1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
+
+
+def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int) -> bool:
+    """Whether a phase takes a helper: as asked (``flag``), or (``None``, auto) when it runs
+    in this process alone (no Dask workers or cluster), a second core is free and the
+    phase moves at least :data:`HELPER_BYTES`."""
+    if flag is not None:
+        return flag
+    from zckpt.runner import usable_cpus
+
+    return workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+
+
+def share_from(sizes: Sequence[int], step: int = 1) -> int:
+    """Where the helper's share of units of these sizes begins: the units from there on hold
+    about half the bytes, and the border falls on a multiple of ``step``. ``len(sizes)``
+    when the helper would get nothing."""
+    total = sum(sizes)
+    done = 0
+    for i in range(0, len(sizes), step):
+        if done * 2 >= total:
+            return i
+        done += sum(sizes[i:i + step])
+    return len(sizes)
+
 
 class Helper:
     """The helper process, started at once so that its imports overlap the caller's work:

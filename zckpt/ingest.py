@@ -37,18 +37,18 @@ from zckpt.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, 
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
+from zckpt.helper import Helper, share_from
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
-from zckpt.runner import Engine, dask_client, overlap_for, run_all, usable_cpus, wants_overlap
+from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
 from zckpt.unsharded import SameModel, check_same_model
 
 if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
-    from zckpt.helper import Helper
     from zckpt.store import ChunkInfo, EntryRecord, Run, Store
 
 MiB = 1024 * 1024
@@ -94,7 +94,7 @@ class IngestOptions:
     helper: bool | None = None
     """Copy part of the ranks in a second process (:mod:`zckpt.helper`) while this one copies
     the others, both on this machine. ``None`` (auto): for a local job of at least
-    :data:`HELPER_BYTES` with a core to spare and no Dask cluster."""
+    :data:`zckpt.helper.HELPER_BYTES` with a core to spare and no Dask cluster."""
     overlap: bool | None = None
     """Each task copies chunk files on two threads, so that one chunk is read while another
     is written. ``None`` (auto): only when every host runs fewer tasks at once than it has
@@ -381,8 +381,6 @@ def _ingest(
 
     def start_helper(files: Mapping[int, SourceFile]) -> None:
         if _wants_helper(files, options, is_remote):
-            from zckpt.helper import Helper
-
             helper.append(stack.enter_context(Helper(["zckpt.ingest", "zckpt.store"])))
 
     prepared = prepare_ingest(
@@ -717,40 +715,21 @@ class StoreTarget:
     infos: Mapping[str, ChunkInfo]
 
 
-HELPER_BYTES = 256 * MiB
-"""Jobs from this size on copy in two processes when a core is free (:mod:`zckpt.helper`):
-starting the helper costs about 0.3 s of CPU on that core, the copies then take half the
-time (512 ranks, 2 GiB: 1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
-
-
 def _wants_helper(files: Mapping[int, SourceFile], options: IngestOptions, is_remote: bool) -> bool:
     """Whether this ingest copies in two processes (:data:`IngestOptions.helper`): never for
     a remote store or a single source file."""
+    from zckpt import helper
+
     if is_remote or len(files) < 2:
         return False
-    if options.helper is not None:
-        return options.helper
-    if options.workers != 1 or options.scheduler is not None or usable_cpus() < 2:
-        return False
-    if not all(isinstance(p, Path) for p in files.values()):
+    if options.helper is None and not all(isinstance(p, Path) for p in files.values()):
         return False
     total = 0
-    for p in files.values():
-        with contextlib.suppress(OSError):
-            total += os.stat(p).st_size
-    return total >= HELPER_BYTES
-
-
-def _aside(todo: list[RankJob], group: int) -> int:
-    """Where the helper's share of ``todo`` begins: about half the bytes, on a border of the
-    progress record groups (each process groups its own ranks as one process would)."""
-    total = sum(j.nbytes for j in todo)
-    done = 0
-    for i in range(0, len(todo), group):
-        if done * 2 >= total:
-            return i
-        done += sum(j.nbytes for j in todo[i:i + group])
-    return len(todo)
+    if options.helper is None:
+        for p in files.values():
+            with contextlib.suppress(OSError):
+                total += os.stat(p).st_size
+    return helper.wanted(options.helper, options.workers, options.scheduler, total)
 
 
 def ingest_ranks(jobs: list[RankJob], store_path: str, options: IngestOptions, ranks: int) -> list[int]:
@@ -792,7 +771,7 @@ def _run(
         with _shard_files(local and client is None, len(todo)) as shared:  # every record written when it ends
             aside = None
             if helper is not None and shared is not None and client is None:
-                first = _aside(todo, shared.group)
+                first = share_from([j.nbytes for j in todo], shared.group)
                 if first < len(todo):
                     helper.submit(ingest_ranks, todo[first:], store.url, options, len(todo))
                     aside = (first, helper.result)
