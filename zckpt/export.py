@@ -274,7 +274,9 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     local = store.location is None and out_loc is None
     with _helper_for(local and len(units) > 1, options, sum(unit_bytes)) as helper, \
             dask_client(engine) as client, Publisher(options.fsync) as publisher:
-        options = replace(options, overlap=overlap_for(options.overlap, client))
+        # with a helper each process has one core: a second thread per task only contends
+        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
+                          options.overlap is not None else False)
         aside = None
         if helper is not None and client is None:
             first = share_from(unit_bytes)

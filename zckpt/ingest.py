@@ -766,7 +766,9 @@ def _run(
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
-        options = replace(options, overlap=overlap_for(options.overlap, client))
+        # with a helper each process has one core: a second thread per task only contends
+        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
+                          options.overlap is not None else False)
         todo = [j for j in jobs if j.rank not in done]
         with _shard_files(local and client is None, len(todo)) as shared:  # every record written when it ends
             aside = None
