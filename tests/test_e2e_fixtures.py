@@ -72,7 +72,7 @@ def test_cli_ingest_export_matches_expected(sid: str, reader: str, tmp_path: Pat
 
 
 @pytest.mark.parametrize("sid", ["s01", "s05", "s09", "s16"])
-def test_cli_ingest_and_export_with_helper_processes_match_expected(sid: str, tmp_path: Path) -> None:
+def test_cli_ingest_export_transform_with_helper_processes_match_expected(sid: str, tmp_path: Path) -> None:
     """Part of the ranks and of the files written by a second process (zckpt.helper)."""
     d = scenario(sid)
     store = tmp_path / "store.zarr"
@@ -87,6 +87,11 @@ def test_cli_ingest_and_export_with_helper_processes_match_expected(sid: str, tm
         exp += ["--strategy", dst]
     assert cli_main(exp) == 0
     assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
+    direct = ["transform", str(d / "src" / "checkpoints"), "--out", str(tmp_path / "direct"), "--helper", "--quiet"]
+    direct += ["--src-strategy", src] if src else []
+    direct += ["--dst-strategy", dst] if dst else []
+    assert cli_main(direct) == 0
+    assert diff_dirs(d / "dst" / "expected", tmp_path / "direct") == []
 
 
 @pytest.mark.parametrize("sid", PLAIN)

@@ -266,6 +266,27 @@ def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedMode
             assert np.asarray(r.array(t.name)).tobytes() == job.global_value(t.name).tobytes(), t.name
 
 
+def test_transform_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    dst = _dst_strategy(job, tmp_path, 5)
+    submitted: list[int] = []
+    real = Helper.submit
+
+    def spy(self: Helper, fn: Any, *args: Any) -> None:
+        submitted.append(len(args[0]))
+        real(self, fn, *args)
+
+    monkeypatch.setattr(Helper, "submit", spy)
+    outs = {}
+    for flag in ("--no-helper", "--helper"):
+        outs[flag] = tmp_path / flag.strip("-")
+        assert cli_main(["transform", str(job.root), "--src-strategy", str(job.strategy_path), "--dst-strategy",
+                         str(dst), "--out", str(outs[flag]), "--quiet", flag]) == 0
+        assert bool(submitted) == (flag == "--helper")
+    assert 0 < submitted[0] < 5
+    assert _snapshot(outs["--helper"]) == _snapshot(outs["--no-helper"])
+
+
 def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: GeneratedModel, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:

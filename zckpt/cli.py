@@ -91,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     _format_args(tr, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (on by itself when the source "
                      "strategy is one stage of the destination's, as in MindSpore)")
     _engine_args(tr)
+    _helper_arg(tr, "write part of the destination files")
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")
@@ -407,7 +408,7 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             per_stage=a.per_stage, progress=_progress(a), format=a.format,
                             max_file_bytes=a.max_file_mb * MiB, verify_crc=not a.no_verify_crc,
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
-                            choice_func=_choice_func(a))
+                            choice_func=_choice_func(a), helper=a.helper)
     r = transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "

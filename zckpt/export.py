@@ -34,8 +34,7 @@ from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import Publisher, disk_full_named, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
-from zckpt.helper import Helper, share_from
-from zckpt.helper import wanted as helper_wanted
+from zckpt.helper import helper_for, share_from
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
@@ -272,7 +271,7 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = store.location is None and out_loc is None
-    with _helper_for(local and len(units) > 1, options, sum(unit_bytes)) as helper, \
+    with helper_for(local and len(units) > 1, options, sum(unit_bytes), "zckpt.export", "zckpt.store") as helper, \
             dask_client(engine) as client, Publisher(options.fsync) as publisher:
         # with a helper each process has one core: a second thread per task only contends
         options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
@@ -331,16 +330,6 @@ def task_name(unit: tuple[RankExport, str]) -> str:
 def target_name(out_loc: remote.Location | None, path: Path) -> str:
     """What a task receives: a local path, or the URL of a remote file."""
     return str(path) if out_loc is None else out_loc.url_of(path.as_posix())
-
-
-@contextlib.contextmanager
-def _helper_for(possible: bool, options: ExportOptions, nbytes: int) -> Iterator[Helper | None]:
-    """The helper process of this export (:mod:`zckpt.helper`), or ``None``."""
-    if not possible or not helper_wanted(options.helper, options.workers, options.scheduler, nbytes):
-        yield None
-        return
-    with Helper(["zckpt.export", "zckpt.store"]) as helper:
-        yield helper
 
 
 def write_files(units: list[tuple[RankExport, str]], store: PlannedStore, options: ExportOptions) -> list[RankResult]:

@@ -21,9 +21,10 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 from zckpt.errors import ZckptError
 
@@ -44,6 +45,28 @@ def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int) 
     from zckpt.runner import usable_cpus
 
     return workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+
+
+class PhaseOptions(Protocol):
+    """What :func:`helper_for` reads from a phase's options."""
+
+    @property
+    def helper(self) -> bool | None: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def scheduler(self) -> str | None: ...
+
+
+@contextmanager
+def helper_for(possible: bool, options: PhaseOptions, nbytes: int, *modules: str) -> Iterator[Helper | None]:
+    """The helper process of a phase moving ``nbytes`` whose tasks need ``modules`` (started
+    at once, ended on leaving), or ``None`` where it is not ``possible`` or not wanted."""
+    if not possible or not wanted(options.helper, options.workers, options.scheduler, nbytes):
+        yield None
+        return
+    with Helper(modules) as helper:
+        yield helper
 
 
 def share_from(sizes: Sequence[int], step: int = 1) -> int:

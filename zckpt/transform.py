@@ -29,6 +29,7 @@ from zckpt.export import ExportOptions, ExportReport, check_out_dir, output_fold
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
+from zckpt.helper import helper_for, share_from
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
@@ -242,17 +243,35 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
         checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
+    unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices) for u in units]
+    by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client, Publisher(options.fsync) as publisher:
-        options = replace(options, overlap=overlap_for(options.overlap, client))
+    local = not any(remote.is_remote(u.target) for u in units) and \
+        not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
+    with helper_for(local and len(units) > 1, options, sum(unit_bytes), "zckpt.transform") as helper, \
+            dask_client(engine) as client, Publisher(options.fsync) as publisher:
+        # with a helper each process has one core: a second thread per task only contends
+        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
+                          options.overlap is not None else False)
         compared = run_all(compare_replicas, checks, options, client=client, label="verify",
                            size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
+        aside = None
+        if helper is not None and client is None:
+            first = share_from(unit_bytes)
+            if first < len(units):
+                helper.submit(write_direct_files, units[first:], options)
+                aside = (first, helper.result)
         # In this process, one publisher syncs each file while the next is written.
-        results = run_all(write_direct_file, units, options, publisher if client is None else None,
-                          client=client, label="transform",
-                          name=_task_name, progress=options.progress,
-                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices))
+        try:
+            results = run_all(write_direct_file, units, options, publisher if client is None else None,
+                              client=client, label="transform",
+                              name=_task_name, progress=options.progress,
+                              size=lambda u: by_target[u.target], aside=aside)
+        except BaseException:
+            if helper is not None:
+                helper.close()  # no more files once this fails
+            raise
     return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
 
 
@@ -286,6 +305,13 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
         "path": "direct",
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def write_direct_files(jobs: list[DirectJob], options: TransformOptions) -> list[RankResult]:
+    """:func:`write_direct_file` of several destination files with their own publisher (the
+    helper's share of a transform)."""
+    with Publisher(options.fsync) as publisher:
+        return [write_direct_file(j, options, publisher) for j in jobs]
 
 
 def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publisher | None = None,
