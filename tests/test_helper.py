@@ -316,6 +316,21 @@ def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: Generated
     assert not Path(damaged[0][1]).exists(), "the file that read damaged bytes was published"
 
 
+def test_helper_wanted_for_many_source_ranks_and_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zckpt import runner
+    from zckpt.helper import HELPER_BYTES, HELPER_SOURCES, wanted
+
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
+    big = HELPER_BYTES
+    assert wanted(None, 1, None, big, HELPER_SOURCES)
+    assert not wanted(None, 1, None, big, HELPER_SOURCES - 1)  # a few large runs: the disk is the bound
+    assert not wanted(None, 1, None, big - 1, 512)
+    assert not wanted(None, 2, None, big, 512) and not wanted(None, 1, "tcp://h:8786", big, 512)  # Dask runs it
+    assert wanted(True, 1, None, 0, 1) and not wanted(False, 1, None, big, 512)
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 1)
+    assert not wanted(None, 1, None, big, 512)
+
+
 def test_share_from_halves_the_bytes_on_step_borders() -> None:
     from zckpt.helper import share_from
 

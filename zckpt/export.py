@@ -271,7 +271,9 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = store.location is None and out_loc is None
-    with helper_for(local and len(units) > 1, options, sum(unit_bytes), "zckpt.export", "zckpt.store") as helper, \
+    sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
+    with helper_for(local and len(units) > 1, options, sum(unit_bytes), sources, "zckpt.export", "zckpt.store") \
+            as helper, \
             dask_client(engine) as client, Publisher(options.fsync) as publisher:
         # with a helper each process has one core: a second thread per task only contends
         options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or

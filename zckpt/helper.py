@@ -31,20 +31,29 @@ from zckpt.errors import ZckptError
 R = TypeVar("R")
 
 HELPER_BYTES = 256 * 1024 * 1024
-"""Jobs from this size on run in two processes when a core is free: starting the helper
-costs about 0.3 s of CPU on that core, and a 512-rank ingest's copies then take half the
-time (2 GiB: 1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
+"""Jobs from this size on may run in two processes: starting the helper costs about 0.3 s of
+CPU on the second core, and a 512-rank ingest's copies then take half the time (2 GiB:
+1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
+
+HELPER_SOURCES = 32
+"""...and only when they come from this many source ranks or more: a job saved by hundreds
+of ranks moves its bytes in 10 000s of small pieces, one core's work, where the helper
+halves the time (512 ranks, 16 GiB: export 42 -> 23 s); a job of a few ranks moves a few
+large sequential runs, the disk is the bound, and the helper cost 0.2-0.3 s (8 ranks,
+2 GiB: export 2.72 -> 2.90 s, transform 2.96 -> 3.26 s; ingest unchanged)."""
 
 
-def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int) -> bool:
+def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, sources: int) -> bool:
     """Whether a phase takes a helper: as asked (``flag``), or (``None``, auto) when it runs
     in this process alone (no Dask workers or cluster), a second core is free and the
-    phase moves at least :data:`HELPER_BYTES`."""
+    phase moves at least :data:`HELPER_BYTES` from at least :data:`HELPER_SOURCES` source
+    ranks."""
     if flag is not None:
         return flag
     from zckpt.runner import usable_cpus
 
-    return workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+    return (workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+            and sources >= HELPER_SOURCES)
 
 
 class PhaseOptions(Protocol):
@@ -59,10 +68,12 @@ class PhaseOptions(Protocol):
 
 
 @contextmanager
-def helper_for(possible: bool, options: PhaseOptions, nbytes: int, *modules: str) -> Iterator[Helper | None]:
-    """The helper process of a phase moving ``nbytes`` whose tasks need ``modules`` (started
-    at once, ended on leaving), or ``None`` where it is not ``possible`` or not wanted."""
-    if not possible or not wanted(options.helper, options.workers, options.scheduler, nbytes):
+def helper_for(possible: bool, options: PhaseOptions, nbytes: int, sources: int,
+               *modules: str) -> Iterator[Helper | None]:
+    """The helper process of a phase moving ``nbytes`` from ``sources`` source ranks whose
+    tasks need ``modules`` (started at once, ended on leaving), or ``None`` where it is not
+    ``possible`` or not wanted (:func:`wanted`)."""
+    if not possible or not wanted(options.helper, options.workers, options.scheduler, nbytes, sources):
         yield None
         return
     with Helper(modules) as helper:

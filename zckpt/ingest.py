@@ -729,7 +729,7 @@ def _wants_helper(files: Mapping[int, SourceFile], options: IngestOptions, is_re
         for p in files.values():
             with contextlib.suppress(OSError):
                 total += os.stat(p).st_size
-    return helper.wanted(options.helper, options.workers, options.scheduler, total)
+    return helper.wanted(options.helper, options.workers, options.scheduler, total, len(files))
 
 
 def ingest_ranks(jobs: list[RankJob], store_path: str, options: IngestOptions, ranks: int) -> list[int]:

@@ -249,7 +249,8 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = not any(remote.is_remote(u.target) for u in units) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
-    with helper_for(local and len(units) > 1, options, sum(unit_bytes), "zckpt.transform") as helper, \
+    with helper_for(local and len(units) > 1, options, sum(unit_bytes), len(plan.source.rank_files),
+                    "zckpt.transform") as helper, \
             dask_client(engine) as client, Publisher(options.fsync) as publisher:
         # with a helper each process has one core: a second thread per task only contends
         options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
