@@ -238,19 +238,25 @@ def _dst_strategy(job: GeneratedModel, tmp_path: Path, ranks: int) -> Path:
     return path
 
 
-def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    store = tmp_path / "s.zarr"
-    assert cli_main(_args(job, store, "--no-helper")) == 0
-    dst = _dst_strategy(job, tmp_path, 6)
-    submitted: list[int] = []
+@pytest.fixture
+def submitted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many units each helper was given (its call goes through unchanged)."""
+    counts: list[int] = []
     real = Helper.submit
 
     def spy(self: Helper, fn: Any, *args: Any) -> None:
-        submitted.append(len(args[0]))
+        counts.append(len(args[0]))
         real(self, fn, *args)
 
     monkeypatch.setattr(Helper, "submit", spy)
+    return counts
+
+
+def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
+                                                              submitted: list[int]) -> None:
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(job, store, "--no-helper")) == 0
+    dst = _dst_strategy(job, tmp_path, 6)
     alone, helped = tmp_path / "alone", tmp_path / "helped"
     assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(alone), "--quiet", "--no-helper"]) == 0
     assert not submitted
@@ -267,16 +273,8 @@ def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedMode
 
 
 def test_transform_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 submitted: list[int]) -> None:
     dst = _dst_strategy(job, tmp_path, 5)
-    submitted: list[int] = []
-    real = Helper.submit
-
-    def spy(self: Helper, fn: Any, *args: Any) -> None:
-        submitted.append(len(args[0]))
-        real(self, fn, *args)
-
-    monkeypatch.setattr(Helper, "submit", spy)
     outs = {}
     for flag in ("--no-helper", "--helper"):
         outs[flag] = tmp_path / flag.strip("-")
