@@ -217,6 +217,18 @@ class _Unpicklable(Exception):
         raise TypeError("no")
 
 
+def test_no_helper_where_none_can_start(job: GeneratedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_processes(*args: object, **kwargs: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", no_processes)
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(job, store, "--helper")) == 0  # in this process alone
+    st = zckpt.open_store(store)
+    for t in job.tensors:
+        assert np.asarray(st.array(t.name)[...]).tobytes() == job.global_value(t.name).tobytes(), t.name
+
+
 def test_helper_never_used_ends_quietly() -> None:
     h = Helper(["zckpt.ingest"])
     h.close()

@@ -73,11 +73,24 @@ def helper_for(possible: bool, options: PhaseOptions, nbytes: int, sources: int,
     """The helper process of a phase moving ``nbytes`` from ``sources`` source ranks whose
     tasks need ``modules`` (started at once, ended on leaving), or ``None`` where it is not
     ``possible`` or not wanted (:func:`wanted`)."""
-    if not possible or not wanted(options.helper, options.workers, options.scheduler, nbytes, sources):
+    helper = start(modules) if possible and wanted(options.helper, options.workers, options.scheduler, nbytes,
+                                                    sources) else None
+    if helper is None:
         yield None
         return
-    with Helper(modules) as helper:
+    with helper:
         yield helper
+
+
+def start(modules: Sequence[str]) -> Helper | None:
+    """A helper process, or ``None`` where none can be started (no Python executable to run,
+    no processes left): the phase then runs in this process alone."""
+    if not sys.executable:
+        return None
+    try:
+        return Helper(modules)
+    except OSError:
+        return None
 
 
 def share_from(sizes: Sequence[int], step: int = 1) -> int:

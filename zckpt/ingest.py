@@ -38,6 +38,7 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.helper import Helper, share_from
+from zckpt.helper import start as start_helper_process
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
@@ -380,8 +381,10 @@ def _ingest(
     helper: list[Helper] = []
 
     def start_helper(files: Mapping[int, SourceFile]) -> None:
-        if _wants_helper(files, options, is_remote):
-            helper.append(stack.enter_context(Helper(["zckpt.ingest", "zckpt.store"])))
+        started = start_helper_process(["zckpt.ingest", "zckpt.store"]) if _wants_helper(files, options, is_remote) \
+            else None
+        if started is not None:
+            helper.append(stack.enter_context(started))
 
     prepared = prepare_ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
