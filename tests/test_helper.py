@@ -5,7 +5,6 @@ and no helper behind. Values are checked against the generator's, not read back 
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import signal
@@ -27,7 +26,6 @@ from zckpt.runner import run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 40  # two ranks per record group (ceil(40 / 32)): the helper's share starts on a group border
-ingest_mod = importlib.import_module("zckpt.ingest")  # the module: zckpt.ingest is also the function
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +62,16 @@ def _helpers_of(pid: int) -> list[int]:
 def test_store_with_a_helper_is_the_single_process_store(job: GeneratedModel, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     shares: list[tuple[int, int]] = []
-    real = ingest_mod.share_from
+    from zckpt import helper as helper_mod
+
+    real = helper_mod.share_from
 
     def spy(sizes: list[int], step: int) -> int:
         first: int = real(sizes, step)
         shares.append((first, len(sizes)))
         return first
 
-    monkeypatch.setattr(ingest_mod, "share_from", spy)
+    monkeypatch.setattr(helper_mod, "share_from", spy)
     alone, helped = tmp_path / "alone.zarr", tmp_path / "helped.zarr"
     assert cli_main(_args(job, alone, "--no-helper")) == 0
     assert not shares, "--no-helper still split the ranks"

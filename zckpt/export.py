@@ -34,14 +34,14 @@ from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
 from zckpt.fileio import Publisher, disk_full_named, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
-from zckpt.helper import helper_for, share_from
+from zckpt.helper import hand_over, helper_for, overlap_beside
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, batch_bytes, write_ckpt_rank
-from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 
 if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
     from zckpt.store import Checked, Store
@@ -272,33 +272,22 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = store.location is None and out_loc is None
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
-    with helper_for(local and len(units) > 1, options, sum(unit_bytes), sources, "zckpt.export", "zckpt.store") \
-            as helper, \
-            dask_client(engine) as client, Publisher(options.fsync) as publisher:
-        # with a helper each process has one core: a second thread per task only contends
-        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
-                          options.overlap is not None else False)
-        aside = None
-        if helper is not None and client is None:
-            first = share_from(unit_bytes)
-            if first < len(units):
-                helper.submit(write_files, units[first:], PlannedStore.of(store), options)
-                aside = (first, helper.result)
+    # the helper innermost: when this process fails, it is stopped before the publisher finishes
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher, \
+            helper_for(local and client is None and len(units) > 1, options, sum(unit_bytes), sources,
+                       "zckpt.export", "zckpt.store") as helper:
+        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
+        aside = hand_over(helper, units, unit_bytes, write_files, PlannedStore.of(store), options)
         # In this process the tasks share the parent's Store: its checksum records and chunk
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
         # They also hand their files to one publisher, which syncs each while the next is written.
-        try:
-            results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
-                              publisher if client is None else None, client=client,
-                              label="export",
-                              name=task_name,
-                              size=lambda u: by_target[u[1]],
-                              progress=options.progress, aside=aside)
-        except BaseException:
-            if helper is not None:
-                helper.close()  # no more files once this fails
-            raise
+        results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
+                          publisher if client is None else None, client=client,
+                          label="export",
+                          name=task_name,
+                          size=lambda u: by_target[u[1]],
+                          progress=options.progress, aside=aside)
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 

@@ -93,6 +93,27 @@ def start(modules: Sequence[str]) -> Helper | None:
         return None
 
 
+def hand_over(helper: Helper | None, units: Sequence[Any], sizes: Sequence[int], fn: Callable[..., list[R]],
+              *args: Any, step: int = 1) -> tuple[int, Callable[[], list[R]]] | None:
+    """Give the helper its share of ``units`` (:func:`share_from`) as ``fn(share, *args)``:
+    the ``aside`` of :func:`zckpt.runner.run_all`, or ``None`` (no helper, or nothing for it)."""
+    if helper is None:
+        return None
+    first = share_from(sizes, step)
+    if first >= len(units):
+        return None
+    helper.submit(fn, list(units[first:]), *args)
+    return first, helper.result
+
+
+def overlap_beside(flag: bool | None, client: Any, helper: Helper | None) -> bool:
+    """:func:`zckpt.runner.overlap_for`, except that auto (``None``) is off beside a helper:
+    each process then has one core, and a second thread per task only contends."""
+    from zckpt.runner import overlap_for
+
+    return False if helper is not None and flag is None else overlap_for(flag, client)
+
+
 def share_from(sizes: Sequence[int], step: int = 1) -> int:
     """Where the helper's share of units of these sizes begins: the units from there on hold
     about half the bytes, and the border falls on a multiple of ``step``. ``len(sizes)``

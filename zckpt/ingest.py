@@ -37,14 +37,14 @@ from zckpt.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, 
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.shards import RankFileChoice
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
-from zckpt.helper import Helper, share_from
+from zckpt.helper import Helper, hand_over, overlap_beside
 from zckpt.helper import start as start_helper_process
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
-from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
 from zckpt.unsharded import SameModel, check_same_model
@@ -378,7 +378,7 @@ def _ingest(
     stack: contextlib.ExitStack, t0: float,
 ) -> IngestReport:
     is_remote = isinstance(store_path, str) and remote.is_remote(store_path)
-    helper: list[Helper] = []
+    helper: list[Helper] = []  # the helper process, once started
 
     def start_helper(files: Mapping[int, SourceFile]) -> None:
         started = start_helper_process(["zckpt.ingest", "zckpt.store"]) if _wants_helper(files, options, is_remote) \
@@ -417,9 +417,9 @@ def _ingest(
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
                              fingerprint=layout.fingerprint(), shards=layout.shards, packing=layout.packing)
+            running = helper[0] if helper else None
             written, compared, ranks = ((0, 0, ()) if state == "complete"
-                                        else _run(plan, layout, store, options, prepared.indexes,
-                                                                          helper[0] if helper else None))
+                                        else _run(plan, layout, store, options, prepared.indexes, running))
             complete = not plan.uncovered
             if complete and state != "complete":
                 store.mark_complete()
@@ -769,17 +769,13 @@ def _run(
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
-        # with a helper each process has one core: a second thread per task only contends
-        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
-                          options.overlap is not None else False)
+        if client is not None:
+            helper = None
+        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
         todo = [j for j in jobs if j.rank not in done]
         with _shard_files(local and client is None, len(todo)) as shared:  # every record written when it ends
-            aside = None
-            if helper is not None and shared is not None and client is None:
-                first = share_from([j.nbytes for j in todo], shared.group)
-                if first < len(todo):
-                    helper.submit(ingest_ranks, todo[first:], store.url, options, len(todo))
-                    aside = (first, helper.result)
+            aside = hand_over(helper if shared is not None else None, todo, [j.nbytes for j in todo], ingest_ranks,
+                              store.url, options, len(todo), step=shared.group if shared is not None else 1)
             try:
                 written = run_all(ingest_rank, todo, store.url, options, shared,
                                   client=client, label="ingest", size=lambda j: j.nbytes, name=_rank_name,

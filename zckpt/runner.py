@@ -204,8 +204,8 @@ def run_all(
                     view.finish(i)
             if aside is not None:
                 out.extend(aside[1]())
-                for i in range(first, len(units)):
-                    if view is not None:
+                if view is not None:
+                    for i in range(first, len(units)):
                         view.finish(i)
             return out
         if aside is not None:

@@ -29,14 +29,14 @@ from zckpt.export import ExportOptions, ExportReport, check_out_dir, output_fold
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
-from zckpt.helper import helper_for, share_from
+from zckpt.helper import hand_over, helper_for, overlap_beside
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
-from zckpt.runner import Engine, dask_client, overlap_for, run_all, wants_overlap
+from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_reader import Corners, SourceBoxes, SourceReader
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
@@ -249,30 +249,19 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = not any(remote.is_remote(u.target) for u in units) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
-    with helper_for(local and len(units) > 1, options, sum(unit_bytes), len(plan.source.rank_files),
-                    "zckpt.transform") as helper, \
-            dask_client(engine) as client, Publisher(options.fsync) as publisher:
-        # with a helper each process has one core: a second thread per task only contends
-        options = replace(options, overlap=overlap_for(options.overlap, client) if helper is None or
-                          options.overlap is not None else False)
+    # the helper innermost: when this process fails, it is stopped before the publisher finishes
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher, \
+            helper_for(local and client is None and len(units) > 1, options, sum(unit_bytes),
+                       len(plan.source.rank_files), "zckpt.transform") as helper:
+        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
         compared = run_all(compare_replicas, checks, options, client=client, label="verify",
                            size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
-        aside = None
-        if helper is not None and client is None:
-            first = share_from(unit_bytes)
-            if first < len(units):
-                helper.submit(write_direct_files, units[first:], options)
-                aside = (first, helper.result)
+        aside = hand_over(helper, units, unit_bytes, write_direct_files, options)
         # In this process, one publisher syncs each file while the next is written.
-        try:
-            results = run_all(write_direct_file, units, options, publisher if client is None else None,
-                              client=client, label="transform",
-                              name=_task_name, progress=options.progress,
-                              size=lambda u: by_target[u.target], aside=aside)
-        except BaseException:
-            if helper is not None:
-                helper.close()  # no more files once this fails
-            raise
+        results = run_all(write_direct_file, units, options, publisher if client is None else None,
+                          client=client, label="transform",
+                          name=_task_name, progress=options.progress,
+                          size=lambda u: by_target[u.target], aside=aside)
     return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
 
 
