@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -25,9 +26,11 @@ import zckpt
 from zckpt.cli import main as cli_main
 from zckpt.cli import parse_storage_options
 from zckpt.errors import OutputError, SourceError, StoreError, UsageError
+from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import pick_rank_name
-from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy
+from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, random_layout, write_model
+from zckpt.replicas import SAMPLE_BYTES
 from zckpt.store import Store
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
@@ -325,6 +328,80 @@ def test_remote_chunks_are_verified_at_export(s3: Any, job: dict[str, Path], tmp
     assert err.value.param == name and store in str(err.value)
     zckpt.export(store, str(tmp_path / "unchecked"), str(job["dst_strategy"]),
                  options=zckpt.ExportOptions(verify_checksums=False))
+
+
+# --- replicas that differ, on object storage ----------------------------------------------
+
+REPLICATED = "net.v"
+REPLICA_BYTES = 64 * 512 * 4
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four ranks that each hold all of ``net.v`` (``dev_matrix [4]``, ``tensor_map [-1, -1]``,
+    128 KiB a copy): rank 0's copy is written, rank 1 is the replica one step from it along
+    the only device axis, the one the default spot check reads (its first and last
+    ``SAMPLE_BYTES``); ranks 2 and 3 are compared only with ``--verify-replicas``."""
+    root = tmp_path_factory.mktemp("replicated")
+    write_model(root, [TensorDef(REPLICATED, (64, 512), "Float32", make_layout([4], [-1, -1])),
+                       TensorDef("net.w", (8, 16), "Float32", make_layout([4], [0, -1]))], device_num=4)
+    return root
+
+
+def _flip(src: Path, rank: int, name: str, at: int) -> str:
+    """Flip one bit pattern of byte ``at`` of ``name``'s value in ``rank``'s shard; its file name."""
+    f = src / f"rank_{rank}" / f"checkpoint_{rank}.ckpt"
+    with CkptReader(f) as r:
+        segments = r.entries[name].segments
+    pos = at
+    for seg in segments:
+        if pos < seg.length:
+            break
+        pos -= seg.length
+    data = bytearray(f.read_bytes())
+    data[seg.offset + pos] ^= 0x5A
+    f.write_bytes(bytes(data))
+    return f"rank_{rank}/checkpoint_{rank}.ckpt"
+
+
+@pytest.mark.parametrize(("rank", "at", "spotted"), [
+    (1, 0, True),  # the spot-checked replica, inside its first SAMPLE_BYTES
+    (1, REPLICA_BYTES - 1, True),  # ... inside its last SAMPLE_BYTES
+    (1, REPLICA_BYTES // 2, False),  # the spot-checked replica, between the two ends it samples
+    (3, 0, False),  # a replica three steps from the writer: never spot-checked
+])
+def test_s3_sources_whose_replicas_differ(s3: Any, replicated: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str], rank: int, at: int,
+                                          spotted: bool) -> None:
+    """Sources on S3 get the replica checks local sources get: a byte the spot check reads
+    is refused by default (ingest and ``transform_checkpoints``), any other one with
+    ``--verify-replicas``; the error names the parameter, the file and the rank compared with."""
+    src = tmp_path / "src"
+    shutil.copytree(replicated, src)
+    bad = _flip(src, rank, REPLICATED, at)
+    assert SAMPLE_BYTES < REPLICA_BYTES // 2 - SAMPLE_BYTES, "the middle byte lies outside both sampled ends"
+    url = _upload(s3, src, f"{_prefix()}/ckpts")
+    args = ["ingest", url, "--strategy", f"{url}/strategy.ckpt", "--quiet"]
+    for verify in (False, True):
+        store = tmp_path / f"store-{verify}.zarr"
+        code = cli_main([*args, "--store", str(store), *(["--verify-replicas"] if verify else [])])
+        err = capsys.readouterr().err
+        if spotted or verify:
+            assert code == 1, f"verify_replicas={verify}: a replica that differs was not refused"
+            assert f"'{REPLICATED}'" in err and f"{url}/{bad}" in err and "rank 0 (" in err and "replica" in err, err
+            assert not store.exists(), "nothing that looks like a store is left"
+        else:
+            assert code == 0, err  # the documented default: replicas are spot-checked, not compared in full
+            assert Store.open(str(store)).complete
+    out = tmp_path / "out"
+    if spotted:
+        with pytest.raises(SourceError, match="replica") as raised:
+            zckpt.transform_checkpoints(url, str(out), "checkpoint_", f"{url}/strategy.ckpt")
+        assert raised.value.param == REPLICATED and f"{url}/{bad}" in str(raised.value)
+        assert not list(out.rglob("*.ckpt")) if out.exists() else True
+    else:
+        zckpt.transform_checkpoints(url, str(out), "checkpoint_", f"{url}/strategy.ckpt")
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.ckpt")) == ["rank_0/checkpoint_0.ckpt"]
 
 
 # --- info, verify, consolidate and plan on S3 --------------------------------------------

@@ -43,7 +43,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
-from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
+from zckpt.replicas import CheckJob, compare_replicas, replica_jobs, sample_boxes, spot_checks
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
@@ -706,6 +706,8 @@ class RankJob:
     """A local store: what the task writes into, known at plan time (it need not open the store)."""
     index: Mapping[str, EntryInfo] | None = None
     """The source file's entries as planning parsed them (local sources: not parsed again)."""
+    sampled: frozenset[ReplicaCheck] = frozenset()
+    """Checks of ``checks`` only spot-checked (:func:`zckpt.replicas.sample_boxes`)."""
 
 
 @dataclass(frozen=True)
@@ -789,7 +791,7 @@ def _run(
             compared = run_all(compare_replicas, checks, options, client=client, label="verify",
                                size=lambda j: j.nbytes, name=_rank_name, progress=options.progress)
         else:
-            compared = run_all(check_rank, [j for j in jobs if j.checks], store.url, options,
+            compared = run_all(check_rank, _with_spot_checks(plan, jobs, options.verify_replicas), store.url, options,
                                dict(plan.rank_files), client=client, label="verify", size=lambda j: j.check_bytes,
                                name=_rank_name, progress=options.progress)
     store._ingested = None
@@ -1061,6 +1063,28 @@ def _source_checksums(
         reader.release_pages()
 
 
+def _with_spot_checks(plan: IngestPlan, jobs: list[RankJob], verify_replicas: bool) -> list[RankJob]:
+    """The jobs that compare replicas with the store: the required checks (all with
+    ``verify_replicas``), and else the spot checks that local sources get from
+    :func:`zckpt.replicas.replica_jobs`, so that sources on object storage are not trusted more."""
+    spot: dict[int, list[ReplicaCheck]] = {}
+    for c in set() if verify_replicas else spot_checks(plan):
+        spot.setdefault(c.rank, []).append(c)
+    by_rank = {j.rank: j for j in jobs}
+    out = []
+    for rank in sorted(set(by_rank) | set(spot)):
+        extra = tuple(sorted(spot.get(rank, ()), key=lambda c: c.name))
+        job = by_rank.get(rank) or RankJob(rank, str(plan.rank_files[rank]), (), (), {}, 0)
+        if job.checks or extra:
+            out.append(replace(job, checks=job.checks + extra, sampled=frozenset(extra),
+                               check_bytes=job.check_bytes + SAMPLE_CHECK_BYTES * len(extra)))
+    return out
+
+
+SAMPLE_CHECK_BYTES = 8192
+"""What a spot check compares at most (its two ends), as the size of its verify task."""
+
+
 def check_rank(
     job: RankJob, store_path: str, options: IngestOptions, files: Mapping[int, str], report: Report | None = None
 ) -> int:
@@ -1073,7 +1097,7 @@ def check_rank(
     with open_source(job.path, options.storage_options, verify_crc=False) as reader:
         ticker = Ticker(report)
         for c in job.checks:
-            n = _compare(store, reader, c, options.block_bytes, files)
+            n = _compare(store, reader, c, options.block_bytes, files, c in job.sampled)
             compared += n
             ticker.add(c.name, n)
         ticker.close()
@@ -1465,6 +1489,7 @@ def _compare(
     c: ReplicaCheck,
     block_bytes: int,
     files: Mapping[int, str],
+    sampled: bool = False,
 ) -> int:
     box = c.box
     arr = store.array(c.name)
@@ -1475,7 +1500,9 @@ def _compare(
     if box.size == 0:
         return 0
     same = True
-    for piece in c_order_pieces(box, max(1, block_bytes // entry_itemsize(entry))):
+    itemsize = entry_itemsize(entry)
+    pieces = sample_boxes(box, itemsize) if sampled else c_order_pieces(box, max(1, block_bytes // itemsize))
+    for piece in pieces:
         local = piece.relative_to(box)
         if box.ndim == 0:
             mine = reader.array(c.name)

@@ -59,7 +59,7 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
     (``None``: every entry)."""
     by_rank: dict[int, list[ReplicaCheck]] = {}
     sampled: dict[int, set[str]] = {}
-    spot = set() if verify_replicas else _spot_checks(source)
+    spot = set() if verify_replicas else spot_checks(source)
     for c in source.checks:
         if (names is None or c.name in names) and (c.required or verify_replicas or c in spot):
             by_rank.setdefault(c.rank, []).append(c)
@@ -83,7 +83,7 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
     return jobs
 
 
-def _spot_checks(source: IngestPlan) -> set[ReplicaCheck]:
+def spot_checks(source: IngestPlan) -> set[ReplicaCheck]:
     """Per entry, stage and device axis the layout calls replicated, one replica: the first
     one step from its writer along that axis. A layout that calls a true split replicated
     does so for every box of the entry, so one box per axis shows it, at a cost that grows
