@@ -113,17 +113,35 @@ def test_missing_source_rank(example: Path, tmp_path: Path, capsys: pytest.Captu
     assert "parameter" in err
 
 
-def test_replicas_that_disagree(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Ranks 0 and 1 hold the same box of layer1.weight in the example; corrupt one replica's value bytes."""
-    f = example / "src" / "checkpoints" / "rank_4" / "checkpoint_4.ckpt"
+@pytest.mark.parametrize(("rank", "spotted"), [(4, True), (5, False)])
+def test_replicas_that_disagree(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], rank: int,
+                                spotted: bool) -> None:
+    """layer1.weight: ``dev_matrix [2, 2, 2]``, ``tensor_map [[], [1]]``, so the ranks with the
+    same middle coordinate hold the same box; rank 0 (0, 0, 0) writes it. Rank 4 (1, 0, 0)
+    is one step from it along axis 0, a replica the default spot check reads (its 3 KiB lie
+    within the sampled ends); rank 5 (1, 0, 1) is two steps away (axes 0 and 2), a replica
+    only ``--verify-replicas`` compares. Corrupt one value byte of that replica: ingest and
+    transform refuse it, naming the parameter and the file; the unspotted one only when asked."""
+    f = example / "src" / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt"
     with CkptReader(f) as r:
         seg = r.entries["layer1.weight"].segments[0]
     data = bytearray(f.read_bytes())
     data[seg.offset] ^= 0xFF
     f.write_bytes(bytes(data))
-    code, err = _run([*_ingest_args(example, tmp_path / "s.zarr"), "--verify-replicas"], capsys)
-    assert code == 1
-    assert "layer1.weight" in err and "replica" in err
+    transform = ["transform", str(example / "src" / "checkpoints"), "--src-strategy",
+                 str(example / "src" / "strategy.ckpt"), "--dst-strategy", str(example / "dst" / "strategy.ckpt"),
+                 "--out"]
+    for what in ("ingest", "transform"):
+        for verify in (False, True):
+            out = tmp_path / f"{what}-{verify}"
+            args = _ingest_args(example, out) if what == "ingest" else [*transform, str(out)]
+            code, err = _run([*args, *(["--verify-replicas"] if verify else [])], capsys)
+            if spotted or verify:
+                assert code == 1, f"{what} verify_replicas={verify}: the replica that differs was not refused"
+                assert "'layer1.weight'" in err and "replica" in err and f"checkpoint_{rank}.ckpt" in err, err
+                assert not out.exists() or not list(out.rglob("*.ckpt")), "nothing that looks complete is left"
+            else:  # the documented default: replicas are spot-checked, not compared in full
+                assert code == 0, f"{what}: {err}"
 
 
 def test_strategy_that_does_not_fit(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
