@@ -160,3 +160,22 @@ def expected_shard(g: np.ndarray, lay: Layout, rank: int, *, opt: bool = True) -
             rows = out.shape[0] // parts
             out = out[part * rows:(part + 1) * rows]
     return out
+
+
+def cut(g: np.ndarray, layouts: dict[str, Layout], name: str, rank: int) -> np.ndarray:
+    """What stage-local ``rank`` holds of ``name`` (global value ``g``) under ``layouts``
+    (:func:`read_layouts`): the oracle's slice when they list it, else the whole tensor, as
+    MindSpore writes a parameter its strategy does not list."""
+    if name not in layouts:
+        return g
+    return expected_shard(g, effective(name, layouts), rank)
+
+
+def pieces(lay: Layout) -> list[int]:
+    """How many equal pieces ``lay`` cuts each dimension into (dimension 0: the tensor-parallel
+    pieces times the optimizer parts); a manual split is not counted."""
+    dev = lay["dev"]
+    out = [int(np.prod([dev[_axis(dev, a)] for a in axes if a >= 0])) for axes in lay["map"]]
+    if out:
+        out[0] *= _opt_part(lay, 0)[0]
+    return out

@@ -1,7 +1,9 @@
 """Models and comparisons shared by the safetensors and standard-store tests.
 
-Values are recomputed from :mod:`zckpt.generate` (global value of each tensor, sliced by
-:func:`zckpt.layout.rank_box`), so expectations never come from zckpt's own output.
+Values are recomputed from :mod:`zckpt.generate` (the global value of each tensor), and the
+safetensors shards are cut from them by ``tests/oracle.py`` from the strategy file's raw
+fields, not by :mod:`zckpt.layout`: a slicing bug that :func:`zckpt.generate.write_model`'s
+``.ckpt`` shards and zckpt's reassembly would share does not pass unseen.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import oracle
 
 import zckpt
 from zckpt.formats.ckpt import CkptReader
@@ -74,10 +77,12 @@ def save_safetensors_job(model: GeneratedModel, out: Path, *, strings: bool = Fa
     from zckpt.formats.safetensors import STRING_PREFIX
 
     files = []
+    assert model.strategy_path is not None
+    raw = oracle.read_layouts(model.strategy_path)
     for r in range(model.device_num):
         tensors: dict[str, np.ndarray] = {}
         for t in model.tensors:
-            value = model.expected_shard(t.name, r).copy()  # C order; keeps 0-d shapes
+            value = oracle.cut(model.global_value(t.name), raw, t.name, r).copy()  # C order; keeps 0-d shapes
             tensors[t.name] = value.view(ml_dtypes.bfloat16) if t.ms_type == "BFloat16" else value
         meta: dict[str, Any] = {"format": "ms"}
         if strings:

@@ -69,3 +69,14 @@ def test_effective_takes_the_tables_split() -> None:
     assert oracle.effective("moment1.t", layouts)["split"] == [3, 5]
     other = {**layouts, "moment2.t": {**base, "dev": [1, 2], "split": [], "offset": []}}
     assert oracle.effective("moment2.t", other)["split"] == []  # another layout: not the table's
+
+
+def test_cut_and_pieces() -> None:
+    """An unlisted name is held whole; ``pieces`` counts the optimizer parts on dimension 0."""
+    g = np.arange(48).reshape(12, 4)
+    lay = {"dev": [2, 2], "map": [[-1], [1]], "tshape": None, "opt": 2, "split": [], "offset": []}
+    assert oracle.cut(g, {"w": lay}, "other", 3) is g
+    assert oracle.cut(g, {"w": lay}, "w", 1).tolist() == oracle.expected_shard(g, lay, 1).tolist()
+    assert oracle.pieces(lay) == [2, 2]
+    multi = {"dev": [2, 4, 2], "map": [[0, 1], [-1]], "tshape": None, "opt": -1, "split": [], "offset": []}
+    assert oracle.pieces(multi) == [8 * 2, 1]  # the free axis of size 2 shards the optimizer state

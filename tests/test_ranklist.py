@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import oracle
 import pytest
 from mindspore_env import run_ms_tool
 
 import zckpt
 from zckpt.errors import LayoutError, StrategyError, ZckptError
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.layout import normalized_shape, rank_box, resolve
 from zckpt.ranklist import needed_source_ranks, rank_list_for_transform_maps
 
 DATA = Path(__file__).resolve().parent / "data" / "ms_rank_lists.json"
@@ -59,23 +59,31 @@ def _fixture_maps(root: Path, entry: dict[str, Any]) -> tuple[StrategyMap | None
     return src, dst
 
 
-def _assert_minimal_cover(src: StrategyMap, dst: StrategyMap, rank: int, ranks: Sequence[int]) -> None:
-    """Every destination piece is covered by the listed source ranks, and each listed rank is used."""
+def _raw(smap: StrategyMap, path: Path) -> dict[str, oracle.Layout]:
+    """The layouts of ``smap`` as ``tests/oracle.py`` reads them from its file's raw fields."""
+    path.write_bytes(encode_strategy(smap))
+    return oracle.read_layouts(path)
+
+
+def _assert_minimal_cover(src: dict[str, oracle.Layout], dst: dict[str, oracle.Layout], rank: int,
+                          ranks: Sequence[int]) -> None:
+    """Every element of the destination rank's slice is held by a listed source rank, and
+    each listed rank holds one of them. The slices are ``tests/oracle.py``'s (raw strategy
+    fields, no :mod:`zckpt.layout`), cut from a tensor of element numbers whose shape every
+    layout divides evenly."""
     used: set[int] = set()
-    for name in dst.layouts:
-        s_lay, d_lay = src.layout(name), dst.layout(name)
-        assert s_lay is not None and d_lay is not None
-        ndim = len(s_lay.tensor_map)
-        shape = normalized_shape(s_lay, d_lay, ndim=ndim)
-        s_sh, d_sh = resolve(s_lay, shape), resolve(d_lay, shape)
-        covered = np.zeros(shape, dtype=bool)
-        target = rank_box(d_sh, rank % d_sh.device_num)
+    for name, d_lay in dst.items():
+        s_lay = src[name]
+        shape = tuple(math.lcm(a, b) for a, b in zip(oracle.pieces(s_lay), oracle.pieces(d_lay), strict=True))
+        numbers = np.arange(math.prod(shape)).reshape(shape)
+        target = oracle.expected_shard(numbers, d_lay, rank).ravel()
+        covered = np.zeros(numbers.size, dtype=bool)
         for r in ranks:
-            box = rank_box(s_sh, r)
-            covered[box.slices()] = True
-            if box.intersect(target) is not None:
+            held = oracle.expected_shard(numbers, s_lay, r).ravel()
+            covered[held] = True
+            if np.isin(held, target).any():
                 used.add(r)
-        assert covered[target.slices()].all(), f"{name}: destination rank {rank} not covered by {list(ranks)}"
+        assert covered[target].all(), f"{name}: destination rank {rank} not covered by {list(ranks)}"
     assert used == set(ranks), f"ranks {sorted(set(ranks) - used)} are listed but not needed"
 
 
@@ -108,7 +116,8 @@ def test_fixture_non_divisible_goes_beyond_mindspore(fixtures_dir: Path) -> None
         assert isinstance(info.value, ValueError)
         got = rank_list_for_transform_maps(int(key), src, dst)
         assert got == sorted(got, reverse=True)
-        _assert_minimal_cover(src, dst, int(key), got)
+        _assert_minimal_cover(oracle.read_layouts(fixtures_dir / entry["src"]),
+                              oracle.read_layouts(fixtures_dir / entry["dst"]), int(key), got)
 
 
 # --------------------------------------------------------------------------- MindSpore-verified cases
@@ -205,12 +214,13 @@ def test_parameters_missing_from_destination_are_ignored() -> None:
     assert [rank_list_for_transform_maps(r, src, dst) for r in range(4)] == [[0], [1], [2], [3]]
 
 
-def test_non_divisible_default_is_minimal_and_prefers_the_same_replica() -> None:
+def test_non_divisible_default_is_minimal_and_prefers_the_same_replica(tmp_path: Path) -> None:
     src = StrategyMap({"w": {0: _lay(([4, 4], [-1, 0]))}})  # 4 replicas of 4 column blocks
     dst = StrategyMap({"w": {0: _lay(([6], [-1, 0]))}})
+    raw_src, raw_dst = _raw(src, tmp_path / "src.ckpt"), _raw(dst, tmp_path / "dst.ckpt")
     for rank in range(6):
         got = rank_list_for_transform_maps(rank, src, dst)
-        _assert_minimal_cover(src, dst, rank, got)
+        _assert_minimal_cover(raw_src, raw_dst, rank, got)
         # replica coordinate (axis of size 4) follows rank % 16, as MindSpore's choice does
         assert all(r // 4 == (rank % 16) // 4 for r in got)
 
