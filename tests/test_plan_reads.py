@@ -100,8 +100,8 @@ def test_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["plan", "--src-strategy", str(src_s), "--dst-strategy", str(dst_s),
                      "--src", str(EXAMPLE / "src" / "checkpoints"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    from zckpt.dryrun import plan_reads
     from zckpt.plan import RankExport
+    from zckpt.reads import plan_reads
     from zckpt.transform import plan_transform
 
     plan = plan_transform(EXAMPLE / "src" / "checkpoints", src_s, dst_s, verify_crc=False)

@@ -501,8 +501,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _plan_reads(a: argparse.Namespace, src: Any, dst: Any, ranks: Sequence[int] | None) -> Any:
-    """``plan --src``: what each destination rank reads from the source files (:mod:`zckpt.dryrun`)."""
-    from zckpt.dryrun import plan_reads
+    """``plan --src``: what each destination rank reads from the source files (:mod:`zckpt.reads`)."""
+    from zckpt.reads import plan_reads
     from zckpt.transform import plan_transform
 
     plan = plan_transform(a.src, src, dst, ranks, verify_crc=False, file_suffix=a.file_suffix)
