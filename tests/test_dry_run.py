@@ -220,3 +220,68 @@ def test_plain_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "nothing written" in text and "rank_3/checkpoint_3.ckpt" in text and "free:" in text
     assert zckpt.__name__ == "zckpt"
+
+
+def test_locks_held_are_the_real_runs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A store an ingest writes, an output directory another run writes into: refused by the
+    dry run as by the run, and the dry run leaves no lock file of its own."""
+    from zckpt import locks
+
+    store, out = tmp_path / "store.zarr", tmp_path / "out"
+    ingest(SRC, store, SRC_S, IngestOptions())
+    exp = ["export", str(store), "--strategy", DST_S, "--out", str(out)]
+    ing = ["ingest", str(SRC), "--strategy", SRC_S, "--store", str(store)]
+    with locks.store_writing(store):
+        for args in (exp, ing):
+            code, dry, real, err = _both(args, capsys)
+            assert code == real == 1 and dry == err and "lock held" in dry, args
+    out.mkdir()
+    tr = ["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out", str(out)]
+    with locks.output_writing(out):
+        for args in (exp, tr):
+            code, dry, real, err = _both(args, capsys)
+            assert code == real == 1 and dry == err and "lock held" in dry, args
+    before = _listing(tmp_path)
+    assert cli_main([*exp, "--dry-run", "--quiet"]) == 0 and cli_main([*ing, "--dry-run", "--quiet"]) == 0
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["transform", "export"])
+def test_rerun_after_a_lost_file(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A destination file removed after a run: the dry run of the rerun announces what the
+    rerun then does (the files it writes, or its refusal)."""
+    out, store = tmp_path / "out", tmp_path / "store.zarr"
+    if command == "export":
+        ingest(SRC, store, SRC_S, IngestOptions())
+        args = ["export", str(store), "--strategy", DST_S, "--out", str(out)]
+    else:
+        args = ["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out", str(out)]
+    assert cli_main([*args, "--quiet"]) == 0
+    capsys.readouterr()
+    (out / "rank_2" / "checkpoint_2.ckpt").unlink()
+    code, doc, dry_err = _dry(args, capsys)
+    real = cli_main([*args, "--quiet", "--json"])
+    got = capsys.readouterr()
+    assert code == real
+    if real:
+        assert dry_err.splitlines()[-1] == got.err.splitlines()[-1]
+        return
+    written = {Path(r["path"]).relative_to(out).as_posix() for r in json.loads(got.out)["ranks"]}
+    assert set(_announced(doc, out)) == written
+    assert {k: v for k, v in _outputs(out).items() if k in written} == _announced(doc, out)
+
+
+def test_store_of_another_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store.zarr"
+    ingest(SRC, store, SRC_S, IngestOptions())
+    other = tmp_path / "other"
+    shutil.copytree(SRC, other)
+    args = ["ingest", str(other), "--strategy", SRC_S, "--store", str(store), "--chunk-size", "1KiB"]
+    before = _listing(tmp_path)
+    code, dry, real, err = _both(args, capsys)
+    assert code == real == 1 and dry == err and "holds a different ingest" in dry
+    assert _listing(tmp_path) == before
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "x").write_text("x")
+    code, dry, real, err = _both(["ingest", str(SRC), "--strategy", SRC_S, "--store", str(tmp_path / "plain")], capsys)
+    assert code == real == 1 and dry == err and "not a zckpt store" in dry

@@ -17,8 +17,10 @@ checked_bytes`` of the direct path), the bytes compared between replicas, and an
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +31,7 @@ import numpy as np
 
 from zckpt import remote
 from zckpt.dtypes import STRING_TYPE, ms_dtype
-from zckpt.errors import DiskFullError, OutputError, StoreError, UsageError
+from zckpt.errors import DiskFullError, OutputError, StoreError, UsageError, ZckptError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
 from zckpt.plan import RankExport
@@ -272,6 +274,29 @@ def free_space(path: Path) -> int:
     return shutil.disk_usage(at).free
 
 
+def probe_lock(lock: Path, *, shared: bool, busy: ZckptError) -> None:
+    """Raise ``busy`` where the run would find ``lock`` held the other way
+    (:mod:`zckpt.locks`), without creating the lock file or holding it."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: nobody holds it (a planted link is the run's to refuse)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise busy from None
+    finally:
+        os.close(fd)
+
+
+def _output_free(out: Path) -> None:
+    from zckpt.locks import OUTPUT_LOCK
+
+    probe_lock(out / OUTPUT_LOCK, shared=False, busy=OutputError(
+        "another zckpt export or transform is writing into this directory (lock held): retry when it has finished, "
+        "or choose another directory", path=out))
+
+
 def _refuse_urls(*paths: object) -> None:
     for p in paths:
         if isinstance(p, str) and remote.is_remote(p):
@@ -311,6 +336,7 @@ def dry_run_transform(
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
+    _output_free(out)
     jobs = stage_jobs({t.name: t.stages for t in plan.source.tensors}, plan.export, out, options)
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
@@ -381,11 +407,17 @@ def dry_run_export(
     if options.format not in ("ckpt", "safetensors"):
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     _refuse_urls(store_path, out_dir)
+    from zckpt.locks import store_lock_path
+
+    where = remote.local_path(store_path)
+    probe_lock(store_lock_path(where), shared=True, busy=StoreError(
+        "a zckpt ingest is writing this store (lock held): retry when it has finished", path=where))
     store = Store.open(store_path)
     store.check_integrity()
     plan = plan_export(store, strategy, ranks, None, require_supplied=not options.per_stage)
     check_coverage(store, plan)
     out = check_out_dir(remote.local_path(out_dir))
+    _output_free(out)
     jobs = output_jobs(store, plan, out, options)
     entries = _store_entries(store)
     if options.format == "safetensors":
@@ -491,6 +523,11 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
     options = replace(options, choice_func=None)
     target = remote.local_path(store_path)
     layout = _resumable_layout(target, store_layout(plan, smap, options, sharded=True), plan, smap, options)
+    from zckpt.locks import store_lock_path
+
+    probe_lock(store_lock_path(target), shared=False, busy=StoreError(
+        "another zckpt ingest is writing this store, or an export, verify or load is reading it (lock held): retry "
+        "when it has finished", path=store_lock_path(target)))
     found = _ingest_state(target, layout.fingerprint(), options.overwrite, plan.rank_files)
     specs = {t.name: t for t in layout.tensors}
     reads: list[SourceRead] = []
