@@ -4,6 +4,7 @@ are what the run's counters count, a dry run writes nothing, and a refusal is th
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -285,3 +286,30 @@ def test_store_of_another_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / "plain" / "x").write_text("x")
     code, dry, real, err = _both(["ingest", str(SRC), "--strategy", SRC_S, "--store", str(tmp_path / "plain")], capsys)
     assert code == real == 1 and dry == err and "not a zckpt store" in dry
+
+
+def test_resumed_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ingest interrupted after 3 source ranks: the dry run of the rerun says it resumes
+    and announces the bytes the rerun then writes."""
+    ingest_module = importlib.import_module("zckpt.ingest")  # the module (zckpt.ingest names the function)
+    real_rank = ingest_module.ingest_rank
+    done: list[int] = []
+
+    def interrupted(job: Any, *args: Any, **kwargs: Any) -> int:
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append(job.rank)
+        return real_rank(job, *args, **kwargs)
+
+    store = tmp_path / "store.zarr"
+    monkeypatch.setattr(ingest_module, "ingest_rank", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(SRC, store, SRC_S, IngestOptions(helper=False))
+    monkeypatch.setattr(ingest_module, "ingest_rank", real_rank)
+    before = _listing(tmp_path)
+    code, doc, _ = _dry(["ingest", str(SRC), "--strategy", SRC_S, "--store", str(store)], capsys)
+    assert code == 0 and doc["state"] == "resume" and _listing(tmp_path) == before
+    r = ingest(SRC, store, SRC_S, IngestOptions())
+    assert r.resumed and doc["bytes_to_write"] == r.bytes_written > 0
+    assert {s["rank"] for s in doc["files"][0]["sources"]} == set(range(8)) - set(done)
+    assert doc["bytes_compared"] == r.bytes_compared

@@ -59,7 +59,8 @@ class PlannedFile:
     kept: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "path": self.path, "bytes": self.bytes, "data_bytes": self.data,
+        return {"rank": self.rank if self.rank >= 0 else None, "path": self.path, "bytes": self.bytes,
+                "data_bytes": self.data,
                 "tensors": self.tensors, "kept": self.kept,
                 "sources": [{"rank": s.rank, "path": s.path, "bytes": s.bytes, "read": s.read} for s in self.sources]}
 
@@ -106,8 +107,12 @@ class DryRunReport:
             for s in f.sources:
                 more = f" ({size(s.read)} read)" if s.read != s.bytes else ""
                 out.append(f"    reads {size(s.bytes)}{more} from rank {s.rank}: {s.path}")
-        out.append(f"total: {size(self.bytes_to_write)} to write, {size(self.bytes_to_read)} of data to read "
-                   f"({size(self.bytes_read)} read), {size(self.bytes_compared)} to compare with replicas")
+        if self.state == "complete":
+            out.append("already complete: nothing to do")
+        read = f" ({size(self.bytes_read)} read)" if self.bytes_read != self.bytes_to_read else ""
+        compare = f", {size(self.bytes_compared)} to compare with replicas" if self.command != "export" else ""
+        out.append(f"total: {size(self.bytes_to_write)} to write, {size(self.bytes_to_read)} of data to read{read}"
+                   f"{compare}")
         free = "unknown (a URL)" if self.free_bytes is None else size(self.free_bytes)
         out.append(f"space needed: {size(self.space_needed)}, free: {free}: "
                    + ("enough" if self.fits else "NOT ENOUGH"))
