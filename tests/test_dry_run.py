@@ -313,3 +313,32 @@ def test_resumed_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[str], monk
     assert r.resumed and doc["bytes_to_write"] == r.bytes_written > 0
     assert {s["rank"] for s in doc["files"][0]["sources"]} == set(range(8)) - set(done)
     assert doc["bytes_compared"] == r.bytes_compared
+
+
+def test_urls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """memory:// (an fsspec filesystem like s3://): sources and store at URLs, the store
+    exported to a URL; the dry runs write no object and announce what the runs write."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = f"memory://zckpt-dry-{uuid.uuid4().hex[:8]}"
+    fs.put(str(SRC), f"{base}/src", recursive=True)
+    store, out = f"{base}/store.zarr", f"{base}/out"
+    before = sorted(fs.find(base))
+    code, idoc, _ = _dry(["ingest", f"{base}/src", "--strategy", SRC_S, "--store", store], capsys)
+    assert code == 0 and idoc["free_bytes"] is None and sorted(fs.find(base)) == before
+    i = ingest(f"{base}/src", store, SRC_S)
+    assert idoc["bytes_to_write"] == i.bytes_written
+    before = sorted(fs.find(base))
+    code, edoc, _ = _dry(["export", store, "--strategy", DST_S, "--out", out], capsys)
+    assert code == 0 and sorted(fs.find(base)) == before
+    e = export(store, out, DST_S)
+    written = {p.split("/out/", 1)[1]: fs.size(p) for p in fs.find(out) if not p.endswith(BOOKKEEPING)}
+    assert {f["path"].split("/out/", 1)[1]: f["bytes"] for f in edoc["files"]} == written
+    assert {f["path"] for f in edoc["files"]} == {x.path for x in e.ranks}  # the URLs the run reports
+    assert edoc["bytes_to_read"] == sum(x.read_bytes for x in e.ranks)
+    code, again, _ = _dry(["export", store, "--strategy", DST_S, "--out", out], capsys)
+    assert code == 0 and again["bytes_to_write"] == 0
+    fs.rm(base, recursive=True)

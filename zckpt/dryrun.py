@@ -205,8 +205,9 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
     out = []
     for r, p in jobs:
         tensors = sum(1 for s in r.slices if entries.kinds[s.name] == "tensor")
-        if p not in pending:
-            out.append(PlannedFile(r.rank, str(p), p.stat().st_size, _data_bytes(r, entries), tensors, kept=True))
+        if p not in pending:  # complete files of this same plan: the size it gives
+            out.append(PlannedFile(r.rank, str(p), ckpt_bytes(r, entries, options.crc), _data_bytes(r, entries),
+                                   tensors, kept=True))
             continue
         got = reads(r)
         if options.format == "safetensors":
@@ -260,12 +261,16 @@ def check_folders(out: Path, paths: Iterable[Path]) -> None:
             safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError)
 
 
-def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> None:
+def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool,
+                         out_loc: remote.Location | None = None) -> None:
     """Export's and transform's refusal of safetensors outputs present already."""
-    from zckpt.export_safetensors import existing_outputs
+    from zckpt.export_safetensors import _remote_outputs, existing_outputs
 
     if not overwrite:
-        clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
+        if out_loc is not None:
+            clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
+        else:
+            clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
         if clash:
             raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
 
@@ -301,11 +306,6 @@ def _output_free(out: Path) -> None:
         "another zckpt export or transform is writing into this directory (lock held): retry when it has finished, "
         "or choose another directory", path=out))
 
-
-def _refuse_urls(*paths: object) -> None:
-    for p in paths:
-        if isinstance(p, str) and remote.is_remote(p):
-            raise UsageError("--dry-run works on local paths (no URLs yet)", path=p)
 
 
 # --- the three commands -------------------------------------------------------------------
@@ -398,31 +398,25 @@ def dry_run_export(
     ranks: Iterable[int] | None = None, options: ExportOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.export.export` up to its first write (the store is read, not locked)."""
-    from zckpt.export import (
-        ExportOptions,
-        check_coverage,
-        check_out_dir,
-        export_fingerprint,
-        output_jobs,
-        plan_export,
-    )
+    from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_dir, output_jobs, plan_export
+    from zckpt.locks import store_lock_path
     from zckpt.store import Store
 
     options = options if options is not None else ExportOptions()
     if options.format not in ("ckpt", "safetensors"):
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
-    _refuse_urls(store_path, out_dir)
-    from zckpt.locks import store_lock_path
-
-    where = remote.local_path(store_path)
-    probe_lock(store_lock_path(where), shared=True, busy=StoreError(
-        "a zckpt ingest is writing this store (lock held): retry when it has finished", path=where))
-    store = Store.open(store_path)
+    so = options.storage_options
+    if not (isinstance(store_path, str) and remote.is_remote(store_path)):
+        where = remote.local_path(store_path)
+        probe_lock(store_lock_path(where), shared=True, busy=StoreError(
+            "a zckpt ingest is writing this store (lock held): retry when it has finished", path=where))
+    store = Store.open(store_path, storage_options=so)
     store.check_integrity()
-    plan = plan_export(store, strategy, ranks, None, require_supplied=not options.per_stage)
+    plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
     check_coverage(store, plan)
-    out = check_out_dir(remote.local_path(out_dir))
-    _output_free(out)
+    out_loc, out = output_dir(out_dir, so)
+    if out_loc is None:
+        _output_free(out)
     jobs = output_jobs(store, plan, out, options)
     entries = _store_entries(store)
     if options.format == "safetensors":
@@ -431,17 +425,41 @@ def dry_run_export(
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); export this store as .ckpt", param=maps[0])
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        existing_safetensors(jobs, options.overwrite)
-        check_folders(out, [p for _, p in jobs])
+        existing_safetensors(jobs, options.overwrite, out_loc)
+        if out_loc is None:
+            check_folders(out, [p for _, p in jobs])
         todo = jobs
     else:
-        todo = pending_jobs(out, jobs, export_fingerprint(store, jobs, options), options.overwrite)
+        fingerprint = export_fingerprint(store, jobs, options)
+        todo = pending_remote(out_loc, jobs, fingerprint, options.overwrite) if out_loc is not None else \
+            pending_jobs(out, jobs, fingerprint, options.overwrite)
         if options.reader not in ("zarr", "dask"):
             raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     files = planned_files(jobs, todo, entries, options, lambda r: ())
-    return _report("export", str(out), files, 0, free_space(out),
+    if out_loc is not None:
+        files = [replace(f, path=out_loc.url_of(f.path)) for f in files]
+    return _report("export", out_loc.url if out_loc is not None else str(out), files, 0,
+                   None if out_loc is not None else free_space(out),
                    notes=(f"reads from store {store.url}; checksum checks read up to one checksum block more at "
                           "each end of a range",))
+
+
+def pending_remote(out: remote.Location, jobs: list[tuple[RankExport, Path]], fingerprint: str,
+                   overwrite: bool) -> list[tuple[RankExport, Path]]:
+    """:func:`pending_jobs` for a remote directory (:func:`zckpt.export.resume_or_refuse_remote`)."""
+    from zckpt.export import MARKER, not_ours
+
+    present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
+    if not present or overwrite:
+        return jobs
+    try:
+        same = json.loads(remote.read_bytes(out.child(MARKER), OutputError)).get("fingerprint") == fingerprint
+    except (OutputError, ValueError, AttributeError):
+        same = False
+    if not same:
+        raise OutputError(not_ours(len(present)), path=out.url)
+    files = set(remote.find(out, OutputError))
+    return [(r, p) for r, p in jobs if p.as_posix() not in files]
 
 
 def _store_entries(store: Store) -> Entries:
@@ -461,19 +479,27 @@ class _IngestState:
     done: frozenset[int] = field(default_factory=frozenset)
 
 
-def _ingest_state(path: Path, fingerprint: str, overwrite: bool, rank_files: Mapping[int, str]) -> _IngestState:
+def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, rank_files: Mapping[int, str],
+                  storage_options: remote.StorageOptions) -> _IngestState:
     """What :func:`zckpt.ingest.open_for_ingest` would find, refusing what it refuses,
     opening the store read-only."""
     from zckpt.ingest import changed_sources
     from zckpt.store import Store
 
-    if path.exists() and not overwrite:
+    if isinstance(target, str):  # a URL
+        children = remote.listdir(remote.locate(target, storage_options, StoreError), StoreError)
+        present, is_store = bool(children), ("zarr.json", False) in children
+        empty_dir = False
+    else:
+        present, is_store = target.exists(), (target / "zarr.json").is_file()
+        empty_dir = target.is_dir() and not any(target.iterdir())
+    if present and not overwrite:
         try:
-            existing = Store.open(path)
+            existing = Store.open(target, storage_options=storage_options)
         except StoreError:
-            if path.is_dir() and not any(path.iterdir()):
+            if empty_dir:
                 return _IngestState("new")
-            raise StoreError("exists and is not a zckpt store (--overwrite replaces it)", path=path) from None
+            raise StoreError("exists and is not a zckpt store (--overwrite replaces it)", path=target) from None
         found = existing.manifest.get("fingerprint")
         if found == fingerprint:
             redone = changed_sources(existing, rank_files)
@@ -482,11 +508,32 @@ def _ingest_state(path: Path, fingerprint: str, overwrite: bool, rank_files: Map
             return _IngestState("resume", frozenset(set(existing.ingested_ranks()) - set(redone)))
         if found is None and not existing.complete:
             return _IngestState("new")
-        raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)", path=path)
-    if path.exists() and overwrite and not ((path / "zarr.json").is_file() or (path.is_dir()
-                                                                               and not any(path.iterdir()))):
-        raise StoreError("refusing to overwrite a directory that is not a zarr store", path=path)
+        raise StoreError("store already exists and holds a different ingest (--overwrite replaces it)", path=target)
+    if present and overwrite and not (is_store or empty_dir):
+        what = "a location" if isinstance(target, str) else "a directory"
+        raise StoreError(f"refusing to overwrite {what} that is not a zarr store", path=target)
     return _IngestState("new")
+
+
+def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions) -> None:
+    """The ingest's lock on the store: held by another run, the run would stop there."""
+    from zckpt.ingest import LOCK_SUFFIX
+    from zckpt.locks import store_lock_path
+
+    if isinstance(target, Path):
+        probe_lock(store_lock_path(target), shared=False, busy=StoreError(
+            "another zckpt ingest is writing this store, or an export, verify or load is reading it (lock held): "
+            "retry when it has finished", path=store_lock_path(target)))
+        return
+    loc = remote.locate(target, storage_options, StoreError)
+    lock = loc.sibling(target.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
+    if remote.isfile(lock, StoreError):
+        try:
+            who = remote.read_bytes(lock, StoreError).decode("utf-8", "replace")
+        except StoreError:
+            who = "?"
+        raise StoreError(f"another zckpt ingest is writing this store (lock object held by {who}); if no ingest "
+                         "is running (one was killed), delete the lock object and rerun to resume", path=lock.url)
 
 
 def store_file_bytes(layout: StoreLayout) -> int:
@@ -520,23 +567,24 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
     from zckpt.replicas import compare_replicas, replica_jobs
 
     options = options if options is not None else IngestOptions()
-    _refuse_urls(store_path, *(src.values() if isinstance(src, Mapping) else [src]))
+    so = options.storage_options
     prepared = prepare_ingest(
         src, strategy, require_complete=options.require_complete, verify_crc=options.verify_crc,
-        file_suffix=options.file_suffix, choice_func=options.choice_func, block_bytes=options.block_bytes)
+        storage_options=so, file_suffix=options.file_suffix, choice_func=options.choice_func,
+        block_bytes=options.block_bytes)
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)
-    target = remote.local_path(store_path)
-    layout = _resumable_layout(target, store_layout(plan, smap, options, sharded=True), plan, smap, options)
-    from zckpt.locks import store_lock_path
-
-    probe_lock(store_lock_path(target), shared=False, busy=StoreError(
-        "another zckpt ingest is writing this store, or an export, verify or load is reading it (lock held): retry "
-        "when it has finished", path=store_lock_path(target)))
-    found = _ingest_state(target, layout.fingerprint(), options.overwrite, plan.rank_files)
+    target: str | Path = store_path if isinstance(store_path, str) and remote.is_remote(store_path) else \
+        remote.local_path(store_path)
+    layout = store_layout(plan, smap, options, sharded=isinstance(target, Path))
+    if isinstance(target, Path):
+        layout = _resumable_layout(target, layout, plan, smap, options)
+    _probe_store_lock(target, so)
+    found = _ingest_state(target, layout.fingerprint(), options.overwrite, plan.rank_files, so)
     specs = {t.name: t for t in layout.tensors}
     reads: list[SourceRead] = []
     compared = 0
+    notes: list[str] = []
     if found.state != "complete":
         for rank in plan.ranks_to_read(verify_replicas=options.verify_replicas):
             if rank in found.done:
@@ -545,13 +593,17 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
                     else math.prod(specs[w.name].shape) for w in plan.writes_of(rank) if specs[w.name].kind != "str")
             if n:
                 reads.append(SourceRead(rank, str(plan.rank_files[rank]), n, n))
-        jobs = replica_jobs(plan, prepared.indexes, None, options.verify_replicas)
-        compared = sum(compare_replicas(j, options) for j in jobs)
+        if all(isinstance(f, Path) or not remote.is_remote(f) for f in plan.rank_files.values()):
+            jobs = replica_jobs(plan, prepared.indexes, None, options.verify_replicas)
+            compared = sum(compare_replicas(j, options) for j in jobs)
+        else:
+            notes.append("sources at URLs: their replicas are compared with the store once written, not here")
     written = sum(s.bytes for s in reads)
     files = [PlannedFile(-1, str(target), written, written, len(plan.tensors), tuple(reads))]
     space = store_file_bytes(layout) if found.state == "new" else written
-    notes = [f"store files: {store_file_bytes(layout)} bytes of chunks (and JSON metadata)"]
+    notes.append(f"store files: {store_file_bytes(layout)} bytes of chunks (and JSON metadata)")
     if plan.ignored_ranks:
         notes.append(f"ignored rank file(s) outside the strategy's stages: {list(plan.ignored_ranks)}")
-    report = _report("ingest", str(target), files, compared, free_space(target), found.state, tuple(notes))
+    free = free_space(target) if isinstance(target, Path) else None
+    report = _report("ingest", str(target), files, compared, free, found.state, tuple(notes))
     return replace(report, space_needed=space)
