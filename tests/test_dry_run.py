@@ -132,12 +132,12 @@ def test_ingest_and_export_dry_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def _many_rank_job(root: Path) -> tuple[Path, Path, Path]:
-    """A generated 12-rank source and a 5-rank destination of other splits."""
+    """A generated 32-rank source and a 5-rank destination of other splits."""
     rng = np.random.default_rng(25)
     shapes = [(60, 48), (120, 24), (48,), (24, 36, 12), (360, 8)]
-    src = [TensorDef(f"net.p{i}.weight", s, ["Float32", "Float16", "BFloat16"][i % 3], random_layout(rng, s, 12))
+    src = [TensorDef(f"net.p{i}.weight", s, ["Float32", "Float16", "BFloat16"][i % 3], random_layout(rng, s, 32))
            for i, s in enumerate(shapes)]
-    model = write_model(root / "src", with_optimizer_states(src), device_num=12, strings={"note": "12->5"})
+    model = write_model(root / "src", with_optimizer_states(src), device_num=32, strings={"note": "32->5"})
     dst = with_optimizer_states([TensorDef(t.name, t.shape, t.ms_type, random_layout(rng, t.shape, 5)) for t in src])
     path = root / "dst.ckpt"
     path.write_bytes(encode_strategy(strategy_of(dst)))
@@ -150,10 +150,10 @@ def test_many_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, store, out2 = tmp_path / "out", tmp_path / "store.zarr", tmp_path / "out2"
     before = _listing(tmp_path)
     code, tdoc, _ = _dry(["transform", str(src), "--src-strategy", str(src_s), "--dst-strategy", str(dst_s),
-                          "--out", str(out)], capsys)
+                          "--out", str(out), "--crc"], capsys)
     code2, idoc, _ = _dry(["ingest", str(src), "--strategy", str(src_s), "--store", str(store)], capsys)
     assert code == code2 == 0 and _listing(tmp_path) == before
-    r = transform(src, out, src_s, dst_s)
+    r = transform(src, out, src_s, dst_s, options=TransformOptions(crc=True))
     assert _announced(tdoc, out) == _outputs(out) and len(_outputs(out)) == 5
     assert (tdoc["bytes_to_read"], tdoc["bytes_read"], tdoc["bytes_compared"]) == (
         sum(x.read_bytes for x in r.ranks), r.bytes_read, r.bytes_compared)
@@ -162,7 +162,8 @@ def test_many_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, edoc, _ = _dry(["export", str(store), "--strategy", str(dst_s), "--out", str(out2)], capsys)
     assert code == 0 and not out2.exists()
     e = export(store, out2, dst_s)
-    assert _announced(edoc, out2) == _outputs(out2) == _outputs(out)
+    assert _announced(edoc, out2) == _outputs(out2)
+    assert {k: v + len(b"crc_num") + 10 for k, v in _outputs(out2).items()} == _outputs(out)  # the same files
     assert edoc["bytes_to_read"] == sum(x.read_bytes for x in e.ranks)
 
 
