@@ -155,6 +155,10 @@ def test_many_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == code2 == 0 and _listing(tmp_path) == before
     r = transform(src, out, src_s, dst_s, options=TransformOptions(crc=True))
     assert _announced(tdoc, out) == _outputs(out) and len(_outputs(out)) == 5
+    code, again, _ = _dry(["transform", str(src), "--src-strategy", str(src_s), "--dst-strategy", str(dst_s),
+                           "--out", str(out), "--crc"], capsys)
+    assert code == 0 and all(f["kept"] for f in again["files"])  # a rerun keeps them: they are complete
+    assert {Path(f["path"]).relative_to(out).as_posix(): f["bytes"] for f in again["files"]} == _outputs(out)
     assert (tdoc["bytes_to_read"], tdoc["bytes_read"], tdoc["bytes_compared"]) == (
         sum(x.read_bytes for x in r.ranks), r.bytes_read, r.bytes_compared)
     i = ingest(src, store, src_s, IngestOptions())

@@ -67,6 +67,9 @@ class PlannedFile:
 
 @dataclass(frozen=True)
 class DryRunReport:
+    """What a run would do: its files (or store), the bytes it reads and writes, whether
+    the filesystem has room."""
+
     command: str
     target: str
     """The output directory or the store."""
@@ -359,7 +362,7 @@ def dry_run_transform(
         checks = merged(checks)
     compared = sum(compare_replicas(j, options) for j in checks)
     band = band_bytes_of(options.block_bytes, options.overlap, options)
-    entries = _source_entries(plan, {n for r, _ in todo for n in r.names})
+    entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
     return _report("transform", str(out), files, compared, free_space(out))
 
@@ -385,12 +388,13 @@ def _source_entries(plan: TransformPlan, names: set[str]) -> Entries:
 
 def _report(command: str, target: str, files: list[PlannedFile], compared: int, free: int | None,
             state: str = "new", notes: tuple[str, ...] = ()) -> DryRunReport:
+    """The totals of ``files`` (those kept aside): a file whose sources are not listed (an
+    export's, read from the store) reads its data."""
     todo = [f for f in files if not f.kept]
     written = sum(f.bytes for f in todo)
-    return DryRunReport(command, target, tuple(files), written,
-                        sum(s.bytes for f in todo for s in f.sources) or sum(f.data for f in todo),
-                        sum(s.read for f in todo for s in f.sources) or sum(f.data for f in todo),
-                        compared, written, free, state, notes)
+    read = sum(sum(s.read for s in f.sources) if f.sources else f.data for f in todo)
+    return DryRunReport(command, target, tuple(files), written, sum(f.data for f in todo), read, compared, written,
+                        free, state, notes)
 
 
 def dry_run_export(
