@@ -23,6 +23,10 @@ from zckpt.runner import memory_budget
 if TYPE_CHECKING:
     import numpy as np
 
+    from zckpt.dryrun import DryRunReport
+    from zckpt.formats.strategy import StrategyMap
+    from zckpt.reads import PlanReads
+
 MiB = 1024 * 1024
 
 ONE_THREAD = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -442,7 +446,7 @@ def _cmd_transform(a: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(report: Any, as_json: bool) -> int:
+def _dry_run(report: DryRunReport, as_json: bool) -> int:
     """Print a dry run's report (:mod:`zckpt.dryrun`); a run that would not fit the disk
     fails as the real run would, after the report's lines (with ``--json``: the error's
     document alone, one document as for every error)."""
@@ -500,7 +504,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_reads(a: argparse.Namespace, src: Any, dst: Any, ranks: Sequence[int] | None) -> Any:
+def _plan_reads(a: argparse.Namespace, src: StrategyMap | None, dst: StrategyMap | None,
+                ranks: Sequence[int] | None) -> PlanReads:
     """``plan --src``: what each destination rank reads from the source files (:mod:`zckpt.reads`)."""
     from zckpt.reads import plan_reads
     from zckpt.transform import plan_transform
