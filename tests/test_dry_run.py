@@ -347,3 +347,30 @@ def test_urls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, again, _ = _dry(["export", store, "--strategy", DST_S, "--out", out], capsys)
     assert code == 0 and again["bytes_to_write"] == 0
     fs.rm(base, recursive=True)
+
+
+def test_replicas_that_differ(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unlisted scalar whose copies differ: the replica comparison the runs make before
+    writing (transform) or after (ingest) refuses it, and so does the dry run of each."""
+    from zckpt.formats.ckpt import CkptReader
+
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src)
+    victim = src / "rank_3" / "checkpoint_3.ckpt"
+    with CkptReader(victim) as r:
+        offset = r.entries["momentum"].segments[0].offset
+    data = bytearray(victim.read_bytes())
+    data[offset] ^= 0x40
+    victim.write_bytes(bytes(data))
+    watched = tmp_path / "w"
+    watched.mkdir()
+    for args in (["transform", str(src), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
+                  str(watched / "o"), "--no-verify-crc"],
+                 ["ingest", str(src), "--strategy", SRC_S, "--store", str(watched / "s.zarr")]):
+        code = cli_main([*args, "--dry-run", "--quiet"])
+        dry = capsys.readouterr().err
+        assert _listing(watched) == {}, args  # nothing written by the dry run
+        real = cli_main([*args, "--quiet"])
+        assert code == real == 1 and dry == capsys.readouterr().err and "hold different values" in dry, args
+        shutil.rmtree(watched)
+        watched.mkdir()
