@@ -148,3 +148,91 @@ def test_boxes_split_beyond_dimension_one_are_refused() -> None:
         plane_box(Box((0, 0, 0), (2, 2, 1)), (2, 2, 2))
     assert plane_box(Box((0, 1, 0), (2, 2, 3)), (2, 2, 3)) == (0, 2, 3, 6)
     assert Panel("t", (4,), ()).shape == (4,)
+
+
+FILL = re.compile(r"fill='(#[0-9a-f]{6}|none)'")
+PART = re.compile(r"data-part='(\[\[[^']*\]\])' data-source='(\[\[[^']*\]\])'")
+
+
+def _fills(svg_text: str) -> dict[str, str]:
+    """Fill of every drawn box (by its data-box) and of every part (by 'part:' + data-part)."""
+    out = {}
+    for line in svg_text.splitlines():
+        fill = FILL.search(line)
+        box, part = RECT.search(line), PART.search(line)
+        if fill and part:
+            out["part:" + part.group(1)] = fill.group(1)
+        elif fill and box:
+            out[box.group(1)] = fill.group(1)
+    return out
+
+
+def _parts(svg_text: str) -> list[tuple[Box, Box]]:
+    return [(Box.from_json(eval(m.group(1))), Box.from_json(eval(m.group(2))))  # noqa: S307 - ints from draw.py
+            for m in PART.finditer(svg_text)]
+
+
+def _check_parts(text: str, emphasised: int | None) -> int:
+    """Every destination box is filled by one part per source box it overlaps, in that
+    source box's colour, the parts together being the box; returns how many boxes read
+    several sources."""
+    src, dst = boxes_of(text)
+    fills, parts = _fills(text), _parts(text)
+    several = 0
+    for box, ranks in dst:
+        mine = [(p, s) for p, s in parts if p.intersect(box) == p]
+        overlapping = [s for s, _ in src if s.intersect(box) is not None]  # worked out from the source panel
+        assert sorted(s for _, s in mine) == sorted(overlapping), (box, ranks)
+        assert sum(p.size for p, _ in mine) == box.size  # disjoint parts inside the box: they cover it
+        assert all(a.intersect(b) is None for i, (a, _) in enumerate(mine) for b, _ in mine[i + 1:])
+        for p, s in mine:
+            want = fills[str(s.to_json())] if emphasised is None or emphasised in ranks else "#eeeeee"
+            assert fills["part:" + str(p.to_json())] == want, (box, p)
+        assert fills[str(box.to_json())] == "none"  # the box itself is only an outline over its parts
+        several += len(mine) > 1
+    return several
+
+
+@pytest.mark.parametrize("picture", ["example-layer1-weight.svg", "example-layer3-weight.svg", "multi-axis.svg"])
+def test_destination_boxes_show_each_source_colour(picture: str) -> None:
+    text = (DOCS / "img" / picture).read_text(encoding="utf-8")
+    assert _check_parts(text, emphasised=0) >= 1
+    src, dst = boxes_of(text)
+    (mine,) = [b for b, rs in dst if 0 in rs]
+    colours = {_fills(text)["part:" + str(p.to_json())] for p, _ in _parts(text) if p.intersect(mine) == p}
+    assert len(colours) == len([s for s, _ in src if s.intersect(mine) is not None]) == 2
+
+
+def test_plan_svg_fills_every_destination_box_by_source(tmp_path: Path) -> None:
+    out = tmp_path / "p.svg"
+    assert cli_main(["plan", "--src-strategy", str(EXAMPLE / "src/strategy.ckpt"), "--dst-strategy",
+                     str(EXAMPLE / "dst/strategy.ckpt"), "--param", "layer3.weight", "--shape", "48,24",
+                     "--svg", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert _check_parts(text, emphasised=None) == 4  # each destination row block reads two source columns
+    assert len({f for k, f in _fills(text).items() if k.startswith("part:")}) == 4  # the 4 source boxes' colours
+
+
+AXIS = re.compile(r"class='axis' data-dim='(\d)'>([^<]*)<")
+
+
+@pytest.mark.parametrize("picture, labels", [
+    ("example-layer1-weight.svg", {"0": "dim 0: 32 rows", "1": "dim 1: 48 columns"}),
+    ("example-layer3-weight.svg", {"0": "dim 0: 48 rows", "1": "dim 1: 24 columns"}),
+    ("store-chunks.svg", {"0": "dim 0: 32 rows", "1": "dim 1: 48 columns"}),
+])
+def test_axes_are_labelled(picture: str, labels: dict[str, str]) -> None:
+    text = (DOCS / "img" / picture).read_text(encoding="utf-8")
+    found = AXIS.findall(text)
+    panels = len(boxes_of(text))
+    assert len(found) == 2 * panels
+    for dim, label in found:
+        assert labels[dim] in label
+
+
+def test_axis_labels_of_other_ranks() -> None:
+    from zckpt.draw import axis_labels
+
+    assert axis_labels(()) == ("a scalar (0-d)", None)
+    assert axis_labels((48,)) == ("dim 0: 48", None)
+    assert axis_labels((4, 3, 2)) == ("dims 1-2 flattened: 6 columns", "dim 0: 4 rows")

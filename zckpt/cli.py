@@ -23,6 +23,10 @@ from zckpt.runner import memory_budget
 if TYPE_CHECKING:
     import numpy as np
 
+    from zckpt.dryrun import DryRunReport
+    from zckpt.formats.strategy import StrategyMap
+    from zckpt.reads import PlanReads
+
 MiB = 1024 * 1024
 
 ONE_THREAD = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -61,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _helper_arg(ing, "copy part of the source ranks")
+    _dry_run_arg(ing)
     _engine_args(ing)
     _storage_args(ing)
 
@@ -73,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
     _helper_arg(exp, ".ckpt output: write part of the destination files")
+    _dry_run_arg(exp)
     exp.add_argument("--no-verify-checksums", action="store_true",
                      help="do not check chunks against the CRC-32C recorded at ingest")
     _format_args(exp, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
@@ -92,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                      "strategy is one stage of the destination's, as in MindSpore)")
     _engine_args(tr)
     _helper_arg(tr, "write part of the destination files")
+    _dry_run_arg(tr)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")
@@ -102,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
                                                   "rank's box and the source boxes it reads) to an SVG file")
     pl.add_argument("--param", help="parameter to draw with --svg")
     pl.add_argument("--shape", help="its global shape for --svg, e.g. 4096,1024 (strategy files hold no shapes)")
+    pl.add_argument("--src", metavar="SRC_DIR",
+                    help="the source job (rank_<r>/*.ckpt or *.safetensors, local): also print, per destination rank, "
+                         "the source files it reads and the bytes from each, and the read amplification (their "
+                         "shapes come from the files)")
+    pl.add_argument("--file-suffix", help="with --src: MindSpore's file_suffix (which checkpoint of each rank_<r>)")
     _storage_args(pl)
 
     inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
@@ -358,6 +370,10 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         opts = replace(opts, pack_bytes=a.pack_bytes)
     if a.pack_count is not None:
         opts = replace(opts, pack_count=a.pack_count)
+    if a.dry_run:
+        from zckpt.dryrun import dry_run_ingest
+
+        return _dry_run(dry_run_ingest(a.src_dir, a.store, a.strategy, opts), a.json)
     r = ingest(a.src_dir, a.store, a.strategy, opts)
     choices = dict(r.file_choices)
     _emit(
@@ -389,6 +405,10 @@ def _cmd_export(a: argparse.Namespace) -> int:
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
     opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
                    storage_options=parse_storage_options(a.storage_option) or None)
+    if a.dry_run:
+        from zckpt.dryrun import dry_run_export
+
+        return _dry_run(dry_run_export(a.store, a.out, a.strategy, ranks=a.rank, options=opts), a.json)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
@@ -409,6 +429,11 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             max_file_bytes=a.max_file_mb * MiB, verify_crc=not a.no_verify_crc,
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
                             choice_func=_choice_func(a), helper=a.helper)
+    if a.dry_run:
+        from zckpt.dryrun import dry_run_transform
+
+        return _dry_run(dry_run_transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank,
+                                          options=opts), a.json)
     r = transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
     lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
@@ -421,10 +446,30 @@ def _cmd_transform(a: argparse.Namespace) -> int:
     return 0
 
 
+def _dry_run(report: DryRunReport, as_json: bool) -> int:
+    """Print a dry run's report (:mod:`zckpt.dryrun`); a run that would not fit the disk
+    fails as the real run would, after the report's lines (with ``--json``: the error's
+    document alone, one document as for every error)."""
+    refusal = report.refusal()
+    if refusal is None or not as_json:
+        _emit(report.to_json(), as_json, report.lines(human_bytes))
+    if refusal is not None:
+        raise refusal
+    return 0
+
+
+def _dry_run_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="make every check and refusal of the run, write nothing, and print the files and bytes it "
+                        "would write and read and whether the disk has room (exit 1 where the run would stop)")
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ingest import load_strategy
     from zckpt.ranklist import rank_arrays_for_transform_maps
 
+    if a.file_suffix and not a.src:
+        raise UsageError("--file-suffix applies to --src SRC_DIR, which is not given")
     opts = parse_storage_options(a.storage_option) or None
     src = load_strategy(a.src_strategy, opts)
     dst = load_strategy(a.dst_strategy, opts)
@@ -440,8 +485,13 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         shape = _shape_arg(a.shape) if a.shape else None
         _write_svg(a.svg, plan_picture(src, dst, a.param, shape, a.rank[0] if a.rank else None))
     table = rank_arrays_for_transform_maps(ranks, src, dst)
+    reads = _plan_reads(a, src, dst, a.rank) if a.src else None
     if a.json:  # the arrays are in MindSpore's descending order
-        _emit({"ranks": {str(r): v[::-1].tolist() for r, v in table.items()}}, True, [])
+        doc: dict[str, Any] = {"ranks": {str(r): v[::-1].tolist() for r, v in table.items()}}
+        _emit({**doc, **(reads.to_json() if reads is not None else {})}, True, [])
+        return 0
+    if reads is not None:
+        _emit({}, False, reads.lines(human_bytes))
         return 0
     shown: dict[bytes, str] = {}  # ranks of one replica group share their list
     lines = []
@@ -452,6 +502,16 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         lines.append(f"destination rank {r}: source ranks {shown[key]}")
     _emit({}, False, lines)
     return 0
+
+
+def _plan_reads(a: argparse.Namespace, src: StrategyMap | None, dst: StrategyMap | None,
+                ranks: Sequence[int] | None) -> PlanReads:
+    """``plan --src``: what each destination rank reads from the source files (:mod:`zckpt.reads`)."""
+    from zckpt.reads import plan_reads
+    from zckpt.transform import plan_transform
+
+    plan = plan_transform(a.src, src, dst, ranks, verify_crc=False, file_suffix=a.file_suffix)
+    return plan_reads(plan, memory_budget(parse_size("1GiB"), None, None).block_bytes)
 
 
 def rank_ranges(ranks: Sequence[int] | np.ndarray) -> str:

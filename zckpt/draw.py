@@ -6,7 +6,10 @@ destination rank's block comes from), so the CLI (``zckpt plan --svg``, ``zckpt 
 written by hand-built strings: no plotting library at run time, output diffable in git.
 
 Every drawn box carries ``data-box`` (global ``[[start...], [stop...]]``) and
-``data-ranks`` attributes, so a picture can be checked by a program as well as by eye.
+``data-ranks`` attributes, so a picture can be checked by a program as well as by eye. A
+destination box is filled with the colours of the source boxes it reads, one part per
+source box (``data-part``: the part, ``data-source``: the source box), and each panel's
+axes are labelled with the dimensions they show (``class='axis'``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import colorsys
 import html
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zckpt.errors import LayoutError
 from zckpt.formats.strategy import ParamLayout, StrategyMap
@@ -24,7 +27,9 @@ from zckpt.layout import Box, all_boxes, normalized_shape, resolve
 WIDTH = 360
 """Drawing width of one tensor panel (pixels)."""
 MIN_HEIGHT, MAX_HEIGHT = 48, 360
-GAP = 48
+GAP = 64
+LEFT = 16
+"""Room left of the first panel for the label of its vertical axis."""
 FONT = "font-family='DejaVu Sans, Arial, sans-serif'"
 
 
@@ -38,6 +43,9 @@ class Panel:
     boxes: tuple[tuple[Box, tuple[int, ...]], ...]
     grid: tuple[int, ...] | None = None
     highlight: frozenset[Box] = field(default_factory=frozenset)
+    sources: Panel | None = None
+    """For a destination: the source panel whose boxes fill its boxes, each part in the
+    colour of the source box it is read from."""
 
 
 def held_boxes(boxes: Iterable[tuple[int, Box]]) -> tuple[tuple[Box, tuple[int, ...]], ...]:
@@ -102,19 +110,73 @@ def panel_height(shape: Sequence[int]) -> int:
     return int(min(MAX_HEIGHT, max(MIN_HEIGHT, WIDTH * rows / cols)))
 
 
+def box_fill(p: Panel, i: int) -> str:
+    """The fill of ``p``'s box ``i``: its own colour, strong when emphasised, grey when
+    others are."""
+    box = p.boxes[i][0]
+    strong = box in p.highlight
+    return "#eeeeee" if p.highlight and not strong else colour(i, len(p.boxes), strong=strong)
+
+
+def _parts_svg(p: Panel, box: Box, x0: float, y0: float, sx: float, sy: float) -> list[str]:
+    """The parts of destination ``box`` that each source box of ``p.sources`` holds, in
+    that source box's colour (its strong colour when the box is emphasised)."""
+    assert p.sources is not None
+    src = p.sources
+    strong = box in p.highlight
+    out = []
+    for j, (sbox, ranks) in enumerate(src.boxes):
+        part = sbox.intersect(box)
+        if part is None:
+            continue
+        r0, r1, c0, c1 = plane_box(part, p.shape)
+        fill = colour(j, len(src.boxes), strong=True) if strong else (
+            "#eeeeee" if p.highlight else colour(j, len(src.boxes)))
+        out.append(f"<rect x='{x0 + c0 * sx:.2f}' y='{y0 + r0 * sy:.2f}' width='{(c1 - c0) * sx:.2f}' "
+                   f"height='{(r1 - r0) * sy:.2f}' fill='{fill}' stroke='none' data-part='{part.to_json()}' "
+                   f"data-source='{sbox.to_json()}' data-source-ranks='{','.join(map(str, ranks))}'/>")
+    return out
+
+
+def axis_labels(shape: Sequence[int]) -> tuple[str, str | None]:
+    """What the picture's horizontal and vertical axes show (:func:`plane`)."""
+    if not shape:
+        return "a scalar (0-d)", None
+    if len(shape) == 1:
+        return f"dim 0: {shape[0]}", None
+    across = f"dim 1: {shape[1]} columns" if len(shape) == 2 else \
+        f"dims 1-{len(shape) - 1} flattened: {math.prod(shape[1:])} columns"
+    return across, f"dim 0: {shape[0]} rows"
+
+
+def _axes_svg(shape: Sequence[int], x0: float, y0: float, h: int) -> list[str]:
+    across, down = axis_labels(shape)
+    out = [f"<text x='{x0}' y='{y0 + h + 14}' {FONT} font-size='11' fill='#555' class='axis' data-dim='1'>"
+           f"{html.escape(across)} \u2192</text>"]
+    if down is not None:
+        x, y = x0 - 6, y0 + h / 2
+        out.append(f"<text x='{x}' y='{y:.2f}' {FONT} font-size='11' fill='#555' text-anchor='middle' "
+                   f"transform='rotate(-90 {x} {y:.2f})' class='axis' data-dim='0'>"
+                   f"\u2190 {html.escape(down)}</text>")
+    return out
+
+
 def _panel_svg(p: Panel, x0: float, y0: float) -> list[str]:
     rows, cols = plane(p.shape)
     h = panel_height(p.shape)
     sx, sy = WIDTH / cols, h / rows
     out = [f"<text x='{x0}' y='{y0 - 8}' {FONT} font-size='13' font-weight='bold'>{html.escape(p.title)}</text>",
            f"<text x='{x0 + WIDTH}' y='{y0 + h + 14}' {FONT} font-size='11' text-anchor='end' fill='#555'>"
-           f"global shape {list(p.shape)}</text>"]
+           f"global shape {list(p.shape)}</text>", *_axes_svg(p.shape, x0, y0, h)]
     labels: list[str] = []
     for i, (box, ranks) in enumerate(p.boxes):
         r0, r1, c0, c1 = plane_box(box, p.shape)
         x, y, w, hh = x0 + c0 * sx, y0 + r0 * sy, (c1 - c0) * sx, (r1 - r0) * sy
         strong = box in p.highlight
-        fill = "#eeeeee" if p.highlight and not strong else colour(i, len(p.boxes), strong=strong)
+        fill = box_fill(p, i)
+        if p.sources is not None:
+            out.extend(_parts_svg(p, box, x0, y0, sx, sy))
+            fill = "none"
         out.append(
             f"<rect x='{x:.2f}' y='{y:.2f}' width='{w:.2f}' height='{hh:.2f}' fill='{fill}'"
             f" stroke='#222' stroke-width='{2.5 if strong else 0.8}' data-box='{box.to_json()}'"
@@ -156,15 +218,15 @@ def svg(panels: Sequence[Panel], *, caption: str = "", arrows: bool = True) -> s
         raise LayoutError("nothing to draw")
     heights = [panel_height(p.shape) for p in panels]
     top = 32
-    width = max(len(panels) * WIDTH + (len(panels) - 1) * GAP + 24, 24 + 6.6 * len(caption))
+    width = max(len(panels) * WIDTH + (len(panels) - 1) * GAP + 24 + LEFT, 24 + 6.6 * len(caption))
     height = top + max(heights) + (48 if caption else 24)
     body: list[str] = []
     for i, p in enumerate(panels):
-        x0 = 12 + i * (WIDTH + GAP)
+        x0 = 12 + LEFT + i * (WIDTH + GAP)
         body += _panel_svg(p, x0, top)
         if i and arrows:
             ax, ay = x0 - GAP + 8, top + min(heights[i - 1], heights[i]) / 2
-            body.append(f"<path d='M{ax},{ay} h{GAP - 16}' stroke='#444' stroke-width='2' marker-end='url(#arrow)'/>")
+            body.append(f"<path d='M{ax},{ay} h{GAP - 36}' stroke='#444' stroke-width='2' marker-end='url(#arrow)'/>")
     if caption:
         body.append(f"<text x='12' y='{height - 14}' {FONT} font-size='12' fill='#333'>{html.escape(caption)}</text>")
     return _document(width, height, body)
@@ -187,7 +249,7 @@ def reads_of(dst_box: Box, src: Panel) -> frozenset[Box]:
 def transfer_svg(name: str, src: Panel, dst: Panel, rank: int | None = None, note: str = "") -> str:
     """Source and destination layouts of one parameter; with ``rank``, that destination
     rank's box and the source boxes it is read from are emphasised."""
-    caption = f"{name}: boxes held by each rank (rN); replicas share a box"
+    caption = f"{name}: boxes held by each rank (rN), filled with the colours of the source boxes they read"
     if rank is not None:
         mine = [b for b, rs in dst.boxes if rank in rs]
         if not mine:
@@ -195,8 +257,9 @@ def transfer_svg(name: str, src: Panel, dst: Panel, rank: int | None = None, not
         reads = frozenset().union(*(reads_of(b, src) for b in mine))
         src = Panel(src.title, src.shape, src.boxes, src.grid, reads)
         dst = Panel(dst.title, dst.shape, dst.boxes, dst.grid, frozenset(mine))
-        caption = f"{name}: destination rank {rank} (coloured) reads the {len(reads)} coloured source box(es)"
-    return svg([src, dst], caption=caption + note)
+        caption = f"{name}: destination rank {rank} reads the {len(reads)} coloured source box(es), each part in " \
+                  "its source's colour"
+    return svg([src, replace(dst, sources=src)], caption=caption + note)
 
 
 def flow_svg(src_files: int, store_arrays: int, dst_files: int) -> str:

@@ -55,9 +55,9 @@ class RankResult:
     """Bytes read for the file's data (slices only: exact slicing makes this ``bytes``
     minus the file's framing)."""
     checked_bytes: int = 0
-    """Bytes read only to check checksums: the parts of checksum blocks outside a slice's
-    range, columns of chunk rows a slice does not take, and whole chunks read through zarr
-    (encoded chunks, remote stores)."""
+    """Bytes read only to check checksums or to be cut away: the parts of checksum blocks
+    outside a slice's range, columns of chunk (or source shard) rows a slice does not take,
+    and whole chunks read through zarr (encoded chunks, remote stores)."""
 
 
 class BoxReader(Protocol):

@@ -336,6 +336,7 @@ class SourceReader:
             self.shards.read(w.rank, name, r0 * row_bytes, r0 * row_bytes + dest.nbytes,
                              dest.reshape(-1).view(np.uint8))
             return
+        self.checked_bytes += inter.shape[0] * row_bytes - dest.nbytes  # the source rows' other columns
         step = max(1, self.band_bytes // max(1, row_bytes))  # the buffer stays within one band
         for a in range(inter.start[0], inter.stop[0], step):
             part = Box((a, *inter.start[1:]), (min(inter.stop[0], a + step), *inter.stop[1:]))

@@ -660,6 +660,17 @@ def value_header(name: str, ms_type: str, dims: Iterable[int], content_len: int)
     return wire.encode_len_field(1, value_len) + value_prefix + tensor_prefix
 
 
+def value_rows(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    """Rows of axis 0 in each ``Value`` of a tensor: one Value, or above MindSpore's slice
+    size as many as MindSpore makes (``np.array_split`` of axis 0)."""
+    total = math.prod(shape) * itemsize
+    if total > MS_SLICE_BYTES and shape and shape[0] > 1:
+        parts = min(shape[0], math.ceil(total / 1024 / (MS_SLICE_BYTES / 1024)))
+        base, extra = divmod(shape[0], parts)
+        return [base + (1 if i < extra else 0) for i in range(parts)]
+    return [shape[0] if shape else 1]
+
+
 @functools.lru_cache(maxsize=4096)
 def _tensor_prefix(dims: tuple[int, ...], ms_type: str, content_len: int) -> bytes:
     """A ``TensorProto``'s fields before its content: the same for every tensor of one shape
@@ -740,14 +751,8 @@ class CkptWriter:
         """
         self._claim(name)
         dt = ms_dtype(ms_type, path=str(self.path), param=name).storage
-        total = math.prod(shape) * dt.itemsize
         dims = list(shape)
-        if total > MS_SLICE_BYTES and shape and shape[0] > 1:
-            parts = min(shape[0], math.ceil(total / 1024 / (MS_SLICE_BYTES / 1024)))
-            base, extra = divmod(shape[0], parts)
-            row_counts = [base + (1 if i < extra else 0) for i in range(parts)]
-        else:
-            row_counts = [shape[0] if shape else 1]
+        row_counts = value_rows(shape, dt.itemsize)
         row_bytes = (math.prod(shape[1:]) if shape else 1) * dt.itemsize
         pending: np.ndarray | FileRange | None = None
         block_iter = coalesce(blocks)
