@@ -240,7 +240,8 @@ class MindFormersRankReader(SafetensorsSetReader):
         out: dict[str, str] = {}
         held: dict[str, np.ndarray] = {}
         common = common_entries(self.path.parent)
-        pieces = _pieces_held(str(self.path.parent), _stamp(self.path.parent / METADATA))
+        meta = self.path.parent / METADATA
+        pieces = _pieces_held(str(self.path.parent), _stamp(meta) if meta.is_file() else (0, 0))
         for p in self._files():
             with SafetensorsReader(p, verify_crc=False) as r:
                 for n, e in r.entries.items():
