@@ -17,8 +17,6 @@ import zckpt
 from zckpt.cli import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 
-pytest.importorskip("distributed", reason="dask distributed is not installed")
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = str(EXAMPLE / "src" / "checkpoints")
 SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")

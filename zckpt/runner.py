@@ -101,8 +101,9 @@ def dask_client(engine: Engine) -> Iterator[Any]:
         return
     try:
         from distributed import Client, LocalCluster
-    except ImportError:
-        raise UsageError("Dask distributed is not installed (pip install 'zckpt[distributed]')") from None
+    except ImportError as err:  # a dependency of zckpt: only a damaged environment lacks it
+        raise UsageError(f"Dask distributed, a dependency of zckpt, cannot be imported ({err}); reinstall zckpt "
+                         "(pip install zckpt)") from None
     if engine.scheduler is not None:
         client = Client(engine.scheduler)
         try:

@@ -187,11 +187,8 @@ def bits_view(arr: zarr.Array[Any]) -> zarr.Array[Any]:
     same bytes: only the in-memory metadata says ``uint16``), which is how zckpt carries bf16
     everywhere; other arrays are returned unchanged. The view never writes its metadata (zckpt
     does not change array attributes after creation), so the store keeps ``bfloat16``."""
-    from zarr.core.array import AsyncArray
-    from zarr.core.metadata import ArrayV3Metadata
-
     from zckpt import zarr_bfloat16
-    from zckpt.zarr_local import zarr
+    from zckpt.zarr_local import ArrayV3Metadata, AsyncArray, zarr
 
     meta = arr.metadata
     if not isinstance(getattr(meta, "data_type", None), zarr_bfloat16.BFloat16):
@@ -508,7 +505,7 @@ def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
         return []
     import asyncio
 
-    from zarr.core.sync import sync as zarr_sync
+    from zckpt.zarr_local import sync as zarr_sync
 
     async def run() -> list[Any]:
         return list(await asyncio.gather(*coros))
@@ -553,7 +550,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _fsspec_store(url: str, storage_options: remote.StorageOptions, *, read_only: bool) -> FsspecStore:
     """zarr's own fsspec store for a URL (it wraps synchronous filesystems such as ``memory://``)."""
-    from zarr.storage import FsspecStore
+    from zckpt.zarr_local import FsspecStore
 
     return FsspecStore.from_url(url, storage_options=remote.fs_options(storage_options), read_only=read_only)
 
@@ -563,9 +560,7 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     zarr leaves no file, which raw chunk readers then miss. zarr 3.1 drops ``config`` when it
     opens an existing array, and ``Array.with_config`` only exists from zarr 3.1.6 (numpy 1.26
     gets 3.1.5), so the array is rebuilt from its metadata with that runtime config."""
-    from zarr.core.array import AsyncArray
-
-    from zckpt.zarr_local import zarr
+    from zckpt.zarr_local import AsyncArray, zarr
 
     a = node._async_array
     return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
@@ -1139,9 +1134,7 @@ class Store:
         todo = [n for n in dict.fromkeys(names) if n not in self._arrays and self.entry(n).kind != "str"]
         if not todo:
             return
-        from zarr.api.asynchronous import open_array
-
-        from zckpt.zarr_local import zarr
+        from zckpt.zarr_local import open_array, zarr
 
         with self._io_errors("cannot open arrays"):
             opened = _gather([open_array(store=self.group.store, path=self.entry(n).key, mode=self._mode,
@@ -1567,7 +1560,7 @@ class Store:
     ) -> int:
         """:meth:`verify_chunks` on a remote store: each chunk's stored bytes are fetched through
         zarr's store API, a few at a time (concurrent requests, at most ~64 MiB in flight)."""
-        from zarr.core.buffer import default_buffer_prototype
+        from zckpt.zarr_local import default_buffer_prototype
 
         info = self.chunk_info(name)
         chunk_bytes = max(1, math.prod(info.chunks) * ms_dtype(self.entry(name).ms_type).storage.itemsize)

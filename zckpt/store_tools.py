@@ -20,8 +20,6 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import zarr
-
 from zckpt import remote, safe_paths
 from zckpt.errors import StoreError
 from zckpt.store import Store
@@ -44,6 +42,8 @@ def consolidate(store_path: str | os.PathLike[str], storage_options: remote.Stor
     Refuses a store that is not complete (it would still change, and the consolidated
     copy would go stale). Running it again refreshes the consolidated copy.
     """
+    from zckpt.zarr_local import zarr
+
     t0 = time.perf_counter()
     store = Store.open(store_path, mode="r+", storage_options=storage_options)
     if not store.complete:

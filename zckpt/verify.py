@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync as zarr_sync
 
 from zckpt import packed, remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
@@ -349,6 +347,8 @@ def _check_chunks(
     if info.per_shard is not None and info.raw and info.folder is not None:
         _check_shards(store, e, info, crcs, report)
         return
+    from zckpt.zarr_local import default_buffer_prototype
+
     shape = tuple(arr.shape)
     chunks = tuple(arr.chunks)
     itemsize = np.dtype(arr.dtype).itemsize
@@ -448,6 +448,8 @@ def _is_raw(arr: Any) -> bool:
 
 
 def _gather(coros: Sequence[Awaitable[Any]]) -> list[Any]:
+    from zckpt.zarr_local import sync as zarr_sync
+
     async def run() -> list[Any]:
         return list(await asyncio.gather(*coros))
 

@@ -1,9 +1,12 @@
-"""zarr-python for the store paths that need it, imported on first use.
+"""zarr-python for the store paths that need it, imported on first use: zckpt's one door to zarr.
 
 Local reads and writes of a zckpt store go through raw chunk files and ``zarr.json`` documents
 (:mod:`zckpt.store`); importing zarr-python (asyncio, numcodecs, ...) would add a few tenths of a
-second to every command's start. Its users import it from here, which also registers Zarr's
-``bfloat16`` data type (:mod:`zckpt.zarr_bfloat16`) before any array reaches a caller.
+second to every command's start. Every zarr name zckpt uses at run time is imported from here,
+never from ``zarr`` itself: this module registers Zarr's ``bfloat16`` data type
+(:mod:`zckpt.zarr_bfloat16`) before any of them is used, so a store holding bf16 opens in a fresh
+interpreter whichever command or function opens it first (tests/test_fresh_interpreter.py also
+checks the sources for a stray ``import zarr``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from pathlib import Path
 
 import zarr as zarr
 from zarr.abc.store import ByteRequest
+from zarr.api.asynchronous import open_array as open_array
+from zarr.core.array import AsyncArray as AsyncArray
 from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.buffer import default_buffer_prototype as default_buffer_prototype
+from zarr.core.metadata import ArrayV3Metadata as ArrayV3Metadata
+from zarr.core.sync import sync as sync
+from zarr.storage import FsspecStore as FsspecStore
 from zarr.storage import LocalStore
 
 from zckpt import safe_paths, zarr_bfloat16

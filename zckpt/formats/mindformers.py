@@ -53,13 +53,14 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zckpt.dtypes import ms_name_for_numpy
-from zckpt.errors import CheckpointFormatError, LayoutError, StrategyError
+from zckpt.errors import CheckpointFormatError, LayoutError, SourceError, StrategyError
 from zckpt.formats.safetensors import MS_METADATA, SafetensorsReader, TensorHeader, header_bytes
 from zckpt.formats.shards import SafetensorsSetReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
@@ -239,6 +240,8 @@ class MindFormersRankReader(SafetensorsSetReader):
         out: dict[str, str] = {}
         held: dict[str, np.ndarray] = {}
         common = common_entries(self.path.parent)
+        meta = self.path.parent / METADATA
+        pieces = _pieces_held(str(self.path.parent), _stamp(meta) if meta.is_file() else (0, 0))
         for p in self._files():
             with SafetensorsReader(p, verify_crc=False) as r:
                 for n, e in r.entries.items():
@@ -247,6 +250,8 @@ class MindFormersRankReader(SafetensorsSetReader):
                     if n in out:
                         raise CheckpointFormatError(f"is in {out[n]} and in {p.name}", path=self.path, param=n)
                     out[n] = p.name
+                    if n in pieces:
+                        pieces[n].check(p, e.ms_type, e.shape)
                     if n in common:
                         held[n] = r.array(n).copy()
         self._common = {n: v for n, v in common.items() if n not in held}
@@ -262,6 +267,63 @@ class MindFormersRankReader(SafetensorsSetReader):
         if fname == COMMON:
             return CommonInfoReader(self.path.parent / COMMON, self._common)
         return super()._open_part(fname, verify_crc)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What ``metadata.json`` says every file's piece of one parameter is: its data type, and
+    its shape (each chunk's ``local_shape``, and the layout's cut of ``global_shape``)."""
+
+    name: str
+    dtype: str | None
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    """``(what says it, shape)``: every shape a piece must have."""
+
+    def check(self, file: Path, ms_type: str, shape: tuple[int, ...]) -> None:
+        if self.dtype is not None and ms_type.lower() != self.dtype.lower():
+            raise SourceError(f"holds a {ms_type} piece but {METADATA} gives the parameter dtype {self.dtype}",
+                              path=file, param=self.name)
+        for what, want in self.shapes:
+            if tuple(shape) != want:
+                raise SourceError(f"holds a piece of shape {list(shape)} but {what} is {list(want)} (the pieces "
+                                  f"the files hold must be those {METADATA} records)", path=file, param=self.name)
+
+
+@functools.lru_cache(maxsize=4)
+def _pieces_held(where: str, _meta: tuple[int, int]) -> dict[str, _Piece]:
+    """Every parameter of an iteration's ``metadata.json`` as :class:`_Piece` (none without
+    the file). A record malformed enough that no shape follows from it is left to
+    :func:`metadata_strategy`, which refuses it naming what is wrong."""
+    iteration = Path(where)
+    if not (iteration / METADATA).is_file():
+        return {}
+    out: dict[str, _Piece] = {}
+    for name, meta in read_metadata(iteration)["state_dict_metadata"].items():
+        if not isinstance(meta, dict):
+            continue
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        chunks = meta.get("chunk")
+        try:
+            local = {tuple(int(x) for x in c["local_shape"]) for c in chunks} if isinstance(chunks, list) else set()
+        except (KeyError, TypeError, ValueError):
+            local = set()
+        if len(local) == 1:
+            shapes.append(("its chunks' local_shape", next(iter(local))))
+        try:
+            shape = tuple(int(d) for d in meta["global_shape"])
+            pieces = _pieces(_layout(name, meta["layout"], iteration / METADATA)[1]) if meta.get("layout") else None
+        except (KeyError, TypeError, ValueError, StrategyError):
+            pass
+        else:
+            if pieces is None:
+                shapes.append(("global_shape (held whole: no layout)", shape))
+            elif len(pieces) == len(shape):
+                shapes.append((f"the layout's cut of global_shape {list(shape)} into {list(pieces)}",
+                               tuple(s // n for s, n in zip(shape, pieces, strict=True))))
+        props = meta.get("properties")
+        dtype = props.get("dtype") if isinstance(props, dict) else None
+        out[name] = _Piece(name, dtype if isinstance(dtype, str) else None, tuple(shapes))
+    return out
 
 
 def _layout(name: str, lay: Any, where: Path) -> tuple[int, ParamLayout]:
