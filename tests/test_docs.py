@@ -119,11 +119,12 @@ TEACHING_PAGES = [ROOT / "README.md", *(DOCS / n for n in ("tutorial.md", "faq.m
 
 def _command_lines(text: str) -> list[tuple[str, str]]:
     """``(command, rest of its command line)`` for every ``zckpt COMMAND ...`` a page shows,
-    backslash continuations joined, cut at a closing backtick or a ``#`` comment."""
+    backslash continuations joined, cut at a closing backtick, a ``#`` comment or the next
+    command of a shell line."""
     text = re.sub(r"\\\n\s*", " ", text)
     found = []
-    for m in re.finditer(r"(?<![\w/.-])zckpt ([a-z][\w-]*)(?![\w:-])([^\n`]*)", text):
-        found.append((m.group(1), m.group(2).split(" #", 1)[0]))
+    for m in re.finditer(r"(?<![\w.-])zckpt +([a-z][\w-]*)(?![\w:-])(?=([^\n`]*))", text):
+        found.append((m.group(1), re.split(r" #|&&|\|\||;|\|", m.group(2), maxsplit=1)[0]))
     return found
 
 
