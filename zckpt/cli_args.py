@@ -122,8 +122,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
-        if bad:
-            guess = _close(bad.group(1), re.findall(r"'([^']*)'", bad.group(2)))
+        if bad:  # some Python versions quote the choices, others do not
+            choices = re.findall(r"'([^']*)'", bad.group(2)) or [c.strip() for c in bad.group(2).split(",")]
+            guess = _close(bad.group(1), choices)
             if guess:
                 message += f"; did you mean '{guess}'?"
         super().error(message)

@@ -29,7 +29,7 @@ not go together), found before any file is read. 130: interrupted; 141: the outp
 closed.
 
 **Sizes.** Every size option (`--max-mem`, `--block-size`, `--chunk-size`, `--pack-size`,
-`--max-file-size`) reads a SIZE the same way: {SIZE_RULE}.
+`--max-file-size`) reads its value one way; {SIZE_RULE}.
 
 **Names.** Options have one name across commands: `--src-strategy` and `--dst-strategy` for
 the strategies, `--out` for what a command writes, `--rank K` for a destination rank,
