@@ -23,10 +23,10 @@ from zckpt.cli_args import (
     SIZE_RULE,
     Parser,
     VersionAction,
+    check_values,
     old_positional,
     old_spelling,
     positive_int,
-    prefix_type,
     size_type,
 )
 from zckpt.cli_args import parse_size as parse_size
@@ -164,7 +164,7 @@ def _output_args(p: argparse.ArgumentParser, out_help: str) -> None:
     """Where and how destination rank files are named: shared by ``export`` and ``transform``."""
     p.add_argument("--out", required=True, help=out_help)
     p.add_argument("--rank", type=int, action="append", metavar="K", help="only this destination rank (repeatable)")
-    p.add_argument("--prefix", default="checkpoint_", type=prefix_type, help="file name prefix (default: checkpoint_)")
+    p.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
     old_spelling(p, "--block-mb", like=p.add_argument(
@@ -584,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extras:
         _subcommand(parser, args.command).unrecognized(extras)
     try:
+        check_values(args)
         code = _COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
         return code

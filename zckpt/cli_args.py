@@ -59,15 +59,16 @@ def size_type(minimum: int = 1, zero: bool = False) -> Callable[[str], int]:
     return parse
 
 
-def prefix_type(text: str) -> str:
-    """``--prefix``: a plain file name prefix, checked as export and transform check it."""
-    from zckpt.export import check_prefix
+def check_values(args: argparse.Namespace) -> None:
+    """Checks of option values that need zckpt's own rules, made before any file is read: a
+    wrong value is a :class:`CommandLineError` (exit 2), as argparse's are."""
+    if getattr(args, "command", None) in ("export", "transform"):
+        from zckpt.export import check_prefix
 
-    try:
-        check_prefix(text)
-    except UsageError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
-    return text
+        try:
+            check_prefix(args.prefix)
+        except UsageError as err:
+            raise CommandLineError(f"--prefix: {err.message}") from None
 
 
 def positive_int(text: str) -> int:
