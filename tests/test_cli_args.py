@@ -67,6 +67,9 @@ def test_every_size_option_reads_a_size_one_way(monkeypatch: pytest.MonkeyPatch,
     if size >= 16 * MiB:
         ing = _options(monkeypatch, INGEST, "ingest", ["ingest", SRC, "--store", "s", "--max-mem", text])
         assert (ing.block_bytes, ing.chunk_bytes) == (size // 4, min(64 * MiB, size // 16))  # as the help says
+        for argv, module, name in ((["export", "s", "--out", "o"], EXPORT, "export"),
+                                   (["transform", SRC, "--out", "o"], TRANSFORM, "transform")):
+            assert _options(monkeypatch, module, name, [*argv, "--max-mem", text]).block_bytes == size // 4
 
 
 def test_size_defaults_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
