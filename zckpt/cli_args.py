@@ -128,6 +128,12 @@ class Parser(argparse.ArgumentParser):
             guess = _close(bad.group(1), choices)
             if guess:
                 message += f"; did you mean '{guess}'?"
+        vague = re.search(r"ambiguous option: (\S+) could match (.*)$", message)
+        if vague:  # name the options the help shows, not their older spellings
+            older = older_spellings(self)
+            meant = list(dict.fromkeys(older.get(m, m) for m in vague.group(2).split(", ")))
+            message = f"ambiguous option: {vague.group(1)} could match {', '.join(meant)}" if len(meant) > 1 else \
+                f"ambiguous option: {vague.group(1)}; did you mean {meant[0]}?"
         super().error(message)
 
     def unrecognized(self, extras: list[str]) -> NoReturn:
