@@ -97,7 +97,7 @@ def test_info_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     zckpt.ingest(str(tmp_path / "src"), tmp_path / "s.zarr", SRC_S)
     assert cli_main(["info", str(tmp_path / "s.zarr")]) == 0
     assert "complete: True" in capsys.readouterr().out
-    assert cli_main(["info", str(tmp_path / "nothing")]) == 2
+    assert cli_main(["info", str(tmp_path / "nothing")]) == 1  # a missing path is a refusal, not a usage error
 
 
 @pytest.mark.parametrize(("args", "what"), [
@@ -110,6 +110,6 @@ def test_verify_refuses_remote_sources_and_exports_clearly(args: list[str], what
     URL there gets one clear error (before the store is even opened), not a report about
     paths that do not exist."""
     args = [str(tmp_path / "s.zarr") if a == "STORE" else a for a in args]
-    assert cli_main(args) == 2
+    assert cli_main(args) == 1  # a refusal of the input: 2 is for a command line that cannot be read
     err = capsys.readouterr().err
     assert f"reads {what} from local paths only" in err and "is a URL" in err and "s3://bucket/" in err, err

@@ -1,11 +1,14 @@
-"""The command line behaves as people expect of a Unix tool: ``--version``, exit 2 for usage
-errors, errors as JSON with ``--json``, quiet on a closed pipe and on Ctrl-C (no traceback,
-no temporary file left), no silent overwrite. Signals are sent to real processes."""
+"""The command line behaves as people expect of a Unix tool: ``--version``, the help for a bare
+``zckpt``, exit 2 for a command line that cannot be read and 1 for every refusal of input or
+output, a suggestion for a misspelt option, errors as JSON with ``--json``, one reading of
+sizes, quiet on a closed pipe and on Ctrl-C (no traceback, no temporary file left), no silent
+overwrite. Signals are sent to real processes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,16 +53,32 @@ def test_json_errors_are_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no such strategy file" in out.err
 
 
-def test_merge_strategies_does_not_overwrite_silently(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelling", ["--out", "positional"])
+def test_merge_strategies_does_not_overwrite_silently(tmp_path: Path, spelling: str) -> None:
     src = tmp_path / "s"
     src.mkdir()
     (src / "strategy_0.ckpt").write_bytes((EXAMPLE / "src/strategy.ckpt").read_bytes())
     out = tmp_path / "merged.ckpt"
     out.write_bytes(b"keep me")
-    assert cli_main(["merge-strategies", str(src), str(out)]) == 1
+    dest = ["--out", str(out)] if spelling == "--out" else [str(out)]
+    assert cli_main(["merge-strategies", str(src), *dest]) == 1
     assert out.read_bytes() == b"keep me"
-    assert cli_main(["merge-strategies", str(src), str(out), "--overwrite"]) == 0
+    assert cli_main(["merge-strategies", str(src), *dest, "--overwrite"]) == 0
     assert out.read_bytes() != b"keep me"
+
+
+def test_merge_strategies_writes_to_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Like every other command, merge-strategies names what it writes with ``--out``."""
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "strategy_0.ckpt").write_bytes((EXAMPLE / "src/strategy.ckpt").read_bytes())
+    assert cli_main(["merge-strategies", str(src), "--out", str(tmp_path / "m.ckpt")]) == 0
+    assert (tmp_path / "m.ckpt").is_file()
+    assert cli_main(["merge-strategies", str(src)]) == EXIT_USAGE
+    assert "required: --out" in capsys.readouterr().err
+    assert cli_main(["merge-strategies", str(src), str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "b.ckpt")]) \
+        == EXIT_USAGE
+    assert not (tmp_path / "a.ckpt").exists() and not (tmp_path / "b.ckpt").exists()
 
 
 def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
@@ -110,7 +129,7 @@ def test_info_describes_job_and_rank_directories(capsys: pytest.CaptureFixture[s
     doc = json.loads(capsys.readouterr().out)
     assert doc["chosen_from"] == str(job / "rank_5") and doc["path"].endswith("checkpoint_5.ckpt")
     assert len(doc["entries"]) == 11
-    assert cli_main(["info", str(EXAMPLE)]) == EXIT_USAGE
+    assert cli_main(["info", str(EXAMPLE)]) == 1  # a refusal of the input, not of the command line
     assert "no store, no rank_<r>/ folders" in capsys.readouterr().err
 
 
@@ -170,23 +189,42 @@ def test_a_dangling_output_link_is_refused_by_name(tmp_path: Path, command: str,
     assert not (tmp_path / "nowhere").exists()
 
 
-def test_one_option_vocabulary_with_the_old_spellings_kept() -> None:
+FIXED = {"ingest": ["SRC", "--store", "S"], "export": ["S", "--out", "O"], "verify": ["S"],
+         "load": ["S", "--param", "p"], "transform": ["SRC", "--out", "O"]}
+
+
+@pytest.mark.parametrize(("cmd", "new", "old", "value", "dest"), [
+    ("ingest", "--src-strategy", "--strategy", "x.ckpt", "strategy"),
+    ("export", "--dst-strategy", "--strategy", "x.ckpt", "strategy"),
+    ("verify", "--src-strategy", "--strategy", "x.ckpt", "strategy"),
+    ("load", "--dst-strategy", "--strategy", "x.ckpt", "strategy"),
+    ("ingest", "--chunk-size", "--chunk-mb", "3", "chunk_bytes"),
+    ("ingest", "--block-size", "--block-mb", "3", "block_bytes"),
+    ("export", "--max-file-size", "--max-file-mb", "3", "max_file_bytes"),
+    ("transform", "--no-verify-checksums", "--no-verify-crc", None, "no_verify_checksums"),
+])
+def test_one_option_name_with_the_old_spelling_kept_out_of_the_help(cmd: str, new: str, old: str,
+                                                                     value: str | None, dest: str) -> None:
+    """The help (and so cli.md) shows one name per option; the older spelling still works."""
     from zckpt.cli import _parser
+    from zckpt.clidoc import subcommands
 
     p = _parser()
-    for cmd, new, old in (("ingest", "--src-strategy", "--strategy"), ("export", "--dst-strategy", "--strategy"),
-                          ("verify", "--src-strategy", "--strategy"), ("load", "--dst-strategy", "--strategy")):
-        fixed = {"ingest": ["SRC", "--store", "S"], "export": ["S", "--out", "O"], "verify": ["S"],
-                 "load": ["S", "--param", "p"]}[cmd]
-        assert p.parse_args([cmd, *fixed, new, "x.ckpt"]).strategy == "x.ckpt"
-        assert p.parse_args([cmd, *fixed, old, "x.ckpt"]).strategy == "x.ckpt"
-    a = p.parse_args(["ingest", "SRC", "--store", "S", "--block-size", "1GiB", "--chunk-size", "512KiB"])
-    assert (a.block_mb, a.chunk_mb) == (1024, 1)
-    assert p.parse_args(["export", "S", "--out", "O", "--block-mb", "64", "--max-file-size", "3GiB"]).max_file_mb \
-        == 3072
-    with pytest.raises(SystemExit) as bad:
-        p.parse_args(["export", "S", "--out", "O", "--block-size", "12XB"])
-    assert bad.value.code == EXIT_USAGE
+    given = [value] if value is not None else []
+    assert getattr(p.parse_args([cmd, *FIXED[cmd], new, *given]), dest) == \
+        getattr(p.parse_args([cmd, *FIXED[cmd], old, *given]), dest) != getattr(p.parse_args([cmd, *FIXED[cmd]]), dest)
+    shown = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", subcommands(p)[cmd].format_help())
+    assert new in shown and old not in shown
+
+
+def test_no_verify_checksums_is_one_name_across_commands() -> None:
+    from zckpt.cli import _parser
+    from zckpt.clidoc import options, subcommands
+
+    subs = subcommands(_parser())
+    assert {name for name, sub in subs.items() if "--no-verify-checksums" in options(sub)} == {"export", "transform"}
+    assert not any(o.startswith("--no-verify-") and o != "--no-verify-checksums"
+                   for sub in subs.values() for o in options(sub))
 
 
 _BLAS_PROBE = """

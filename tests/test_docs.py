@@ -6,6 +6,7 @@ links between the pages resolve."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -18,7 +19,8 @@ import pytest
 from ckpt_compare import diff_dirs, diff_files
 from sf_models import entries_by_name
 
-from zckpt.clidoc import options, subcommands
+from zckpt.cli_args import older_spellings
+from zckpt.clidoc import options, render, subcommands
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.safetensors import SafetensorsReader
 
@@ -77,6 +79,18 @@ def test_tutorial_results(tutorial_run: tuple[Path, list[subprocess.CompletedPro
     assert "identical to MindSpore's rank 0" in "".join(p.stdout for p in results)
 
 
+def test_tutorial_says_what_bf16_comes_back_as(
+        tutorial_run: tuple[Path, list[subprocess.CompletedProcess[str]]]) -> None:
+    """The tutorial quotes the line its segmented-loading block prints; bf16 comes back as
+    bfloat16 values, not as bit patterns."""
+    _, results = tutorial_run
+    text = (DOCS / "tutorial.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"the block prints\s+`([^`]+)`", text)
+    assert quoted == ["l0.w is BFloat16 kept as bfloat16"]
+    assert quoted[0] in "".join(p.stdout for p in results).splitlines()
+    assert "uint16" not in text
+
+
 def _visible(folder: Path) -> list[str]:
     """Names in a directory, without zckpt's hidden bookkeeping files."""
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
@@ -94,6 +108,43 @@ def test_cli_reference_matches_the_parser() -> None:
         wanted = {o for o in options(sub) if o.startswith("-")}
         assert documented == wanted, (f"docs/cli.md section {name}: documents {sorted(documented - wanted)} "
                                       f"but lacks {sorted(wanted - documented)}; run python -m zckpt.clidoc")
+        older = re.findall(r"`(\S[^`]*)` \(now `(--[\w-]+)`\)", sections[name])
+        assert dict(older) == older_spellings(sub), f"docs/cli.md section {name}: older spellings are stale"
+    assert text == render(), "docs/cli.md is stale: run python -m zckpt.clidoc > docs/cli.md"
+
+
+TEACHING_PAGES = [ROOT / "README.md", *(DOCS / n for n in ("tutorial.md", "faq.md", "layouts.md", "layout-kinds.md",
+                                                          "dask-cluster.md", "mindspore-api.md"))]
+
+
+def _command_lines(text: str) -> list[tuple[str, str]]:
+    """``(command, rest of its command line)`` for every ``zckpt COMMAND ...`` a page shows,
+    backslash continuations joined, cut at a closing backtick, a ``#`` comment or the next
+    command of a shell line."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    found = []
+    for m in re.finditer(r"(?<![\w.-])zckpt +([a-z][\w-]*)(?![\w:-])(?=([^\n`]*))", text):
+        found.append((m.group(1), re.split(r" #|&&|\|\||;|\|", m.group(2), maxsplit=1)[0]))
+    return found
+
+
+@pytest.mark.parametrize("page", TEACHING_PAGES, ids=lambda p: p.name)
+def test_pages_teach_one_name_per_option(page: Path) -> None:
+    """Every option a page passes to a zckpt command is one that command's help shows; the
+    older spellings (still accepted, listed in cli.md) appear on no page that teaches."""
+    subs = subcommands()
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r"^<!-- faq-error: 2 -->\n```bash\n.*?^```$", "", text, flags=re.S | re.M)  # wrong on purpose
+    lines = _command_lines(text)
+    for command, rest in lines:
+        if command not in subs:
+            continue
+        used = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest))
+        unknown = used - options(subs[command])
+        assert not unknown, f"{page.name}: zckpt {command}{rest} uses {unknown}"
+    old = {o for sub in subs.values() for o in older_spellings(sub) if o.startswith("--")}
+    mentioned = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", text))
+    assert not mentioned & old, f"{page.name} teaches older spellings {sorted(mentioned & old)}"
 
 
 def test_links_between_pages_resolve() -> None:
@@ -209,16 +260,67 @@ def test_faq_lists_its_entries() -> None:
     assert len(faq_entries()) == text.count("<!-- faq-error:") >= 8
 
 
-@pytest.mark.parametrize("entry", faq_entries(), ids=lambda e: e.heading)
-def test_faq_errors_are_what_zckpt_prints(entry: FaqEntry, tmp_path: Path) -> None:
+def test_faq_stays_apart_from_the_tutorial() -> None:
+    """The FAQ's setup and entries write under ``faq/``, never the tutorial's ``work/``: a
+    reader who runs both keeps both intact."""
+    blocks = [faq_setup(), *(e.block for e in faq_entries()), *(b for b, _, _ in faq_json_entries())]
+    for block in blocks:
+        assert not re.search(r"(?<![\w.-])work/", block), block
+    assert "faq/" in faq_setup()
+
+
+def _in_fresh_copy(tmp_path: Path, block: str) -> subprocess.CompletedProcess[str]:
+    """``block`` run after the FAQ's setup, in a fresh directory holding a copy of docs/example."""
     shutil.copytree(DOCS / "example", tmp_path / "docs" / "example")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     setup = subprocess.run(["bash", "-euo", "pipefail", "-c", faq_setup()], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300, check=False)
     assert setup.returncode == 0, setup.stderr
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", entry.block], cwd=tmp_path, env=env,
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+def faq_json_entries() -> list[tuple[str, int, str]]:
+    """``(commands, exit code, JSON shown)`` of each ``<!-- faq-json: N -->`` example."""
+    return [(m.group(2), int(m.group(1)), m.group(3)) for m in re.finditer(
+        r"^<!-- faq-json: (\d+) -->\n```bash\n(.*?)^```$\n\n```json\n(.*?)^```$", FAQ.read_text(encoding="utf-8"),
+        re.S | re.M)]
+
+
+def test_faq_json_error_is_what_json_prints(tmp_path: Path) -> None:
+    """The FAQ's JSON error is, key for key and value for value, what ``--json`` prints."""
+    entries = faq_json_entries()
+    assert len(entries) == 1
+    block, code, shown = entries[0]
+    proc = _in_fresh_copy(tmp_path, block)
+    assert proc.returncode == code, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(shown)
+
+
+def test_layouts_page_shows_what_info_prints(tmp_path: Path) -> None:
+    """docs/layouts.md's ``zckpt info`` output, its notation of ``tensor_map`` and its column
+    names are what ``zckpt info`` prints for that strategy file."""
+    text = (DOCS / "layouts.md").read_text(encoding="utf-8")
+    found = re.findall(r"^<!-- info: (\S+) -->\n```text\n(.*?)^```$", text, re.S | re.M)
+    assert len(found) == 1
+    path, shown = found[0]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["zckpt", "info", path], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == shown
+    header = shown.splitlines()[1].split()
+    for column in header[2:]:  # every field after name and stage is one the page explains
+        assert f"| `{column}` |" in text, column
+    row = next(re.split(r"\s{2,}", line) for line in shown.splitlines() if line.startswith("layer1.weight "))
+    assert row[2:] == ["[2, 2, 2]", "[-1, 1]", "0"]
+    assert "`dev_matrix [2, 2, 2]` and `tensor_map\n[-1, 1]`" in text  # the prose uses the same notation
+
+
+@pytest.mark.parametrize("entry", faq_entries(), ids=lambda e: e.heading)
+def test_faq_errors_are_what_zckpt_prints(entry: FaqEntry, tmp_path: Path) -> None:
+    """Each entry alone, in a fresh directory: the setup block, then the entry's block."""
+    proc = _in_fresh_copy(tmp_path, entry.block)
     assert proc.returncode == entry.code, (proc.returncode, proc.stderr[-3000:])
     assert entry.pattern().search(proc.stderr), f"docs/faq.md shows:\n{entry.message}\nzckpt printed:\n{proc.stderr}"
-    leftovers = [p for p in (tmp_path / "work").rglob("*") if p.name.endswith(".tmp-zckpt")]
+    leftovers = [p for p in (tmp_path / "faq").rglob("*") if p.name.endswith(".tmp-zckpt")]
     assert leftovers == []

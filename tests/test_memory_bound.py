@@ -66,7 +66,7 @@ def test_memory_budget_from_max_mem() -> None:
     assert (b.block_bytes, b.chunk_bytes) == (256 * 2**20, 64 * 2**20)
     small = memory_budget(parse_size("64MiB"))
     assert small.block_bytes == 16 * 2**20 and small.chunk_bytes == 4 * 2**20
-    assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("1000") == 1000
+    assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("1000") == 1000 * 2**20
     for bad in ("lots", "-1GiB", "0"):
         try:
             parse_size(bad)

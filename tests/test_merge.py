@@ -419,7 +419,7 @@ def test_cli_merge_strategies(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["merge-strategies", str(tmp_path / "src"), str(tmp_path / "m3.ckpt")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "stage(s) [1] have no strategy file" in err
-    assert main(["merge-strategies", str(tmp_path / "nope"), str(tmp_path / "m3.ckpt")]) == 2
+    assert main(["merge-strategies", str(tmp_path / "nope"), "--out", str(tmp_path / "m3.ckpt")]) == 1
     assert "not a directory" in capsys.readouterr().err
 
 

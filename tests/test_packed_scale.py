@@ -184,7 +184,7 @@ def test_cli_packing_options(tmp_path: Path) -> None:
     values = _values(1500)
     _write_shard(tmp_path / "src" / "rank_0" / "checkpoint_0.ckpt", values)
     small = {n for n, (_, a) in values.items() if a.nbytes <= 40}
-    got = _cli_ingest(tmp_path / "src", tmp_path / "a.zarr", "--pack-size", "40", "--pack-count", "10")
+    got = _cli_ingest(tmp_path / "src", tmp_path / "a.zarr", "--pack-size", "40B", "--pack-count", "10")
     assert {n for n, e in got.items() if e.get("offset") is not None} == small
     got = _cli_ingest(tmp_path / "src", tmp_path / "b.zarr", "--pack-size", "0")
     assert not any(e.get("offset") is not None for e in got.values())

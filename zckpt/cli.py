@@ -1,9 +1,11 @@
 """Command line: ``zckpt ingest | export | transform | plan | info | merge-strategies | load | consolidate``.
 
-Every zckpt error is printed as one line naming the file and parameter, with exit code 1
-(with ``--json`` also as a JSON object on stdout); usage errors exit with 2, argparse's
-and zckpt's alike; a closed stdout (``| head``) ends quietly with 141, Ctrl-C with 130
-after the writers removed their temporary files.
+Every refusal (a path that is not there, a file that is wrong, an output zckpt will not
+replace) is printed as one line naming the file and parameter, with exit code 1 (with
+``--json`` also as a JSON object on stdout); a command line that cannot be read exits with 2
+(argparse's errors and :class:`~zckpt.errors.CommandLineError`, found before any file is
+read); a closed stdout (``| head``) ends quietly with 141, Ctrl-C with 130 after the writers
+removed their temporary files. Bare ``zckpt`` prints the help.
 """
 
 from __future__ import annotations
@@ -17,8 +19,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zckpt.errors import OutputError, UsageError, ZckptError
-from zckpt.runner import memory_budget
+from zckpt.cli_args import (
+    SIZE_RULE,
+    Parser,
+    VersionAction,
+    check_values,
+    old_positional,
+    old_spelling,
+    positive_int,
+    size_type,
+)
+from zckpt.cli_args import parse_size as parse_size
+from zckpt.cli_args import parse_storage_options as parse_storage_options
+from zckpt.errors import CommandLineError, OutputError, UsageError, ZckptError
+from zckpt.runner import Budget, memory_budget
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,29 +52,32 @@ process as it was."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.")
-    p.add_argument("--version", action=_VersionAction)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.",
+               epilog=f"{SIZE_RULE}. 'zckpt COMMAND --help' describes a command.")
+    p.add_argument("--version", action=VersionAction)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     ing = sub.add_parser("ingest", help="stream source shards into a global-coordinate Zarr store")
     ing.add_argument("src_dir", help="directory (or URL: s3://..., memory://...) with rank_<r>/*.ckpt or "
                                       "rank_<r>/*.safetensors")
-    ing.add_argument(
-        "--src-strategy", "--strategy", dest="strategy",
-        help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"
-    )
+    old_spelling(ing, "--strategy", like=ing.add_argument(
+        "--src-strategy", dest="strategy",
+        help="source strategy file or per-rank strategy directory (omit: rank_0 is the full model)"))
     ing.add_argument("--store", required=True, help="Zarr store to create (a directory or a URL)")
     _source_args(ing)
     ing.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     ing.add_argument("--overwrite", action="store_true", help="replace an existing store")
-    ing.add_argument("--chunk-size", "--chunk-mb", dest="chunk_mb", type=mib_arg,
-                     help="largest chunk, e.g. 64MiB (a plain number is MiB; default min(64 MiB, max-mem/16))")
-    ing.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
-                     help="tensor data written per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
-    ing.add_argument("--pack-size", dest="pack_bytes", type=pack_size_arg,
+    old_spelling(ing, "--chunk-mb", like=ing.add_argument(
+        "--chunk-size", dest="chunk_bytes", type=size_type(), metavar="SIZE",
+        help="largest chunk, e.g. 64MiB (a plain number is MiB; default min(64MiB, max-mem/16))"))
+    old_spelling(ing, "--block-mb", like=ing.add_argument(
+        "--block-size", dest="block_bytes", type=size_type(), metavar="SIZE",
+        help="tensor data written per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)"))
+    ing.add_argument("--pack-size", dest="pack_bytes", type=size_type(zero=True), metavar="SIZE",
                      help="local stores: tensors up to this size that one source rank holds whole share one packed "
-                          "array per data type, e.g. 64KiB (the default; 0 gives every tensor its own array)")
-    ing.add_argument("--pack-count", type=int,
+                          "array per data type, e.g. 64KiB (the default; a plain number is MiB; 0 gives every "
+                          "tensor its own array)")
+    ing.add_argument("--pack-count", type=positive_int, metavar="N",
                      help="pack small tensors only when there are at least this many (default 1024)")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
@@ -71,16 +88,16 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write destination rank files from a store")
     exp.add_argument("store", help="zckpt store (a directory or a URL)")
-    exp.add_argument("--dst-strategy", "--strategy", dest="strategy",
-                     help="destination strategy file, local or URL (omit: one rank with full tensors)")
+    old_spelling(exp, "--strategy", like=exp.add_argument(
+        "--dst-strategy", dest="strategy",
+        help="destination strategy file or directory, local or URL (omit: one rank with full tensors)"))
     _output_args(exp, "output directory or URL (rank_<r>/<prefix><r>.ckpt)")
     exp.add_argument("--reader", choices=["zarr", "dask"], default="zarr",
                      help="materialise slices with concurrent Zarr reads (default) or as lazy dask.array views")
     _engine_args(exp)
     _helper_arg(exp, ".ckpt output: write part of the destination files")
     _dry_run_arg(exp)
-    exp.add_argument("--no-verify-checksums", action="store_true",
-                     help="do not check chunks against the CRC-32C recorded at ingest")
+    _no_verify_arg(exp, "do not check chunks against the CRC-32C recorded at ingest")
     _format_args(exp, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (MindSpore's per-stage parts)")
     _storage_args(exp)
 
@@ -93,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "tensors)")
     _output_args(tr, "local output directory (rank_<r>/<prefix><r>.ckpt)")
     tr.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
-    tr.add_argument("--no-verify-crc", action="store_true", help="do not check the sources' crc_num")
+    old_spelling(tr, "--no-verify-crc", like=_no_verify_arg(tr, "do not check the sources' crc_num (the "
+                                                                 "checksum MindSpore's crc_check writes)"))
     _format_args(tr, "one <prefix><r>_part<s>.ckpt per source pipeline stage s (on by itself when the source "
                      "strategy is one stage of the destination's, as in MindSpore)")
     _engine_args(tr)
@@ -103,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")
     pl.add_argument("--dst-strategy", help="destination strategy file or directory (local or URL; omit: one rank)")
-    pl.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--rank", type=int, action="append", metavar="K",
+                    help="only this destination rank (repeatable)")
+    pl.add_argument("--json", action="store_true", help="print the source rank lists as JSON")
     pl.add_argument("--svg", metavar="FILE", help="draw --param's source and destination boxes (with --rank: that "
                                                   "rank's box and the source boxes it reads) to an SVG file")
     pl.add_argument("--param", help="parameter to draw with --svg")
@@ -118,27 +137,30 @@ def _parser() -> argparse.ArgumentParser:
 
     inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
     inf.add_argument("path", help="file or store (a local path or a URL: s3://..., memory://...)")
-    inf.add_argument("--json", action="store_true")
+    inf.add_argument("--json", action="store_true", help="print the description as JSON")
     inf.add_argument("--svg", metavar="FILE", help="store only: draw --param's source boxes and chunk grid, and the "
                                                    "boxes of --dst-strategy's ranks, to an SVG file")
     inf.add_argument("--param", help="parameter to draw with --svg")
     inf.add_argument("--dst-strategy", help="destination strategy drawn with --svg (omit: one rank, whole tensors)")
-    inf.add_argument("--rank", type=int, help="with --svg: emphasise this destination rank and what it reads")
+    inf.add_argument("--rank", type=int, metavar="K",
+                     help="with --svg: emphasise this destination rank and what it reads")
     _storage_args(inf)
 
     mrg = sub.add_parser("merge-strategies", help="merge per-rank pipeline strategy files into one (as MindSpore)")
     mrg.add_argument("src_strategy_dir", help="directory with every rank's strategy file (*.ckpt or *.json)")
-    mrg.add_argument("out_file", help="merged strategy file to write (.json for JSON inputs)")
+    old_positional(mrg, "out_file", like=mrg.add_argument(
+        "--out", metavar="FILE", help="merged strategy file to write (.json for JSON inputs)"))
     mrg.add_argument("--json", action="store_true", help="print the report as JSON")
-    mrg.add_argument("--overwrite", action="store_true", help="replace OUT_FILE if it exists")
+    mrg.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
 
     ld = sub.add_parser("load", help="read one destination rank's slice of one parameter from a store")
-    ld.add_argument("store")
-    ld.add_argument("--rank", type=int, default=0, help="destination rank (default: 0)")
-    ld.add_argument("--dst-strategy", "--strategy", dest="strategy",
-                    help="destination strategy file or directory (omit: one rank, whole tensors)")
+    ld.add_argument("store", help="zckpt store (a directory or a URL)")
+    ld.add_argument("--rank", type=int, default=0, metavar="K", help="destination rank (default: 0)")
+    old_spelling(ld, "--strategy", like=ld.add_argument(
+        "--dst-strategy", dest="strategy", help="destination strategy file or directory (omit: one rank, whole "
+                                                "tensors)"))
     ld.add_argument("--param", required=True, help="parameter (entry) name")
-    ld.add_argument("--out", help="save the slice to this .npy file (bf16 as uint16 bits)")
+    ld.add_argument("--out", metavar="FILE", help="save the slice to this .npy file (bf16 as uint16 bits)")
     ld.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     con = sub.add_parser("consolidate", help="add zarr's consolidated metadata to a complete store (for other "
@@ -150,40 +172,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _VersionAction(argparse.Action):
-    """``--version``, the installed version looked up only when asked: ``importlib.metadata``
-    (email, zipfile, ...) would otherwise cost every command's start ~15 ms."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="show program's version number and exit")
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        print(f"zckpt {_version()}")
-        parser.exit()
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("zckpt")
-    except PackageNotFoundError:
-        import zckpt
-
-        return zckpt.__version__
-
-
 def _output_args(p: argparse.ArgumentParser, out_help: str) -> None:
     """Where and how destination rank files are named: shared by ``export`` and ``transform``."""
     p.add_argument("--out", required=True, help=out_help)
-    p.add_argument("--rank", type=int, action="append", help="only this destination rank (repeatable)")
+    p.add_argument("--rank", type=int, action="append", metavar="K", help="only this destination rank (repeatable)")
     p.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
-    p.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg,
-                   help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)")
+    old_spelling(p, "--block-mb", like=p.add_argument(
+        "--block-size", dest="block_bytes", type=size_type(), metavar="SIZE",
+        help="tensor data materialised per step, e.g. 256MiB (a plain number is MiB; default max-mem/4)"))
 
 
 def _format_args(p: argparse.ArgumentParser, per_stage_help: str) -> None:
@@ -191,11 +189,24 @@ def _format_args(p: argparse.ArgumentParser, per_stage_help: str) -> None:
     p.add_argument("--per-stage", action="store_true", help=per_stage_help)
     p.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
                    help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
-    p.add_argument("--max-file-size", "--max-file-mb", dest="max_file_mb", type=mib_arg, default=0,
-                   help="safetensors: split a rank larger than this into HF-style parts plus "
-                        "<prefix><r>.safetensors.index.json (default: never split)")
+    old_spelling(p, "--max-file-mb", like=p.add_argument(
+        "--max-file-size", dest="max_file_bytes", type=size_type(zero=True), default=0, metavar="SIZE",
+        help="safetensors: split a rank larger than this into HF-style parts plus "
+             "<prefix><r>.safetensors.index.json, e.g. 4GiB (a plain number is MiB; default 0: never split)"))
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
+
+
+def _no_verify_arg(p: argparse.ArgumentParser, what: str) -> argparse.Action:
+    """The one name of "do not check" in every command that can skip its checks."""
+    return p.add_argument("--no-verify-checksums", action="store_true", help=what)
+
+
+def _budget(a: argparse.Namespace) -> Budget:
+    """``--max-mem`` and the step sizes given beside it, all in bytes."""
+    b = memory_budget(a.max_mem)
+    return replace(b, block_bytes=getattr(a, "block_bytes", None) or b.block_bytes,
+                   chunk_bytes=getattr(a, "chunk_bytes", None) or b.chunk_bytes)
 
 
 def _helper_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -205,23 +216,24 @@ def _helper_arg(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="run on a Dask LocalCluster of this many workers (default: in this process); they are "
                         "threads of this process unless --processes")
     p.add_argument("--processes", action="store_true",
                    help="LocalCluster workers as separate processes (slower to start; isolates the workers)")
-    p.add_argument("--scheduler", help="run on an existing Dask cluster (scheduler address, e.g. tcp://host:8786)")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster (scheduler address, e.g. tcp://host:8786)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="a second thread per task reads and checks while the task writes; the negative form keeps "
                         "one thread per task (default: a second thread when every host runs fewer tasks at once "
                         "than it has cores)")
-    p.add_argument("--max-mem", default="1GiB",
-                   help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (default 1GiB)")
+    p.add_argument("--max-mem", default="1GiB", type=size_type(minimum=16 * MiB), metavar="SIZE",
+                   help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (a plain number is "
+                        "MiB; at least 16MiB; default 1GiB)")
     p.add_argument("--quiet", action="store_true", help="no progress (bars, or JSON lines with --json)")
 
 
 def _source_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--file-suffix",
+    p.add_argument("--file-suffix", metavar="SUFFIX",
                    help="MindSpore's file_suffix: in each rank_<r> directory use the checkpoint file ending in "
                         "<SUFFIX>.ckpt (or .safetensors), e.g. 10_100 for net-10_100.ckpt (default: the only file, "
                         "or MindSpore's choice when it is unambiguous)")
@@ -238,8 +250,11 @@ def _choice_func(a: argparse.Namespace) -> Callable[[str], bool] | None:
         return None
     from zckpt.segmented import check_prefix, name_filter
 
-    spec = check_prefix(a.specify_prefix, "--specify-prefix") if a.specify_prefix else None
-    filt = check_prefix(a.filter_prefix, "--filter-prefix") if a.filter_prefix else None
+    try:
+        spec = check_prefix(a.specify_prefix, "--specify-prefix") if a.specify_prefix else None
+        filt = check_prefix(a.filter_prefix, "--filter-prefix") if a.filter_prefix else None
+    except UsageError as err:
+        raise CommandLineError(err.message) from None
     return name_filter(spec, filt, None)
 
 
@@ -268,20 +283,6 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
                         "VALUE is parsed as JSON when it can be, else kept as text)")
 
 
-def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
-    """``["endpoint_url=http://h:9000", "anon=true"]`` -> ``{"endpoint_url": "http://h:9000", "anon": True}``."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--storage-option wants KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value
-    return out
-
-
 def _progress(a: argparse.Namespace) -> str:
     """Progress on stderr: JSON lines with --json (machine-readable), bars on a terminal,
     nothing with --quiet."""
@@ -290,47 +291,6 @@ def _progress(a: argparse.Namespace) -> str:
     if a.json:
         return "json"
     return "bars" if sys.stderr.isatty() else "off"
-
-
-def parse_size(text: str) -> int:
-    """'512MiB' / '2GiB' / '1.5G' / '1000000' -> bytes."""
-    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tib": 1024**4}
-    s = text.strip().lower()
-    i = len(s)
-    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
-        i -= 1
-    try:
-        value = float(s[:i])
-        unit = units[s[i:].strip()]
-    except (ValueError, KeyError):
-        raise UsageError(f"cannot read size {text!r} (examples: 512MiB, 2GiB)") from None
-    if value <= 0:
-        raise UsageError(f"size must be positive, got {text!r}")
-    return int(value * unit)
-
-
-def mib_arg(text: str) -> int:
-    """A size option in whole MiB: ``64`` (MiB, the old ``--*-mb`` spelling) or ``64MiB``,
-    ``1GiB``, ``512KiB`` (rounded up to whole MiB)."""
-    s = text.strip()
-    if s.isdigit():
-        return int(s)
-    try:
-        n = parse_size(s)
-    except UsageError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
-    return -(-n // MiB)
-
-
-def pack_size_arg(text: str) -> int:
-    """``--pack-size``: a size in bytes (``64KiB``, ``65536``), or ``0`` for no packing."""
-    if text.strip() == "0":
-        return 0
-    try:
-        return parse_size(text)
-    except UsageError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
 
 
 def human_bytes(n: float) -> str:
@@ -358,7 +318,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     from zckpt.ingest import IngestOptions, ingest
     from zckpt.partial_inputs import partial_line
 
-    budget = memory_budget(parse_size(a.max_mem), a.block_mb, a.chunk_mb)
+    budget = _budget(a)
     opts = IngestOptions(
         chunk_bytes=budget.chunk_bytes, block_bytes=budget.block_bytes, verify_replicas=a.verify_replicas,
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
@@ -398,12 +358,12 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from zckpt.export import ExportOptions, export
 
-    budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
+    budget = _budget(a)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                          reader=a.reader, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
                          overlap=a.overlap, per_stage=a.per_stage, helper=a.helper,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
-    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_mb * MiB,
+    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_bytes,
                    storage_options=parse_storage_options(a.storage_option) or None)
     if a.dry_run:
         from zckpt.dryrun import dry_run_export
@@ -422,11 +382,11 @@ def _cmd_export(a: argparse.Namespace) -> int:
 def _cmd_transform(a: argparse.Namespace) -> int:
     from zckpt.transform import TransformOptions, transform
 
-    budget = memory_budget(parse_size(a.max_mem), a.block_mb, None)
+    budget = _budget(a)
     opts = TransformOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
                             workers=a.workers, processes=a.processes, scheduler=a.scheduler, overlap=a.overlap,
                             per_stage=a.per_stage, progress=_progress(a), format=a.format,
-                            max_file_bytes=a.max_file_mb * MiB, verify_crc=not a.no_verify_crc,
+                            max_file_bytes=a.max_file_bytes, verify_crc=not a.no_verify_checksums,
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
                             choice_func=_choice_func(a), helper=a.helper)
     if a.dry_run:
@@ -479,9 +439,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         from zckpt.draw import plan_picture
 
         if not a.param:
-            raise UsageError("--svg needs --param NAME")
+            raise CommandLineError("--svg needs --param NAME")
         if len(ranks) > 1 and a.rank:
-            raise UsageError("--svg emphasises one destination rank: give --rank once")
+            raise CommandLineError("--svg emphasises one destination rank: give --rank once")
         shape = _shape_arg(a.shape) if a.shape else None
         _write_svg(a.svg, plan_picture(src, dst, a.param, shape, a.rank[0] if a.rank else None))
     table = rank_arrays_for_transform_maps(ranks, src, dst)
@@ -534,10 +494,10 @@ def _cmd_info(a: argparse.Namespace) -> int:
         from zckpt.info import store_svg
 
         if not a.param:
-            raise UsageError("--svg needs --param NAME")
+            raise CommandLineError("--svg needs --param NAME")
         _write_svg(a.svg, store_svg(a.path, a.param, a.dst_strategy, a.rank, opts))
     elif a.param or a.dst_strategy or a.rank is not None:
-        raise UsageError("--param, --dst-strategy and --rank go with --svg")
+        raise CommandLineError("--param, --dst-strategy and --rank go with --svg")
     doc, lines = describe(a.path, opts)
     _emit(doc, a.json, lines)
     return 0
@@ -547,9 +507,9 @@ def _shape_arg(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise UsageError(f"--shape {text!r} is not a comma-separated list of sizes") from None
+        raise CommandLineError(f"--shape {text!r} is not a comma-separated list of sizes") from None
     if any(d < 1 for d in shape):
-        raise UsageError(f"--shape {text!r} must hold positive sizes")
+        raise CommandLineError(f"--shape {text!r} must hold positive sizes")
     return shape
 
 
@@ -558,7 +518,7 @@ def _write_svg(path: str, text: str) -> None:
 
     target = Path(path)
     if target.suffix.lower() != ".svg":
-        raise UsageError("the picture's file name must end with .svg", path=target)
+        raise CommandLineError("the picture's file name must end with .svg", path=target)
     write_atomic(target, text.encode("utf-8"))
     print(f"wrote {target}", file=sys.stderr)
 
@@ -566,9 +526,14 @@ def _write_svg(path: str, text: str) -> None:
 def _cmd_merge_strategies(a: argparse.Namespace) -> int:
     from zckpt.merge import merge_strategies
 
-    if Path(a.out_file).exists() and not a.overwrite:
-        raise OutputError("output file already exists (use --overwrite to replace it)", path=a.out_file)
-    r = merge_strategies(a.src_strategy_dir, a.out_file)
+    if a.out and a.out_file:
+        raise CommandLineError("give the merged file once: --out FILE")
+    out = a.out or a.out_file
+    if not out:
+        raise CommandLineError("the following arguments are required: --out")
+    if Path(out).exists() and not a.overwrite:
+        raise OutputError("output file already exists (use --overwrite to replace it)", path=out)
+    r = merge_strategies(a.src_strategy_dir, out)
     _emit(
         {"out_file": r.out_file, "format": r.format, "files": list(r.files), "layouts": r.layouts,
          "stage_files": {str(s): f for s, f in r.stage_files.items()}, "duplicates": dict(r.duplicates)},
@@ -606,8 +571,8 @@ def _verify_args(sub: Any) -> None:
     ver.add_argument("store", help="zckpt store (a directory or a URL)")
     ver.add_argument("src_dir", nargs="?", help="also compare these local source shards (rank_<r>/*.ckpt) with "
                                                 "the store")
-    ver.add_argument("--src-strategy", "--strategy", dest="strategy",
-                     help="source strategy of SRC_DIR (omit: rank_0 is the full model)")
+    old_spelling(ver, "--strategy", like=ver.add_argument(
+        "--src-strategy", dest="strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)"))
     _source_args(ver)
     ver.add_argument("--against", metavar="DST_DIR",
                      help="also compare a local export's rank files with the store")
@@ -616,8 +581,9 @@ def _verify_args(sub: Any) -> None:
     ver.add_argument("--any-order", action="store_true",
                      help="accept DST_DIR's .ckpt entries in any order (e.g. written by MindSpore); values are "
                           "still compared (safetensors files have no entry order)")
-    ver.add_argument("--block-size", "--block-mb", dest="block_mb", type=mib_arg, default=64,
-                     help="tensor data compared per step, e.g. 64MiB (a plain number is MiB)")
+    old_spelling(ver, "--block-mb", like=ver.add_argument(
+        "--block-size", dest="block_bytes", type=size_type(), default=64 * MiB, metavar="SIZE",
+        help="tensor data compared per step (a plain number is MiB; default 64MiB)"))
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     _storage_args(ver)
 
@@ -626,13 +592,14 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     from zckpt.verify import summary_lines, verify
 
     if a.strategy and not a.src_dir:
-        raise UsageError("--strategy is the strategy of SRC_DIR, which is not given")
+        raise CommandLineError("--src-strategy is the strategy of SRC_DIR, which is not given")
     if (a.file_suffix or a.specify_prefix or a.filter_prefix) and not a.src_dir:
-        raise UsageError("--file-suffix, --specify-prefix and --filter-prefix apply to SRC_DIR, which is not given")
+        raise CommandLineError("--file-suffix, --specify-prefix and --filter-prefix apply to SRC_DIR, which is not "
+                               "given")
     if a.dst_strategy and not a.against:
-        raise UsageError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
+        raise CommandLineError("--dst-strategy is the strategy of --against DST_DIR, which is not given")
     r = verify(a.store, a.src_dir, a.strategy, against=a.against, dst_strategy=a.dst_strategy, prefix=a.prefix,
-               any_order=a.any_order, block_bytes=max(1, a.block_mb) * MiB,
+               any_order=a.any_order, block_bytes=a.block_bytes,
                storage_options=parse_storage_options(a.storage_option) or None,
                file_suffix=a.file_suffix, choice_func=_choice_func(a))
     _emit(r.to_json(), a.json, summary_lines(r))
@@ -669,12 +636,19 @@ def _fail(err: BaseException, args: argparse.Namespace, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if args.command is None:  # bare ``zckpt``: what it can do, as ``--help`` shows it
+        parser.print_help()
+        return 0
+    if extras:
+        _subcommand(parser, args.command).unrecognized(extras)
     try:
+        check_values(args)
         code = _COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
         return code
-    except UsageError as err:
+    except CommandLineError as err:
         return _fail(err, args, EXIT_USAGE)
     except ZckptError as err:
         return _fail(err, args, EXIT_ERROR)
@@ -687,6 +661,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPT
     except (OSError, TypeError, ValueError) as err:
         return _fail(err, args, EXIT_ERROR)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> Parser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices[name]
+            assert isinstance(sub, Parser)
+            return sub
+    raise AssertionError(name)
 
 
 def remove_own_temporaries(args: argparse.Namespace) -> None:

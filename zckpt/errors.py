@@ -63,6 +63,12 @@ class UsageError(ZckptError, ValueError):
     """Arguments are invalid."""
 
 
+class CommandLineError(UsageError):
+    """The command line itself is wrong (options that do not go together, a value of the wrong
+    form), found before any file is read: exit code 2, as argparse's own errors. A refusal of
+    what the files hold, or of a path that is not there, is any other error: exit code 1."""
+
+
 class DiskFullError(ZckptError, OSError):
     """The device (or quota) holding a file zckpt writes is full: the error names that file.
     Nothing it leaves looks complete: temporary files are removed, a store stays marked

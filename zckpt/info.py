@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from zckpt import remote
-from zckpt.errors import UsageError
+from zckpt.errors import CheckpointFormatError, UsageError
 from zckpt.formats.shards import open_shard, shard_format
 from zckpt.formats.strategy import read_strategy
 
@@ -52,12 +52,20 @@ def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Descri
         return _describe_file(local, url)
 
 
+KNOWN_SUFFIXES = (".ckpt", ".safetensors", ".json")
+
+
 def _describe_file(path: Path, shown: str) -> Described:
     if shard_format(path) != "ckpt":  # a .safetensors file or a split checkpoint's index
         return _describe_ckpt(path, shown)
     if path.suffix == ".json" or _looks_like_strategy(path):
         return _describe_strategy(path, shown)
-    return _describe_ckpt(path, shown)
+    try:
+        return _describe_ckpt(path, shown)
+    except CheckpointFormatError:
+        if path.suffix.lower() in KNOWN_SUFFIXES:
+            raise  # a checkpoint by its name: what is wrong with it helps
+        raise UsageError("not a checkpoint (.ckpt, .safetensors), strategy file or zckpt store", path=shown) from None
 
 
 def _describe_dir(path: Path) -> Described:
@@ -115,15 +123,23 @@ def _describe_strategy(path: Path, shown: str) -> Described:
     for name, per in smap.layouts.items():
         for stage, lay in sorted(per.items()):
             params.append({"name": name, "stage": stage, "dev_matrix": list(lay.dev_matrix),
-                           "tensor_map": [list(a) for a in lay.tensor_map],
-                           "opt_shard_size": lay.opt_shard_size, "opt_shard_step": lay.opt_shard_step})
-    rows = [["name", "stage", "dev_matrix", "tensor_map", "opt_size"]] + [
-        [str(p["name"]), str(p["stage"]), str(p["dev_matrix"]), str(p["tensor_map"]), str(p["opt_shard_size"])]
+                           "tensor_map": ms_tensor_map(lay.tensor_map),
+                           "opt_weight_shard_size": lay.opt_shard_size,
+                           "opt_weight_shard_step": lay.opt_shard_step})
+    rows = [["name", "stage", "dev_matrix", "tensor_map", "opt_weight_shard_size"]] + [
+        [str(p["name"]), str(p["stage"]), str(p["dev_matrix"]), str(p["tensor_map"]),
+         str(p["opt_weight_shard_size"])]
         for p in params
     ]
     head = f"strategy {shown}: {len(smap.layouts)} parameters, stages {list(smap.stages)}"
     doc = {"type": "strategy", "path": shown, "stages": list(smap.stages), "layouts": params}
     return doc, [head, *_table(rows)]
+
+
+def ms_tensor_map(tensor_map: tuple[tuple[int, ...], ...]) -> list[int | list[int]]:
+    """A tensor map in MindSpore's notation (``Layout``, MindFormers' metadata, docs/layouts.md):
+    per dimension the axis that cuts it, ``-1`` when none does, a list when several do."""
+    return [-1 if not axes else axes[0] if len(axes) == 1 else list(axes) for axes in tensor_map]
 
 
 def _describe_store(path: str | Path, storage_options: remote.StorageOptions = None) -> Described:
