@@ -429,7 +429,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from zckpt.ranklist import rank_arrays_for_transform_maps
 
     if a.file_suffix and not a.src:
-        raise UsageError("--file-suffix applies to --src SRC_DIR, which is not given")
+        raise CommandLineError("--file-suffix applies to --src SRC_DIR, which is not given")
     opts = parse_storage_options(a.storage_option) or None
     src = load_strategy(a.src_strategy, opts)
     dst = load_strategy(a.dst_strategy, opts)
