@@ -25,7 +25,15 @@ from pathlib import Path
 from zckpt import locks, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, check_out_dir, output_folders, resume_or_refuse, stage_jobs
+from zckpt.export import (
+    ExportOptions,
+    ExportReport,
+    check_out_dir,
+    finish_output,
+    output_folders,
+    resume_or_refuse,
+    stage_jobs,
+)
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
@@ -196,9 +204,12 @@ def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t
                               "safetensors either); write .ckpt", param=maps[0])
         jobs = _safetensors_jobs(jobs, options.overwrite)
         output_folders(out, [p for _, p in jobs])
-    else:
-        jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
-    return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+    fingerprint = _fingerprint(plan, jobs, options)
+    todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
+    report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in todo], str(out), options, t0)
+    finish_output(None, out, jobs, fingerprint, options.fsync)
+    return replace(report, kept=len(jobs) - len(todo))
 
 
 def transform_rank(
@@ -239,6 +250,8 @@ def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int,
 
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
          t0: float) -> TransformReport:
+    if not units:  # a complete directory of this same transform: nothing to read or write
+        return TransformReport(out, (), time.perf_counter() - t0)
     checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
     if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
         checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
@@ -262,7 +275,7 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
                           client=client, label="transform",
                           name=_task_name, progress=options.progress,
                           size=lambda u: by_target[u.target], aside=aside)
-    return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
+    return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
 
 
 def _task_name(job: DirectJob) -> str:
