@@ -95,19 +95,24 @@ def test_a_finished_export_to_object_storage_leaves_only_the_rank_files(store: P
         fs.rm(path, recursive=True)
 
 
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
 @pytest.mark.parametrize("kind", ["export", "transform"])
-def test_a_rerun_on_a_complete_directory_writes_nothing(store: Path, tmp_path: Path, kind: str,
+def test_a_rerun_on_a_complete_directory_writes_nothing(store: Path, tmp_path: Path, kind: str, fmt: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    assert cli_main(_run(kind, out, store, "--quiet")) == 0
+    run = _run(kind, out, store, "--format", fmt)
+    assert cli_main([*run, "--quiet"]) == 0
     before = _stats(out)
     capsys.readouterr()
-    assert cli_main(_run(kind, out, store)) == 0
+    assert cli_main(run) == 0
     assert "rank files: 4 kept, 0 written: already complete, nothing to do" in capsys.readouterr().out
     assert _stats(out) == before, "a rerun on a complete directory changed it"
-    assert cli_main(_run(kind, out, store, "--json")) == 0
+    assert cli_main([*run, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["kept"], doc["written"], doc["ranks"]) == (4, 0, [])
+    if fmt == "ckpt":  # (safetensors output refuses only files of the names it writes)
+        assert cli_main(_run(kind, out, store, "--prefix", "net_", "--quiet")) != 0  # another job: refused
+        assert _stats(out) == before
 
 
 @pytest.mark.parametrize("kind", ["export", "transform"])

@@ -141,3 +141,20 @@ def finished_there(present: Mapping[str, int], planned: Iterable[str], where: st
         if key not in files or not isinstance(kept, list) or not kept or kept[0] != size:
             return False
     return True
+
+
+def finished_as_recorded(out: Path, fingerprint: str) -> bool:
+    """Whether the local directory ``out`` holds exactly the files the job ``fingerprint``
+    recorded when it completed it, each unchanged (for outputs whose file names are known
+    only once written: safetensors ranks split into parts)."""
+    record = recall(local_key(out), fingerprint)
+    if not record:
+        return False
+    found = {Path(root, n).relative_to(out).as_posix() for root, _, names in os.walk(out) for n in names}
+    return found == set(record) and local_files(out, sorted(found)) == record
+
+
+def remember_all(out: Path, fingerprint: str) -> None:
+    """:func:`remember` every file below ``out`` (a job that has just filled it)."""
+    found = sorted(Path(root, n).relative_to(out).as_posix() for root, _, names in os.walk(out) for n in names)
+    remember(local_key(out), fingerprint, local_files(out, found))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from zckpt import locks, remote
+from zckpt import locks, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import (
@@ -202,9 +202,17 @@ def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t
         if maps:
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
+        from zckpt.export_safetensors import safetensors_fingerprint
+
+        fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
+        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
+        if not options.overwrite and out_records.finished_as_recorded(out, fingerprint):
+            return TransformReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         jobs = _safetensors_jobs(jobs, options.overwrite)
         output_folders(out, [p for _, p in jobs])
-        return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        out_records.remember_all(out, fingerprint)
+        return report
     fingerprint = _fingerprint(plan, jobs, options)
     todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
     report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in todo], str(out), options, t0)
