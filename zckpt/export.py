@@ -452,7 +452,8 @@ def finish_output(out_loc: remote.Location | None, out: Path, jobs: list[tuple[R
     directory holds the rank files and nothing else of zckpt's."""
     planned = _planned(out, jobs)
     if out_loc is not None:
-        sizes = {k: [v] for k, v in _remote_files(out_loc).items() if k in set(planned)}
+        wanted = set(planned)
+        sizes = {k: [v] for k, v in _remote_files(out_loc).items() if k in wanted}
         out_records.remember(out_loc.url, fingerprint, sizes)
         remote.remove(out_loc.child(MARKER), OutputError)
         return

@@ -127,18 +127,12 @@ def allocate(fd: int, size: int, path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def publish(new: NewFile, fsync: bool) -> None:
-    """Give a completely written new file its final name (:meth:`NewFile.publish`): the final
-    name never shows a partial file and, once this returns, survives a crash."""
-    new.publish(fsync)
-
-
 class Publisher:
     """Publishes completed new files (:class:`~zckpt.new_files.NewFile`) on a thread of its
     own, so that waiting for one file's bytes to reach the disk overlaps with writing the
-    next: each file is fsynced, named and closed there (in the order given); leaving the context waits for all of
-    them, then syncs each directory that received a name once, and the parents of those
-    directories (which may have been created for them). Until it returns, a rename may not
+    next: each file is fsynced, named and closed there (in the order given); leaving the
+    context waits for all of them, then syncs each directory that received a name once, and
+    the parents of those directories (which may have been created for them). Until it returns, a rename may not
     be durable: callers report success only after it.
 
     A file whose sync or rename fails is dropped; the first failure is raised on leaving

@@ -63,11 +63,9 @@ class NewFile:
             self._link: Link | None = None
         else:
             fd, self._link = unnamed
+        self.unnamed = unnamed is not None
+        """Whether the file is written without a name (else under :attr:`temp`)."""
         self.file: BinaryIO = os.fdopen(fd, "wb")
-
-    @property
-    def unnamed(self) -> bool:
-        return self.temp is None
 
     def sync(self, fsync: bool) -> None:
         """Flush the file's bytes to the kernel (and to the disk with ``fsync``)."""
@@ -104,11 +102,6 @@ class NewFile:
             with contextlib.suppress(FileNotFoundError):
                 self.temp.unlink()
             self.temp = None
-
-    @property
-    def shown_as(self) -> Path:
-        """The name errors about the file give: its temporary name, else the final one."""
-        return self.temp if self.temp is not None else self.path
 
 
 def fsync_dir(path: Path) -> None:
