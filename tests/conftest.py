@@ -8,10 +8,19 @@ Set ``ZCKPT_FIXTURES`` to use another copy.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+STATE = tempfile.mkdtemp(prefix="zckpt-test-state-")
+"""The records of completed output directories (:mod:`zckpt.out_records`) of this test run,
+never the user's: set for this process and the processes the tests start."""
+os.environ["ZCKPT_STATE_DIR"] = STATE
+atexit.register(shutil.rmtree, STATE, True)
 
 FIXTURES: Path = Path(
     os.environ.get("ZCKPT_FIXTURES") or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"

@@ -199,7 +199,7 @@ def test_existing_output_refused_without_overwrite(example: Path, tmp_path: Path
     before = (out / "rank_0" / "checkpoint_0.ckpt").read_bytes()
     capsys.readouterr()
     assert cli_main(exp) == 0  # the same export again: every file is already complete
-    assert "wrote 0 rank file(s)" in capsys.readouterr().out
+    assert "4 kept, 0 written: already complete" in capsys.readouterr().out
     code, err = _run([*exp[:-2], "--out", str(out), "--prefix", "net_"], capsys)  # another export, same directory
     assert code == 1 and "already holds" in err
     (out / "notes.txt").write_text("someone else's file")

@@ -95,6 +95,25 @@ def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     assert err == ""
 
 
+def _new_file_open(pid: int, out: Path) -> bool:
+    """Whether process ``pid`` is writing a new file in ``out``: an unnamed one (a descriptor
+    of a deleted file there, as ``/proc`` shows it) or one under a temporary name."""
+    if list(out.rglob("*.tmp-zckpt")):
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(out)) and target.endswith("(deleted)"):
+            return True
+    return False
+
+
 def test_ctrl_c_exits_130_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     tensors = [TensorDef(f"w{i}", (2048, 1024), "Float32") for i in range(24)]  # 192 MiB
     model = write_model(tmp_path / "src", tensors, device_num=1, strategy_format=None, scalars=False)
@@ -105,7 +124,7 @@ def test_ctrl_c_exits_130_and_leaves_no_temporary_file(tmp_path: Path) -> None:
                                  "--max-mem", "16MiB", "--no-overlap"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30
-        while not list(out.rglob("*.tmp-zckpt")) and proc.poll() is None and time.monotonic() < deadline:
+        while not _new_file_open(proc.pid, out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)

@@ -27,6 +27,7 @@ from zckpt.generate import TensorDef, random_layout, write_model
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_TRIALS = 12
 EXPORT_TRIALS = 10
+TRANSFORM_TRIALS = 6
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -112,15 +113,50 @@ def test_export_killed_at_random_points_resumes_to_identical_files(job: dict[str
         out = tmp / f"o{trial}"
         if _kill_after(cmd(out), rng.uniform(0.2, duration)):
             killed += 1
-            for f in out.rglob("*.ckpt"):
-                with CkptReader(f) as r:  # anything under a final name is whole
-                    assert r.names()
-                assert f.read_bytes() == reference[str(f.relative_to(out))]
+            _check_killed(out, reference, trial)
         _run(cmd(out))
         assert _snapshot(out) == reference, f"trial {trial}: export differs after resume"
+        assert _names(out) == set(reference), f"trial {trial}: the resumed export left files of its own"
         shutil.rmtree(out)
     print(f"export: {killed} of {EXPORT_TRIALS} runs killed mid-way, all resumed to the reference files")
     assert killed >= EXPORT_TRIALS // 2, f"only {killed} runs were killed before finishing"
+
+
+def test_transform_killed_at_random_points_resumes_to_identical_files(job: dict[str, Path]) -> None:
+    tmp = job["tmp"]
+    cmd = lambda out: _cli("transform", str(job["src"]), "--src-strategy", str(job["strategy"]),  # noqa: E731
+                           "--dst-strategy", str(job["dst"]), "--out", str(out))
+    duration = _run(cmd(tmp / "tref"))
+    reference = _snapshot(tmp / "tref")
+    rng = random.Random(25)
+    killed = 0
+    for trial in range(TRANSFORM_TRIALS):
+        out = tmp / f"t{trial}"
+        if _kill_after(cmd(out), rng.uniform(0.2, duration)):
+            killed += 1
+            _check_killed(out, reference, trial)
+        _run(cmd(out))
+        assert _snapshot(out) == reference, f"trial {trial}: transform differs after resume"
+        assert _names(out) == set(reference), f"trial {trial}: the resumed transform left files of its own"
+        shutil.rmtree(out)
+    print(f"transform: {killed} of {TRANSFORM_TRIALS} runs killed mid-way, all resumed to the reference files")
+    assert killed >= TRANSFORM_TRIALS // 2, f"only {killed} runs were killed before finishing"
+
+
+def _names(root: Path) -> set[str]:
+    """Every file below ``root`` (whatever its name: zckpt's own files included)."""
+    return {str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir()}
+
+
+def _check_killed(out: Path, reference: dict[str, bytes], trial: int) -> None:
+    """What a killed run leaves: whole rank files (the reference's bytes), its marker (the
+    run is incomplete), and no temporary file (new files are unnamed while written)."""
+    for f in out.rglob("*.ckpt"):
+        with CkptReader(f) as r:  # anything under a final name is whole
+            assert r.names()
+        assert f.read_bytes() == reference[str(f.relative_to(out))]
+    left = _names(out) - set(reference) if out.is_dir() else set()
+    assert left <= {".zckpt-export.json"}, f"trial {trial}: a killed run left {sorted(left)}"
 
 
 def test_second_ingest_into_the_same_store_is_refused(job: dict[str, Path]) -> None:

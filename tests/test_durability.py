@@ -24,25 +24,32 @@ Event = tuple[str, str, str]
 
 @pytest.fixture
 def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Event]]:
-    """``("fsync", path, "")`` and ``("rename", src, dst)`` in the order they happen."""
+    """``("fsync", path, inode)``, ``("rename", inode, dst)`` and ``("unlink", path, "")`` in
+    the order they happen (files are told by inode: a new file may have no name when synced)."""
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc/self/fd to name synced descriptors")
     events: list[Event] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    real_fsync, real_replace, real_rename, real_unlink = os.fsync, os.replace, os.rename, os.unlink
 
     def fsync(fd: int) -> None:
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), ""))
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), str(os.fstat(fd).st_ino)))
         real_fsync(fd)
 
     def wrap(real: Callable[..., None]) -> Callable[..., None]:
         def move(src: str | os.PathLike[str], dst: str | os.PathLike[str], *a: object, **k: object) -> None:
             real(src, dst, *a, **k)
-            events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+            events.append(("rename", str(os.stat(dst).st_ino), os.path.realpath(dst)))
         return move
+
+    def unlink(path: str | os.PathLike[str], *a: object, **k: object) -> None:
+        where = os.path.realpath(path)
+        real_unlink(path, *a, **k)  # type: ignore[arg-type]
+        events.append(("unlink", where, ""))
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", wrap(real_replace))
     monkeypatch.setattr(os, "rename", wrap(real_rename))
+    monkeypatch.setattr(os, "unlink", unlink)
     yield events
 
 
@@ -52,10 +59,14 @@ def assert_durable(events: list[Event], final: Path) -> None:
     renames = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
     assert renames, f"{final} was not published by a rename"
     at = renames[-1]
-    tmp = events[at][1]
-    assert any(e == ("fsync", tmp, "") for e in events[:at]), f"{final}: its bytes were not synced before the rename"
-    assert ("fsync", str(final.parent), "") in events[at + 1:], \
-        f"{final}: its directory was not synced after the rename"
+    inode = events[at][1]
+    assert any(e[0] == "fsync" and e[2] == inode for e in events[:at]), \
+        f"{final}: its bytes were not synced before the rename"
+    assert _dir_synced(events[at + 1:], final.parent), f"{final}: its directory was not synced after the rename"
+
+
+def _dir_synced(events: list[Event], folder: Path) -> bool:
+    return any(e[:2] == ("fsync", str(folder)) for e in events)
 
 
 def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
@@ -69,7 +80,11 @@ def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) ->
     assert len(files) == 4
     for f in files:
         assert_durable(syscalls, f)
-    assert_durable(syscalls, out / ".zckpt-export.json")
+    marker = str((out / ".zckpt-export.json").resolve())
+    assert any(e == ("rename", e[1], marker) for e in syscalls), "the export never wrote its marker"
+    removed = [i for i, e in enumerate(syscalls) if e == ("unlink", marker, "")]
+    assert removed and not (out / ".zckpt-export.json").exists(), "the marker was left in the output directory"
+    assert _dir_synced(syscalls[removed[-1] + 1:], out.resolve()), "the marker's removal was not synced"
 
 
 def test_transform_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:
@@ -84,7 +99,7 @@ def test_transform_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> N
     assert len(files) == 4
     for f in files:
         assert_durable(syscalls, f)
-    assert ("fsync", str(out.resolve()), "") in syscalls, "the new rank directories' entries were not synced"
+    assert _dir_synced(syscalls, out.resolve()), "the new rank directories' entries were not synced"
 
 
 def test_safetensors_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:

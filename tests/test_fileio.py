@@ -131,31 +131,32 @@ def test_a_checked_range_fed_out_of_order_is_a_bug(tmp_path: Path) -> None:
         check.feed(104, b"\0" * 6)
 
 
-def test_publisher_failure_leaves_no_final_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file whose sync fails on the publishing thread is never renamed, its temporary file
-    is removed, and the failure is raised when the publisher closes (the other files are
-    published)."""
+@pytest.mark.parametrize("unnamed", [True, False])
+def test_publisher_failure_leaves_no_final_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                unnamed: bool) -> None:
+    """A file whose sync fails on the publishing thread is never named, nothing of it is
+    left (an unnamed file, or the named fallback's temporary file), and the failure is
+    raised when the publisher closes (the other files are published)."""
     import errno
 
-    real_fsync = os.fsync
-    bad = tmp_path / "bad.tmp"
+    from zckpt import new_files
 
-    def fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}") == str(bad):
+    monkeypatch.setattr(new_files, "UNNAMED", unnamed)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the bad file is told by its bytes: descriptors and inodes are reused
+        if os.path.isfile(f"/proc/self/fd/{fd}") and os.pread(fd, 3, 0) == b"bad":
             raise OSError(errno.EIO, "I/O error")
         real_fsync(fd)
 
-    if not Path("/proc/self/fd").is_dir():
-        pytest.skip("needs /proc/self/fd")
     monkeypatch.setattr(os, "fsync", fsync)
-    good = tmp_path / "good.tmp"
     with pytest.raises(OSError, match="I/O error"), fileio.Publisher() as pub:
-        for tmp in (bad, good):
-            f = open(tmp, "wb")  # noqa: SIM115
-            f.write(b"x")
-            pub.submit(f, tmp, tmp.with_suffix(""))
-    assert not bad.exists() and not (tmp_path / "bad").exists()
-    assert (tmp_path / "good").read_bytes() == b"x" and not good.exists()
+        for name in ("bad", "good"):
+            new = new_files.NewFile(tmp_path / name)
+            new.file.write(name.encode())
+            pub.submit(new)
+    assert [p.name for p in tmp_path.iterdir()] == ["good"]
+    assert (tmp_path / "good").read_bytes() == b"good"
 
 
 def test_read_soon_only_asks_for_what_fits(tmp_path: Path) -> None:

@@ -183,8 +183,10 @@ def test_existing_outputs_refused(job: tuple[GeneratedModel, Path], tmp_path: Pa
     _, store = job
     opts = zckpt.ExportOptions(format="safetensors")
     zckpt.export(store, tmp_path / "st", None, options=opts)
-    with pytest.raises(OutputError, match="already exist"):
-        zckpt.export(store, tmp_path / "st", None, options=opts)
+    again = zckpt.export(store, tmp_path / "st", None, options=opts)  # the same export: complete already
+    assert (again.kept, again.ranks) == (1, ())
+    with pytest.raises(OutputError, match="already exist"):  # another export (with crc_num) of the same names
+        zckpt.export(store, tmp_path / "st", None, options=zckpt.ExportOptions(format="safetensors", crc=True))
     with pytest.raises(OutputError, match="unknown output format"):
         zckpt.export(store, tmp_path / "x", None, options=zckpt.ExportOptions(format="npz"))
 

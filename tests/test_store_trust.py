@@ -168,8 +168,9 @@ def _started_warm(trigger: Path, args: list[str]) -> subprocess.Popen[str]:
 
 
 def _writing(out: Path) -> bool:
-    """Whether a writer has a file under its temporary name in ``out``."""
-    return out.is_dir() and any(out.rglob("*.tmp-zckpt"))
+    """Whether a writer is at work in ``out``: its marker is there (from the moment it holds
+    the directory to its last step), or a file under a temporary name."""
+    return out.is_dir() and ((out / ".zckpt-export.json").exists() or any(out.rglob("*.tmp-zckpt")))
 
 
 def _wait_for(found: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 120.0) -> bool:
@@ -423,8 +424,10 @@ def test_store_killed_before_its_manifest_is_refused(job: Job, tmp_path: Path) -
 
 
 def test_lock_files_are_never_followed(job: Job, tmp_path: Path) -> None:
-    """A planted ``<store>.lock`` or output-directory lock symlink is refused by name: zckpt
-    never creates or truncates the file it points to."""
+    """A planted ``<store>.lock`` symlink is refused by name: zckpt never creates or
+    truncates the file it points to. An output directory is locked through its own
+    descriptor: a link planted under the name of its fallback lock file is an entry of
+    someone else's, refused as such, and never followed."""
     from zckpt import locks
 
     outside = tmp_path / "outside"
@@ -438,7 +441,7 @@ def test_lock_files_are_never_followed(job: Job, tmp_path: Path) -> None:
     out.mkdir()
     (out / locks.OUTPUT_LOCK).symlink_to(outside)
     _clean_refusal(subprocess.run(_export(job, store, out), capture_output=True, text=True, env=_env(), check=False),
-                   "symbolic link", locks.OUTPUT_LOCK)
+                   "already holds 1 entry", str(out))
     assert not outside.exists() and not list(out.rglob("*.ckpt"))
 
 

@@ -229,7 +229,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mem", default="1GiB", type=size_type(minimum=16 * MiB), metavar="SIZE",
                    help="bound on tensor data in flight per process/worker, e.g. 512MiB, 2GiB (a plain number is "
                         "MiB; at least 16MiB; default 1GiB)")
-    p.add_argument("--quiet", action="store_true", help="no progress (bars, or JSON lines with --json)")
+    p.add_argument("--quiet", action="store_true",
+                   help="print nothing on success: no progress and no summary (errors still print; --json still "
+                        "prints its report)")
 
 
 def _source_args(p: argparse.ArgumentParser) -> None:
@@ -306,12 +308,28 @@ def _rate(n: int, seconds: float) -> str:
     return f"{human_bytes(n / seconds)}/s" if seconds > 0 else "-"
 
 
-def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str]) -> None:
+def _emit(doc: dict[str, Any], as_json: bool, lines: Sequence[str], *, quiet: bool = False) -> None:
+    """The report: JSON with ``--json``, else its lines, none with ``--quiet``."""
     if as_json:
         print(json.dumps(doc, indent=1))
-    else:
+    elif not quiet:
         for line in lines:
             print(line)
+
+
+def files_line(r: Any, tail: str = "") -> str:
+    """How many rank files an export or transform kept (complete from an earlier run of the
+    same job) and wrote, and what writing them took."""
+    counts = f"rank files: {r.kept} kept, {len(r.ranks)} written"
+    if not r.ranks:
+        return counts + (": already complete, nothing to do" if r.kept else "")
+    return (f"{counts}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
+            f"({_rate(r.bytes_written, r.seconds)}){tail}")
+
+
+def _files_doc(r: Any) -> dict[str, Any]:
+    return {"out_dir": r.out_dir, "seconds": r.seconds, "kept": r.kept, "written": len(r.ranks),
+            "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]}
 
 
 def _cmd_ingest(a: argparse.Namespace) -> int:
@@ -351,6 +369,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
          f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]
         + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else [])
         + ([partial_line(r.left_behind)] if r.left_behind else []),
+        quiet=a.quiet,
     )
     return 0
 
@@ -371,11 +390,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
         return _dry_run(dry_run_export(a.store, a.out, a.strategy, ranks=a.rank, options=opts), a.json)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
-    lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
-                 f"({_rate(r.bytes_written, r.seconds)})")
-    _emit({"out_dir": r.out_dir, "seconds": r.seconds,
-           "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]},
-          a.json, lines)
+    lines.append(files_line(r))
+    _emit(_files_doc(r), a.json, lines, quiet=a.quiet)
     return 0
 
 
@@ -396,13 +412,10 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                                           options=opts), a.json)
     r = transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank, options=opts)
     lines = [f"  rank {x.rank}: {x.path} ({x.tensors} tensors, {human_bytes(x.bytes)})" for x in r.ranks]
-    lines.append(f"wrote {len(r.ranks)} rank file(s), {human_bytes(r.bytes_written)} in {r.seconds:.2f} s "
-                 f"({_rate(r.bytes_written, r.seconds)}) straight from the source shards; "
-                 f"{human_bytes(r.bytes_compared)} compared with replicas")
-    _emit({"out_dir": r.out_dir, "seconds": r.seconds, "bytes_written": r.bytes_written,
-           "bytes_read": r.bytes_read, "bytes_compared": r.bytes_compared,
-           "ranks": [{"rank": x.rank, "path": x.path, "tensors": x.tensors, "bytes": x.bytes} for x in r.ranks]},
-          a.json, lines)
+    lines.append(files_line(r, " straight from the source shards; "
+                               f"{human_bytes(r.bytes_compared)} compared with replicas"))
+    _emit({**_files_doc(r), "bytes_written": r.bytes_written, "bytes_read": r.bytes_read,
+           "bytes_compared": r.bytes_compared}, a.json, lines, quiet=a.quiet)
     return 0
 
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from zckpt import locks, remote, safe_paths
+from zckpt import locks, out_records, remote, safe_paths
 from zckpt.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
-from zckpt.fileio import Publisher, disk_full_named, write_atomic
+from zckpt.fileio import Publisher, disk_full_named, fsync_dir, write_atomic
 from zckpt.formats.ckpt import CkptReader, FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import hand_over, helper_for, overlap_beside
@@ -121,7 +121,10 @@ class PlannedStore:
 class ExportReport:
     out_dir: str
     ranks: tuple[RankResult, ...]
+    """The files written by this run."""
     seconds: float
+    kept: int = 0
+    """Files of an interrupted (or complete) run of the same job found complete and kept."""
 
     @property
     def bytes_written(self) -> int:
@@ -259,9 +262,16 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     jobs = output_jobs(store, plan, out, options)
     fingerprint = export_fingerprint(store, jobs, options)
     if out_loc is not None:
-        jobs = resume_or_refuse_remote(out_loc, jobs, fingerprint, options.overwrite)
+        todo = resume_or_refuse_remote(out_loc, jobs, fingerprint, options.overwrite)
     else:
-        jobs = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
+        todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
+    report = _write_jobs(store, todo, out_loc, out, options, t0)
+    finish_output(out_loc, out, jobs, fingerprint, options.fsync)
+    return replace(report, kept=len(jobs) - len(todo))
+
+
+def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], out_loc: remote.Location | None, out: Path,
+                options: ExportOptions, t0: float) -> ExportReport:
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
@@ -270,6 +280,8 @@ def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out
     by_target = {t: n for (_, t), n in zip(units, unit_bytes, strict=True)}
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
+    if not jobs:
+        return ExportReport(out_loc.url if out_loc is not None else str(out), (), time.perf_counter() - t0)
     local = store.location is None and out_loc is None
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
     # the helper innermost: when this process fails, it is stopped before the publisher finishes
@@ -386,32 +398,77 @@ def resume_or_refuse(
     """The files still to write.
 
     A destination directory that already holds files is refused unless ``overwrite``, or
-    unless it is this same export interrupted earlier (its marker has this fingerprint):
-    then files already complete under their final name (the writer renames only complete
-    files) and matching the plan are kept, and only the rest are written.
+    unless it is this same export: interrupted earlier (its marker has this fingerprint),
+    or completed earlier (no marker, and its record outside the directory,
+    :func:`zckpt.out_records.finished_here`, matches what is there). Then files already
+    complete under their final name (the writer names only complete files) and matching
+    the plan are kept, and only the rest are written. A directory with nothing left to
+    write is left exactly as it is.
     """
     marker = out / MARKER
     for half_written in _marker_temps(out):
         half_written.unlink(missing_ok=True)
-    present = [p for p in out.iterdir() if p.name not in (MARKER, locks.OUTPUT_LOCK)] if out.is_dir() else []
+    present = [p for p in out.iterdir() if p.name != MARKER and not _lock_file(p)] if out.is_dir() else []
+    marked = os.path.lexists(marker)
     todo = jobs
     if present and not overwrite:
-        try:
-            same = json.loads(safe_paths.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
-        except OutputError:
-            raise  # a planted link is refused by name, not taken for another export's marker
-        except (OSError, ValueError, AttributeError):
-            same = False
+        if marked:
+            try:
+                same = json.loads(safe_paths.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
+            except OutputError:
+                raise  # a planted link is refused by name, not taken for another export's marker
+            except (OSError, ValueError, AttributeError):
+                same = False
+        else:
+            same = out_records.finished_here(out, _planned(out, jobs), fingerprint)
         if not same:
             raise OutputError(not_ours(len(present)), path=out)
         for stray in out.rglob("*.tmp-zckpt"):
             stray.unlink(missing_ok=True)
         todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
+        if not todo and not marked:
+            return []
     check_out_dir(out).mkdir(parents=True, exist_ok=True)
     if not overwrite:  # overwriting runs rewrite everything: nothing to resume
         write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
     output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
     return todo
+
+
+def _lock_file(p: Path) -> bool:
+    """The output directory's lock file, where the directory itself cannot be locked
+    (:func:`zckpt.locks.output_writing`); a link of that name is someone else's entry."""
+    return p.name == locks.OUTPUT_LOCK and not p.is_symlink() and p.is_file()
+
+
+def _planned(out: Path, jobs: list[tuple[RankExport, Path]]) -> list[str]:
+    return [p.relative_to(out).as_posix() for _, p in jobs]
+
+
+def finish_output(out_loc: remote.Location | None, out: Path, jobs: list[tuple[RankExport, Path]],
+                  fingerprint: str, fsync: bool = True) -> None:
+    """The last step of a successful export or transform: remember the directory as this
+    job's (outside it: :mod:`zckpt.out_records`), then remove the marker, so that the
+    directory holds the rank files and nothing else of zckpt's."""
+    planned = _planned(out, jobs)
+    if out_loc is not None:
+        wanted = set(planned)
+        sizes = {k: [v] for k, v in _remote_files(out_loc).items() if k in wanted}
+        out_records.remember(out_loc.url, fingerprint, sizes)
+        remote.remove(out_loc.child(MARKER), OutputError)
+        return
+    out_records.remember(out_records.local_key(out), fingerprint, out_records.local_files(out, planned))
+    marker = out / MARKER
+    if os.path.lexists(marker):
+        marker.unlink()
+        if fsync:
+            fsync_dir(out)
+
+
+def _remote_files(out: remote.Location) -> dict[str, int]:
+    """``{path relative to out: size}`` of the files below a remote directory."""
+    base = out.path.rstrip("/") + "/"
+    return {p[len(base):]: n for p, n in remote.file_sizes(out, OutputError).items() if p.startswith(base)}
 
 
 def _marker_temps(out: Path) -> list[Path]:
@@ -432,18 +489,24 @@ def resume_or_refuse_remote(
     is complete (uploads publish a file only when whole), so resuming skips it unread."""
     marker = out.child(MARKER)
     present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
+    marked = remote.exists(marker, OutputError)
     todo = jobs
     if present and not overwrite:
-        try:
-            same = json.loads(remote.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
-        except (OutputError, ValueError, AttributeError):
-            same = False
+        files = _remote_files(out)
+        if marked:
+            try:
+                same = json.loads(remote.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
+            except (OutputError, ValueError, AttributeError):
+                same = False
+        else:
+            same = out_records.finished_there(files, _planned(Path(out.path), jobs), out.url, fingerprint)
         if not same:
             raise OutputError(not_ours(len(present)), path=out.url)
-        files = set(remote.find(out, OutputError))
         for stray in sorted(f for f in files if f.endswith(".tmp-zckpt")):
-            remote.remove(remote.Location(out.url_of(stray), out.fs, stray), OutputError)
-        todo = [(r, p) for r, p in jobs if p.as_posix() not in files]
+            remote.remove(out.child(stray), OutputError)
+        todo = [(r, p) for r, p in jobs if p.relative_to(out.path).as_posix() not in files]
+        if not todo and not marked:
+            return []
     if not overwrite:
         remote.write_bytes(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"), OutputError)
     return todo

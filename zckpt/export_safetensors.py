@@ -22,6 +22,7 @@ when complete.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt import fileio, remote
+from zckpt import fileio, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
 from zckpt.export import (
@@ -41,6 +42,7 @@ from zckpt.export import (
     ExportReport,
     PlannedStore,
     StoreReader,
+    export_fingerprint,
     export_session,
     output_folders,
     output_jobs,
@@ -137,11 +139,14 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
     if out_loc is None and out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=out)
     jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, out, options)]
+    fingerprint = safetensors_fingerprint(export_fingerprint(store, jobs, options), options)
     if not options.overwrite:
         if out_loc is None:
             clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
         else:
             clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
+        if clash and out_loc is None and out_records.finished_as_recorded(out, fingerprint):
+            return ExportReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         if clash:
             raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
     if out_loc is None:
@@ -154,7 +159,16 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
         results = run_all(write_safetensors_file, units, PlannedStore.of(store), options, client=client,
                           label="export", progress=options.progress, name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
+    if out_loc is None:
+        out_records.remember_all(out, fingerprint)
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
+
+
+def safetensors_fingerprint(base: str, options: ExportOptions) -> str:
+    """Identity of a safetensors export or transform: the ``.ckpt`` one's ``base`` (which
+    holds the ``.safetensors`` file names), with how ranks are split into parts."""
+    doc = {"base": base, "format": "safetensors", "max_file_bytes": options.max_file_bytes}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def write_safetensors_file(

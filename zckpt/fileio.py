@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
 
-from zckpt import safe_paths
 from zckpt.checksums import Sink
 from zckpt.errors import DiskFullError
+from zckpt.new_files import NewFile
+from zckpt.new_files import fsync_dir as fsync_dir  # callers import it from here
 
 BLOCK = 1024 * 1024
 """Copy buffer size: large enough for few system calls, small enough that the bytes just
@@ -127,38 +127,15 @@ def allocate(fd: int, size: int, path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new name in ``path`` durable: until its directory is synced, a
-    crash can lose the new name even though the file's own bytes were synced."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(f: BinaryIO, tmp_path: Path, path: Path, fsync: bool) -> None:
-    """Give a completely written temporary file its final name: flush, fsync (when asked),
-    close, rename atomically, then sync the directory, so the final name never shows a
-    partial file and, once this returns, survives a crash."""
-    f.flush()
-    if fsync:
-        os.fsync(f.fileno())
-    f.close()
-    os.replace(tmp_path, path)
-    if fsync:
-        fsync_dir(path.parent)
-
-
 class Publisher:
-    """Publishes completed temporary files on a thread of its own, so that waiting for one
-    file's bytes to reach the disk overlaps with writing the next: each file is fsynced,
-    closed and renamed there (in the order given); leaving the context waits for all of
-    them, then syncs each directory that received a name once, and the parents of those
-    directories (which may have been created for them). Until it returns, a rename may not
+    """Publishes completed new files (:class:`~zckpt.new_files.NewFile`) on a thread of its
+    own, so that waiting for one file's bytes to reach the disk overlaps with writing the
+    next: each file is fsynced, named and closed there (in the order given); leaving the
+    context waits for all of them, then syncs each directory that received a name once, and
+    the parents of those directories (which may have been created for them). Until it returns, a rename may not
     be durable: callers report success only after it.
 
-    A file whose sync or rename fails is removed; the first failure is raised on leaving
+    A file whose sync or rename fails is dropped; the first failure is raised on leaving
     (after every other file was published)."""
 
     def __init__(self, fsync: bool = True) -> None:
@@ -174,25 +151,15 @@ class Publisher:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close(raise_errors=et is None)
 
-    def submit(self, f: BinaryIO, tmp_path: Path, path: Path) -> None:
-        """Publish a completely written temporary file (this object now owns ``f``)."""
-        f.flush()
+    def submit(self, new: NewFile) -> None:
+        """Publish a completely written new file (this object now owns it)."""
+        new.file.flush()
         with self._lock:
-            self._pending.append(self._pool.submit(self._publish, f, tmp_path, path))
+            self._pending.append(self._pool.submit(self._publish, new))
 
-    def _publish(self, f: BinaryIO, tmp_path: Path, path: Path) -> None:
-        try:
-            try:
-                if self.fsync:
-                    os.fsync(f.fileno())
-            finally:
-                f.close()
-            os.replace(tmp_path, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp_path.unlink()
-            raise
-        self._dirs.setdefault(path.parent)
+    def _publish(self, new: NewFile) -> None:
+        new.publish(self.fsync, sync_dir=False)
+        self._dirs.setdefault(new.path.parent)
 
     def close(self, raise_errors: bool = True) -> None:
         with self._lock:
@@ -257,17 +224,16 @@ def read_soon(paths: Sequence[Path], share: float = 0.25) -> bool:
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write a small file whole under a temporary name in its directory (created anew,
-    never through a planted link: :func:`zckpt.safe_paths.create_temp`), then
-    :func:`publish` it; the temporary file is removed on any failure."""
-    f, tmp = safe_paths.create_temp(path)
+    """Write a small file whole as a :class:`~zckpt.new_files.NewFile` (unnamed where the
+    system allows, never through a planted link), then publish it; nothing of it is left
+    on any failure."""
+    new = NewFile(path)
     try:
-        with disk_full_named(path), f:
-            f.write(data)
-            publish(f, tmp, path, fsync)
+        with disk_full_named(path):
+            new.file.write(data)
+            new.publish(fsync)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        new.discard()
         raise
 
 

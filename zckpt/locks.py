@@ -4,9 +4,11 @@
   (``export``, ``verify``, ``load``) hold it shared for as long as they read, so a reader
   never sees a store half rewritten by ``ingest --overwrite``, and an ingest never rewrites
   a store under a reader's feet: whichever comes second is refused by name.
-* ``<out>/.zckpt-out.lock`` inside an output directory: held exclusively by ``export`` and
-  ``transform`` while they write there, so that two writers of one directory never remove
-  each other's temporary files.
+* the output directory itself: ``export`` and ``transform`` hold a ``flock`` on the
+  directory (its own descriptor: no file is created in it) exclusively while they write
+  there, so that two writers of one directory never remove each other's files. Where a
+  directory cannot be locked (``flock`` refused on a directory descriptor, as on some
+  network filesystems), ``<out>/.zckpt-out.lock`` is locked instead and removed when done.
 
 Lock files are opened without following a symbolic link (``O_NOFOLLOW``): a planted link
 cannot make zckpt create or truncate a file elsewhere. The exclusive holder removes its lock
@@ -28,6 +30,7 @@ from zckpt.errors import OutputError, StoreError, ZckptError
 
 STORE_SUFFIX = ".lock"
 OUTPUT_LOCK = ".zckpt-out.lock"
+"""The output directory's lock file, only where the directory itself cannot be locked."""
 
 
 def store_lock_path(store: Path) -> Path:
@@ -115,9 +118,29 @@ def store_reading(store: Path) -> contextlib.AbstractContextManager[None]:
     return hold(lock, shared=True, busy=busy, remove=True)
 
 
-def output_writing(out: Path) -> contextlib.AbstractContextManager[None]:
-    """Exclusive hold of an output directory (``export``, ``transform``); creates it."""
+@contextmanager
+def output_writing(out: Path) -> Iterator[None]:
+    """Exclusive hold of an output directory (``export``, ``transform``); creates it. The
+    lock is on the directory itself (the directory the name leads to: a user may name a
+    link to it), so nothing of it stays in the directory, even after a ``SIGKILL``."""
     out.mkdir(parents=True, exist_ok=True)
     busy = OutputError("another zckpt export or transform is writing into this directory (lock held): retry when "
                        "it has finished, or choose another directory", path=out)
-    return hold(out / OUTPUT_LOCK, shared=False, busy=busy, remove=True)
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise OutputError(f"cannot open the output directory: {err.strerror}", path=out) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        except OSError as err:
+            if err.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            with hold(out / OUTPUT_LOCK, shared=False, busy=busy, remove=True):
+                yield
+            return
+        yield
+    finally:
+        os.close(fd)

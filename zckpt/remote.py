@@ -144,6 +144,15 @@ def find(loc: Location, err_cls: type[ZckptError]) -> list[str]:
         return sorted(str(p) for p in loc.fs.find(loc.path))
 
 
+def file_sizes(loc: Location, err_cls: type[ZckptError]) -> dict[str, int]:
+    """``{filesystem path: size}`` of every file below ``loc`` (one listing)."""
+    with remote_errors(err_cls, loc.url, "cannot list"):
+        if not loc.fs.exists(loc.path):
+            return {}
+        found = loc.fs.find(loc.path, detail=True)
+    return {str(p): int(info.get("size") or 0) for p, info in sorted(found.items())}
+
+
 def read_bytes(loc: Location, err_cls: type[ZckptError]) -> bytes:
     with remote_errors(err_cls, loc.url, "cannot read"):
         return bytes(loc.fs.cat_file(loc.path))

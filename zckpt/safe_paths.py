@@ -27,7 +27,6 @@ from zckpt.errors import ZckptError
 ErrorClass = type[ZckptError]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO must not hang
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def link_refused(path: str | os.PathLike[str], err: ErrorClass, param: str | None = None) -> ZckptError:
@@ -134,15 +133,10 @@ def open_write(path: str | os.PathLike[str], flags: int, err: ErrorClass, mode: 
 
 def temp_name(path: Path) -> Path:
     """A temporary name beside ``path`` that nobody can plant in advance (random part);
-    ends in ``.tmp-zckpt`` so that interrupted runs can find and remove it."""
+    ends in ``.tmp-zckpt`` so that interrupted runs can find and remove it. New files
+    (:mod:`zckpt.new_files`) carry one only for the moment of their rename where the system
+    lets them be written unnamed."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp-zckpt")
-
-
-def create_temp(path: Path) -> tuple[BinaryIO, Path]:
-    """A new temporary file beside ``path``, open for writing: created exclusively under
-    :func:`temp_name`, never through a link."""
-    tmp = temp_name(path)
-    return os.fdopen(os.open(tmp, _NEW, 0o644), "wb"), tmp
 
 
 def real_dirs(root: Path, rel: str, err: ErrorClass, *, create: bool = False) -> Path:

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from zckpt import safe_paths
 from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
 from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
@@ -52,6 +51,7 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network, require_mindspore
+from zckpt.new_files import NewFile
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.store import Store
 
@@ -503,13 +503,12 @@ def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> Path:
     if p.is_dir():
         raise UsageError("--out is a directory; give a file name", path=p)
     p.parent.mkdir(parents=True, exist_ok=True)
-    f, tmp = safe_paths.create_temp(p)
+    new = NewFile(p)
     try:
-        with f:
-            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        os.replace(tmp, p)
+        np.save(new.file, np.ascontiguousarray(array), allow_pickle=False)
+        new.publish(fsync=False)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        new.discard()
         raise
     return p
 

@@ -22,10 +22,18 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from zckpt import locks, remote
+from zckpt import locks, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, check_out_dir, output_folders, resume_or_refuse, stage_jobs
+from zckpt.export import (
+    ExportOptions,
+    ExportReport,
+    check_out_dir,
+    finish_output,
+    output_folders,
+    resume_or_refuse,
+    stage_jobs,
+)
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
@@ -194,11 +202,22 @@ def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t
         if maps:
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
+        from zckpt.export_safetensors import safetensors_fingerprint
+
+        fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
+        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
+        if not options.overwrite and out_records.finished_as_recorded(out, fingerprint):
+            return TransformReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         jobs = _safetensors_jobs(jobs, options.overwrite)
         output_folders(out, [p for _, p in jobs])
-    else:
-        jobs = resume_or_refuse(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
-    return _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        out_records.remember_all(out, fingerprint)
+        return report
+    fingerprint = _fingerprint(plan, jobs, options)
+    todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
+    report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in todo], str(out), options, t0)
+    finish_output(None, out, jobs, fingerprint, options.fsync)
+    return replace(report, kept=len(jobs) - len(todo))
 
 
 def transform_rank(
@@ -239,6 +258,8 @@ def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int,
 
 def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
          t0: float) -> TransformReport:
+    if not units:  # a complete directory of this same transform: nothing to read or write
+        return TransformReport(out, (), time.perf_counter() - t0)
     checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
     if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
         checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
@@ -262,7 +283,7 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
                           client=client, label="transform",
                           name=_task_name, progress=options.progress,
                           size=lambda u: by_target[u.target], aside=aside)
-    return TransformReport(out, tuple(results), time.perf_counter() - t0, sum(compared))
+    return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
 
 
 def _task_name(job: DirectJob) -> str:

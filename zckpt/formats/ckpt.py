@@ -32,11 +32,12 @@ from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
-from zckpt import fileio, safe_paths
+from zckpt import fileio
 from zckpt.checksums import RangeCheck, Sink
 from zckpt.dtypes import MS_DTYPES, STRING_TYPE, MsDtype, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats import wire
+from zckpt.new_files import NewFile
 
 CRC_MAGIC = b"crc_num"
 CRC_TRAILER_LEN = len(CRC_MAGIC) + 10
@@ -681,9 +682,10 @@ def _tensor_prefix(dims: tuple[int, ...], ms_type: str, content_len: int) -> byt
 
 
 class CkptWriter:
-    """Writes a ``.ckpt`` entry by entry to a temporary file beside it and renames on :meth:`commit`.
+    """Writes a ``.ckpt`` entry by entry to a new file beside it (:class:`~zckpt.new_files.NewFile`:
+    unnamed where the system allows) and gives it its name on :meth:`commit`.
 
-    Leaving the context without committing (an exception) removes the temporary file. A
+    Leaving the context without committing (an exception) drops the new file. A
     file range that carries checks is checked in the pass that copies it, so a failed check
     raises before the file is committed and leaves nothing under the final name.
     """
@@ -706,8 +708,8 @@ class CkptWriter:
         """Open source files of recent file ranges with their sizes (a job of hundreds of ranks
         copies thousands of ranges out of each file: one open and fstat per file, not per range)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f, self.tmp_path = safe_paths.create_temp(self.path)  # a new file, never a planted link
-        self._f: BinaryIO | None = f
+        self._new = NewFile(self.path)  # unnamed until published where the system allows
+        self._f: BinaryIO | None = self._new.file
 
     def __enter__(self) -> CkptWriter:
         return self
@@ -733,7 +735,7 @@ class CkptWriter:
 
     def _claim(self, name: str) -> None:
         if name in self._names:
-            raise CheckpointFormatError("entry written twice", path=self.tmp_path, param=name)
+            raise CheckpointFormatError("entry written twice", path=self.path, param=name)
         self._names.add(name)
 
     def write_array(self, name: str, ms_type: str, array: np.ndarray) -> None:
@@ -764,7 +766,7 @@ class CkptWriter:
                     nxt = next(block_iter, None)
                     if nxt is None:
                         raise CheckpointFormatError(
-                            f"tensor data ended {need} bytes early", path=self.tmp_path, param=name
+                            f"tensor data ended {need} bytes early", path=self.path, param=name
                         )
                     pending = nxt if isinstance(nxt, FileRange) else _as_le_bytes(nxt, dt)
                 take = min(need, _block_size(pending))
@@ -785,7 +787,7 @@ class CkptWriter:
         )
         if leftover:
             raise CheckpointFormatError(
-                f"tensor data has {leftover} bytes more than shape {dims} needs", path=self.tmp_path, param=name
+                f"tensor data has {leftover} bytes more than shape {dims} needs", path=self.path, param=name
             )
 
     def _copy_range(self, block: FileRange) -> None:
@@ -910,18 +912,15 @@ class CkptWriter:
         f.flush()
         self.size = f.tell()
         if self._publisher is not None:
-            self._publisher.submit(f, self.tmp_path, self.path)
+            self._publisher.submit(self._new)
         else:
-            fileio.publish(f, self.tmp_path, self.path, self._fsync)
+            self._new.publish(self._fsync)
         return self.path
 
     def abort(self) -> None:
         self._close_sources()
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        with contextlib.suppress(FileNotFoundError):
-            self.tmp_path.unlink()
+        self._f = None
+        self._new.discard()
 
 
 OPEN_SOURCES = 64

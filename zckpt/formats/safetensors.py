@@ -28,7 +28,6 @@ MindSpore's loader ignores and zckpt reads back as string entries.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
@@ -42,10 +41,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from zckpt import fileio, safe_paths
 from zckpt.dtypes import STRING_TYPE, ms_dtype
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
+from zckpt.new_files import NewFile
 
 SF_TO_MS: dict[str, str] = {
     "BOOL": "Bool",
@@ -383,12 +382,13 @@ def header_bytes(
 
 
 class SafetensorsWriter:
-    """Writes one ``.safetensors`` file to a temporary file beside it, renamed on :meth:`commit`.
+    """Writes one ``.safetensors`` file as a new file beside it (:class:`~zckpt.new_files.NewFile`:
+    unnamed where the system allows), named on :meth:`commit`.
 
     The tensors are declared up front; their bytes are then streamed with :meth:`write_tensor`
     in :attr:`order` (the header's data order). ``crc`` adds MindSpore's ``crc_num`` to the
     metadata: the header reserves room for it and is rewritten in place once the data are
-    written. Leaving the context on an exception removes the temporary file.
+    written. Leaving the context on an exception drops the new file.
     """
 
     def __init__(
@@ -420,8 +420,8 @@ class SafetensorsWriter:
         self._next = 0
         self.bytes_written = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f, self.tmp_path = safe_paths.create_temp(self.path)  # a new file, never a planted link
-        self._f: BinaryIO | None = f
+        self._new = NewFile(self.path)  # unnamed until published where the system allows
+        self._f: BinaryIO | None = self._new.file
         self._write(self._header)
 
     def __enter__(self) -> SafetensorsWriter:
@@ -442,7 +442,7 @@ class SafetensorsWriter:
         """Stream the next tensor (in :attr:`order`) as consecutive C-order blocks of its bytes."""
         if self._next >= len(self.order) or self.order[self._next].name != name:
             expected = self.order[self._next].name if self._next < len(self.order) else "nothing"
-            raise CheckpointFormatError(f"tensor written out of order (expected {expected})", path=self.tmp_path,
+            raise CheckpointFormatError(f"tensor written out of order (expected {expected})", path=self.path,
                                         param=name)
         t = self.order[self._next]
         dt = ms_dtype(t.ms_type).storage
@@ -450,15 +450,15 @@ class SafetensorsWriter:
         for block in blocks:
             arr = np.asarray(block)
             if arr.dtype.itemsize != dt.itemsize or arr.dtype.kind not in "biuf":
-                raise CheckpointFormatError(f"block dtype {arr.dtype} does not match {t.ms_type}", path=self.tmp_path,
+                raise CheckpointFormatError(f"block dtype {arr.dtype} does not match {t.ms_type}", path=self.path,
                                             param=name)
             raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             if raw.size > need:
-                raise CheckpointFormatError(f"tensor data exceed shape {list(t.shape)}", path=self.tmp_path, param=name)
+                raise CheckpointFormatError(f"tensor data exceed shape {list(t.shape)}", path=self.path, param=name)
             self._write(raw.data)
             need -= raw.size
         if need:
-            raise CheckpointFormatError(f"tensor data ended {need} bytes early", path=self.tmp_path, param=name)
+            raise CheckpointFormatError(f"tensor data ended {need} bytes early", path=self.path, param=name)
         self._next += 1
 
     def commit(self) -> Path:
@@ -466,13 +466,13 @@ class SafetensorsWriter:
         assert self._f is not None, "writer already closed"
         if self._next != len(self.order):
             missing = [t.name for t in self.order[self._next:]]
-            raise CheckpointFormatError(f"{len(missing)} declared tensor(s) never written", path=self.tmp_path,
+            raise CheckpointFormatError(f"{len(missing)} declared tensor(s) never written", path=self.path,
                                         param=missing[0])
         self._f.flush()
         if self._crc:
             self._fill_crc()
-        f, self._f = self._f, None
-        fileio.publish(f, self.tmp_path, self.path, self._fsync)
+        self._f = None
+        self._new.publish(self._fsync)
         return self.path
 
     def _fill_crc(self) -> None:
@@ -483,13 +483,12 @@ class SafetensorsWriter:
         for t in self.order:
             spans.append((t.name, Segment(pos, t.nbytes)))
             pos += t.nbytes
-        with open(self.tmp_path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    crc = mindspore_crc(m, spans)
-            else:
-                crc = mindspore_crc(memoryview(b""), spans)
+        fd = self._f.fileno()  # open for reading too (the file may have no name to open it by)
+        if os.fstat(fd).st_size:
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+                crc = mindspore_crc(m, spans)
+        else:
+            crc = mindspore_crc(memoryview(b""), spans)
         meta = dict(self._meta)
         meta["crc_num"] = str(crc)
         new, _ = header_bytes(self._tensors, meta)
@@ -501,8 +500,5 @@ class SafetensorsWriter:
         self._f.seek(0, os.SEEK_END)
 
     def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        with contextlib.suppress(FileNotFoundError):
-            self.tmp_path.unlink()
+        self._f = None
+        self._new.discard()
