@@ -156,7 +156,8 @@ def test_usage_errors_stay_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["info", "x", "--jsno"], "--jsno (did you mean --json?)"),
     (["export", "s", "--out", "o", "--format", "safetensor"], "did you mean 'safetensors'?"),
     (["ingest", "s", "--store", "o", "--chunk", "3"], "ambiguous option: --chunk; did you mean --chunk-size?"),
-    (["plan", "--src-strategy", "s", "--s", "x"], "could match --src-strategy, --svg, --shape, --src, --storage-option"),
+    (["plan", "--src-strategy", "s", "--s", "x"],
+     "could match --src-strategy, --svg, --shape, --src, --storage-option"),
 ])
 def test_a_misspelt_command_or_option_gets_a_suggestion(argv: list[str], said: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
