@@ -17,10 +17,8 @@ checked_bytes`` of the direct path), the bytes compared between replicas, and an
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -229,27 +227,12 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
 
 def pending_jobs(out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: str,
                  overwrite: bool) -> list[tuple[RankExport, Path]]:
-    """What :func:`zckpt.export.resume_or_refuse` would leave to write, refusing what it
-    refuses, without touching the directory."""
-    from zckpt import locks, safe_paths
-    from zckpt.export import MARKER, _complete_file, check_out_dir, not_ours
+    """What :func:`zckpt.out_dirs.resume_or_refuse` would leave to write, refusing what it
+    refuses (:func:`zckpt.out_dirs.pending_local`), without touching the directory."""
+    from zckpt.out_dirs import check_out_dir, pending_local
 
     check_out_dir(out)
-    todo = jobs
-    if out.is_dir():
-        half = f".{MARKER}."
-        present = [p for p in out.iterdir() if p.name not in (MARKER, locks.OUTPUT_LOCK)
-                   and not (p.name.startswith(half) and p.name.endswith(".tmp-zckpt"))]
-        if present and not overwrite:
-            try:
-                same = json.loads(safe_paths.read_bytes(out / MARKER, OutputError)).get("fingerprint") == fingerprint
-            except OutputError:
-                raise
-            except (OSError, ValueError, AttributeError):
-                same = False
-            if not same:
-                raise OutputError(not_ours(len(present)), path=out)
-            todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
+    todo = pending_local(out, jobs, fingerprint, overwrite).todo
     check_folders(out, [p for _, p in jobs])
     return todo
 
@@ -288,27 +271,15 @@ def free_space(path: Path) -> int:
 
 
 def probe_lock(lock: Path, *, shared: bool, busy: ZckptError) -> None:
-    """Raise ``busy`` where the run would find ``lock`` held the other way
-    (:mod:`zckpt.locks`), without creating the lock file or holding it."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return  # no lock file: nobody holds it (a planted link is the run's to refuse)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise busy from None
-    finally:
-        os.close(fd)
+    from zckpt.locks import probe
+
+    probe(lock, shared=shared, busy=busy)
 
 
 def _output_free(out: Path) -> None:
-    from zckpt.locks import OUTPUT_LOCK
+    from zckpt.locks import probe_output
 
-    probe_lock(out / OUTPUT_LOCK, shared=False, busy=OutputError(
-        "another zckpt export or transform is writing into this directory (lock held): retry when it has finished, "
-        "or choose another directory", path=out))
-
+    probe_output(out)
 
 
 # --- the three commands -------------------------------------------------------------------
@@ -319,7 +290,8 @@ def dry_run_transform(
     ranks: Iterable[int] | None = None, options: TransformOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.transform.transform` up to its first write."""
-    from zckpt.export import check_out_dir, stage_jobs
+    from zckpt.export import stage_jobs
+    from zckpt.out_dirs import check_out_dir
     from zckpt.replicas import compare_replicas
     from zckpt.transform import (
         TransformOptions,
@@ -402,8 +374,9 @@ def dry_run_export(
     ranks: Iterable[int] | None = None, options: ExportOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.export.export` up to its first write (the store is read, not locked)."""
-    from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_dir, output_jobs, plan_export
+    from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_jobs, plan_export
     from zckpt.locks import store_lock_path
+    from zckpt.out_dirs import output_dir
     from zckpt.store import Store
 
     options = options if options is not None else ExportOptions()
@@ -450,20 +423,10 @@ def dry_run_export(
 
 def pending_remote(out: remote.Location, jobs: list[tuple[RankExport, Path]], fingerprint: str,
                    overwrite: bool) -> list[tuple[RankExport, Path]]:
-    """:func:`pending_jobs` for a remote directory (:func:`zckpt.export.resume_or_refuse_remote`)."""
-    from zckpt.export import MARKER, not_ours
+    """:func:`pending_jobs` for a remote directory (:func:`zckpt.out_dirs.pending_remote`)."""
+    from zckpt.out_dirs import pending_remote as pending
 
-    present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
-    if not present or overwrite:
-        return jobs
-    try:
-        same = json.loads(remote.read_bytes(out.child(MARKER), OutputError)).get("fingerprint") == fingerprint
-    except (OutputError, ValueError, AttributeError):
-        same = False
-    if not same:
-        raise OutputError(not_ours(len(present)), path=out.url)
-    files = set(remote.find(out, OutputError))
-    return [(r, p) for r, p in jobs if p.as_posix() not in files]
+    return pending(out, jobs, fingerprint, overwrite).todo
 
 
 def _store_entries(store: Store) -> Entries:

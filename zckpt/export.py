@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from zckpt import locks, out_records, remote, safe_paths
+from zckpt import locks, remote, safe_paths
 from zckpt.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import OutputError, StoreError, UsageError, ZckptError
-from zckpt.fileio import Publisher, disk_full_named, fsync_dir, write_atomic
-from zckpt.formats.ckpt import CkptReader, FileRange
+from zckpt.errors import OutputError, StoreError, UsageError
+from zckpt.fileio import Publisher, disk_full_named
+from zckpt.formats.ckpt import FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import hand_over, helper_for, overlap_beside
 from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
+from zckpt.out_dirs import finish_output, output_dir, resume_or_refuse, resume_or_refuse_remote
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
@@ -303,28 +304,6 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], out_loc: remo
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 
-def output_dir(out_dir: str | Path, storage_options: remote.StorageOptions) -> tuple[remote.Location | None, Path]:
-    """The output directory: ``(None, local path)``, or for a URL its location and its path
-    inside the filesystem (file names are planned on that path, then turned back into URLs)."""
-    if isinstance(out_dir, str) and remote.is_remote(out_dir):
-        loc = remote.locate(out_dir, storage_options, OutputError)
-        if remote.isfile(loc, OutputError):
-            raise OutputError("output path exists and is not a directory", path=out_dir)
-        return loc, Path(loc.path)
-    return None, check_out_dir(remote.local_path(out_dir))
-
-
-def check_out_dir(out: Path) -> Path:
-    """An output directory that can be created or used: a symbolic link to nothing (which
-    ``mkdir`` reports only as a bare "File exists") is refused by name."""
-    if out.is_symlink() and not out.exists():
-        raise OutputError(f"output path is a symbolic link to {os.readlink(out)!r}, which does not exist "
-                          "(create that directory, or give another path)", path=out)
-    if out.exists() and not out.is_dir():
-        raise OutputError("output path exists and is not a directory", path=out)
-    return out
-
-
 def task_name(unit: tuple[RankExport, str]) -> str:
     """How progress names an export task: its rank and file (per-stage parts share a rank)."""
     return f"rank {unit[0].rank} {unit[1].rstrip('/').rsplit('/', 1)[-1]}"
@@ -368,9 +347,6 @@ def write_file(
     return replace(result, path=target)
 
 
-MARKER = ".zckpt-export.json"
-
-
 def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], options: ExportOptions) -> str:
     """Identity of an export: same store content (its layout fingerprint and, since ingest
     ids, the identity of the ingest that wrote it), same files with the same slices."""
@@ -383,157 +359,6 @@ def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], option
         "format": "ckpt",
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def not_ours(count: int) -> str:
-    """Why a destination directory holding other files is refused, and the way out."""
-    what = "1 entry" if count == 1 else f"{count} entries"
-    return (f"destination directory already holds {what} not written by this same export "
-            "(--overwrite replaces them)")
-
-
-def resume_or_refuse(
-    out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: str, overwrite: bool
-) -> list[tuple[RankExport, Path]]:
-    """The files still to write.
-
-    A destination directory that already holds files is refused unless ``overwrite``, or
-    unless it is this same export: interrupted earlier (its marker has this fingerprint),
-    or completed earlier (no marker, and its record outside the directory,
-    :func:`zckpt.out_records.finished_here`, matches what is there). Then files already
-    complete under their final name (the writer names only complete files) and matching
-    the plan are kept, and only the rest are written. A directory with nothing left to
-    write is left exactly as it is.
-    """
-    marker = out / MARKER
-    for half_written in _marker_temps(out):
-        half_written.unlink(missing_ok=True)
-    present = [p for p in out.iterdir() if p.name != MARKER and not _lock_file(p)] if out.is_dir() else []
-    marked = os.path.lexists(marker)
-    todo = jobs
-    if present and not overwrite:
-        if marked:
-            try:
-                same = json.loads(safe_paths.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
-            except OutputError:
-                raise  # a planted link is refused by name, not taken for another export's marker
-            except (OSError, ValueError, AttributeError):
-                same = False
-        else:
-            same = out_records.finished_here(out, _planned(out, jobs), fingerprint)
-        if not same:
-            raise OutputError(not_ours(len(present)), path=out)
-        for stray in out.rglob("*.tmp-zckpt"):
-            stray.unlink(missing_ok=True)
-        todo = [(r, p) for r, p in jobs if not _complete_file(p, r)]
-        if not todo and not marked:
-            return []
-    check_out_dir(out).mkdir(parents=True, exist_ok=True)
-    if not overwrite:  # overwriting runs rewrite everything: nothing to resume
-        write_atomic(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
-    output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
-    return todo
-
-
-def _lock_file(p: Path) -> bool:
-    """The output directory's lock file, where the directory itself cannot be locked
-    (:func:`zckpt.locks.output_writing`); a link of that name is someone else's entry."""
-    return p.name == locks.OUTPUT_LOCK and not p.is_symlink() and p.is_file()
-
-
-def _planned(out: Path, jobs: list[tuple[RankExport, Path]]) -> list[str]:
-    return [p.relative_to(out).as_posix() for _, p in jobs]
-
-
-def finish_output(out_loc: remote.Location | None, out: Path, jobs: list[tuple[RankExport, Path]],
-                  fingerprint: str, fsync: bool = True) -> None:
-    """The last step of a successful export or transform: remember the directory as this
-    job's (outside it: :mod:`zckpt.out_records`), then remove the marker, so that the
-    directory holds the rank files and nothing else of zckpt's."""
-    planned = _planned(out, jobs)
-    if out_loc is not None:
-        wanted = set(planned)
-        sizes = {k: [v] for k, v in _remote_files(out_loc).items() if k in wanted}
-        out_records.remember(out_loc.url, fingerprint, sizes)
-        remote.remove(out_loc.child(MARKER), OutputError)
-        return
-    out_records.remember(out_records.local_key(out), fingerprint, out_records.local_files(out, planned))
-    marker = out / MARKER
-    if os.path.lexists(marker):
-        marker.unlink()
-        if fsync:
-            fsync_dir(out)
-
-
-def _remote_files(out: remote.Location) -> dict[str, int]:
-    """``{path relative to out: size}`` of the files below a remote directory."""
-    base = out.path.rstrip("/") + "/"
-    return {p[len(base):]: n for p, n in remote.file_sizes(out, OutputError).items() if p.startswith(base)}
-
-
-def _marker_temps(out: Path) -> list[Path]:
-    """Temporary files of a marker whose export was killed while writing it: no output was
-    written yet (the marker goes first), so they hold nothing and must not make a rerun of the
-    same export look like another one's directory."""
-    if not out.is_dir():
-        return []
-    prefix = f".{MARKER}."
-    return [p for p in out.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp-zckpt")
-            and p.is_file() and not p.is_symlink()]
-
-
-def resume_or_refuse_remote(
-    out: remote.Location, jobs: list[tuple[RankExport, Path]], fingerprint: str, overwrite: bool
-) -> list[tuple[RankExport, Path]]:
-    """:func:`resume_or_refuse` for a remote directory. A file present under its final name
-    is complete (uploads publish a file only when whole), so resuming skips it unread."""
-    marker = out.child(MARKER)
-    present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
-    marked = remote.exists(marker, OutputError)
-    todo = jobs
-    if present and not overwrite:
-        files = _remote_files(out)
-        if marked:
-            try:
-                same = json.loads(remote.read_bytes(marker, OutputError)).get("fingerprint") == fingerprint
-            except (OutputError, ValueError, AttributeError):
-                same = False
-        else:
-            same = out_records.finished_there(files, _planned(Path(out.path), jobs), out.url, fingerprint)
-        if not same:
-            raise OutputError(not_ours(len(present)), path=out.url)
-        for stray in sorted(f for f in files if f.endswith(".tmp-zckpt")):
-            remote.remove(out.child(stray), OutputError)
-        todo = [(r, p) for r, p in jobs if p.relative_to(out.path).as_posix() not in files]
-        if not todo and not marked:
-            return []
-    if not overwrite:
-        remote.write_bytes(marker, json.dumps({"fingerprint": fingerprint}).encode("utf-8"), OutputError)
-    return todo
-
-
-def output_folders(out: Path, paths: Iterable[Path]) -> None:
-    """Create the folders of ``paths`` below ``out`` (``rank_<r>/``), refusing by name one
-    that is a symbolic link: files written there would land wherever it points."""
-    check_out_dir(out).mkdir(parents=True, exist_ok=True)
-    for folder in sorted({p.parent for p in paths}):
-        if folder != out:
-            safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError, create=True)
-
-
-def _complete_file(path: Path, rank: RankExport) -> bool:
-    """A file written earlier by this export: it parses and holds the planned entries (a
-    symbolic link is not one: it is replaced)."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with CkptReader(path, verify_crc=True) as r:
-            if list(r.entries) != list(rank.names):
-                return False
-            return all(r.entries[s.name].kind != "tensor" or r.entries[s.name].shape == s.box.shape
-                       for s in rank.slices)
-    except ZckptError:
-        return False
 
 
 def output_jobs(store: Store, plan: ExportPlan, out: Path, options: ExportOptions) -> list[tuple[RankExport, Path]]:

@@ -44,7 +44,6 @@ from zckpt.export import (
     StoreReader,
     export_fingerprint,
     export_session,
-    output_folders,
     output_jobs,
     target_name,
     task_name,
@@ -53,6 +52,7 @@ from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWri
 from zckpt.formats.shards import INDEX_SUFFIX
 from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
+from zckpt.out_dirs import output_folders
 from zckpt.plan import ExportPlan, RankExport
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import BoxReader, RankResult

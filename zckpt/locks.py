@@ -124,8 +124,7 @@ def output_writing(out: Path) -> Iterator[None]:
     lock is on the directory itself (the directory the name leads to: a user may name a
     link to it), so nothing of it stays in the directory, even after a ``SIGKILL``."""
     out.mkdir(parents=True, exist_ok=True)
-    busy = OutputError("another zckpt export or transform is writing into this directory (lock held): retry when "
-                       "it has finished, or choose another directory", path=out)
+    busy = output_busy(out)
     try:
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
@@ -144,3 +143,32 @@ def output_writing(out: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def output_busy(out: Path) -> OutputError:
+    return OutputError("another zckpt export or transform is writing into this directory (lock held): retry when "
+                       "it has finished, or choose another directory", path=out)
+
+
+def probe(path: Path, *, shared: bool, busy: ZckptError) -> None:
+    """Raise ``busy`` where a holder of ``path`` (a lock file or a directory) locked the other
+    way would stop a run, without creating anything or keeping the lock (``--dry-run``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # nothing there: nobody holds it (a planted link is the run's to refuse)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise busy from None
+    except OSError:
+        return  # a filesystem without flock: the run falls back to a lock file, probed below
+    finally:
+        os.close(fd)
+
+
+def probe_output(out: Path) -> None:
+    """:func:`output_writing`'s refusal, found without creating or locking anything."""
+    if out.is_dir():
+        probe(out.resolve(), shared=False, busy=output_busy(out))
+        probe(out / OUTPUT_LOCK, shared=False, busy=output_busy(out))

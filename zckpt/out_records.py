@@ -12,7 +12,7 @@ match is simply not used (the directory is then refused, as any other directory 
 files is: ``--overwrite`` replaces them). Records are best effort: where none can be
 written, a rerun on a complete directory is refused instead of recognised.
 
-While a job runs, the marker ``<out>/.zckpt-export.json`` (:data:`zckpt.export.MARKER`)
+While a job runs, the marker ``<out>/.zckpt-export.json`` (:data:`zckpt.out_dirs.MARKER`)
 says which job the directory belongs to, so that a killed job resumes; it is removed as
 the job's last step.
 """

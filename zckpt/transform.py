@@ -25,20 +25,13 @@ from pathlib import Path
 from zckpt import locks, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import (
-    ExportOptions,
-    ExportReport,
-    check_out_dir,
-    finish_output,
-    output_folders,
-    resume_or_refuse,
-    stage_jobs,
-)
+from zckpt.export import ExportOptions, ExportReport, stage_jobs
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import hand_over, helper_for, overlap_beside
 from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
+from zckpt.out_dirs import check_out_dir, finish_output, output_folders, resume_or_refuse
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
 from zckpt.progress import Report, Ticker
