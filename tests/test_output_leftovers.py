@@ -227,3 +227,45 @@ def _marker_of(store: Path, out: Path) -> str:
     st = Store.open(store)
     plan = plan_export(st, str(DST_S))
     return export_fingerprint(st, output_jobs(st, plan, out, zckpt.ExportOptions()), zckpt.ExportOptions())
+
+
+def _damaged_copy(store: Path, tmp_path: Path) -> Path:
+    """A copy of the store with one byte of layer1.weight's chunk data flipped: an export
+    plans and starts, then stops at the checksum of that chunk."""
+    import shutil
+
+    copy = tmp_path / "damaged.zarr"
+    shutil.copytree(store, copy)
+    chunk = max((p for p in (copy / "tensors" / "layer1.weight").rglob("*") if p.is_file() and p.name != "zarr.json"),
+                key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    return copy
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_run_that_fails_before_any_file_leaves_the_directory_as_found(store: Path, tmp_path: Path,
+                                                                        made: bool) -> None:
+    """An export stopped by a damaged chunk before it published a rank file leaves no marker,
+    no empty rank folder, and no output directory it created itself."""
+    out = tmp_path / "out"
+    if made:
+        out.mkdir()
+    assert cli_main(_run("export", out, _damaged_copy(store, tmp_path), "--quiet")) == 1
+    assert out.exists() == made
+    if made:
+        assert _tree(out) == set()
+
+
+def test_a_failed_resume_keeps_the_marker_it_resumes_from(store: Path, tmp_path: Path) -> None:
+    """A rerun of a killed export that fails again keeps the killed run's marker and files:
+    the next rerun still resumes them."""
+    out = tmp_path / "out"
+    zckpt.export(store, out, str(DST_S))
+    (out / ".zckpt-export.json").write_text(json.dumps({"fingerprint": _marker_of(store, out)}))
+    (out / "rank_3" / "checkpoint_3.ckpt").unlink()
+    kept = _tree(out)
+    damaged = _damaged_copy(store, tmp_path)
+    assert cli_main(_run("export", out, damaged, "--quiet")) == 1
+    assert _tree(out) == kept

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from zckpt import locks, remote, safe_paths
+from zckpt import locks, out_dirs, remote, safe_paths
 from zckpt.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
@@ -241,7 +241,7 @@ def export_session(
         plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
         check_coverage(store, plan)
         out_loc, out = output_dir(out_dir, so)
-        with contextlib.nullcontext() if out_loc is not None else locks.output_writing(out):
+        with contextlib.nullcontext() if out_loc is not None else out_dirs.writing(out):
             yield store, plan, out_loc, out
 
 

@@ -13,9 +13,10 @@ zckpt's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,45 @@ def resume_or_refuse(out: Path, jobs: Jobs, fingerprint: str, overwrite: bool) -
         write_atomic(marker_of(out), json.dumps({"fingerprint": fingerprint}).encode("utf-8"))
     output_folders(out, [p for _, p in jobs])  # after the marker: a run killed here resumes
     return pending.todo
+
+
+@contextlib.contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Hold the local output directory ``out`` exclusively (:func:`zckpt.locks.output_writing`)
+    while a run writes it; a run that fails before any rank file is published leaves the
+    directory as it found it: the folders it made, empty, are removed, its marker too (where no
+    earlier run's marker was there to resume), and the directory itself if the run made it."""
+    existed = out.is_dir()
+    before = set(os.listdir(out)) if existed else set()
+    marked = os.path.lexists(out / MARKER)
+    try:
+        with locks.output_writing(out):
+            try:
+                yield
+            except BaseException:
+                _undo(out, before, marked)
+                raise
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty: a failed run that made it
+
+
+def _undo(out: Path, before: set[str], marked: bool) -> None:
+    """The folders a failed run made and left empty are removed; if that leaves nothing new
+    but the marker it wrote, the marker goes too (nothing to resume)."""
+    new = set(os.listdir(out)) - before
+    for name in sorted(new - {MARKER}):
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                path.rmdir()
+                new.discard(name)
+    if new == {MARKER} and not marked:
+        with contextlib.suppress(OSError):
+            (out / MARKER).unlink()
+    with contextlib.suppress(OSError):
+        fsync_dir(out)
 
 
 def marker_of(out: Path) -> Path:

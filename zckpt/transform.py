@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from zckpt import locks, out_records, remote
+from zckpt import out_dirs, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
 from zckpt.export import ExportOptions, ExportReport, stage_jobs
@@ -182,7 +182,7 @@ def transform(
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
-    with locks.output_writing(out):
+    with out_dirs.writing(out):
         return _transform_into(plan, out, options, t0)
 
 
