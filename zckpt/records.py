@@ -69,9 +69,17 @@ def file_name(rank: int) -> str:
     return f"rank_{rank}.json"
 
 
+def canonical(doc: Any) -> bytes:
+    """``doc`` as canonical JSON (sorted keys, no spaces): the same document is the same bytes
+    whichever process wrote it and in whatever order its parts were gathered (threads,
+    workers, the helper process)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
 def encode(rank: int, info: Mapping[str, Any]) -> bytes:
-    """The record file's bytes: ``{"rank": r, "bytes": ..., "crc32c_blocks": ...}`` as compact JSON."""
-    return json.dumps({"rank": rank, **info}, separators=(",", ":")).encode("utf-8")
+    """The record file's bytes: ``{"bytes": ..., "crc32c_blocks": ..., "rank": r, ...}`` as
+    canonical JSON (:func:`canonical`)."""
+    return canonical({"rank": rank, **info})
 
 
 def range_name(first: int, last: int) -> str:
@@ -227,23 +235,29 @@ def local_ranks(root: Path) -> set[int]:
     return out
 
 
-def read_local(root: Path) -> dict[int, dict[str, Any]]:
+def read_local(root: Path, found_in: dict[int, str] | None = None) -> dict[int, dict[str, Any]]:
     """Every record of the local store at ``root``: the files' documents (one rank's or a
-    range's) and the attributes of format-4 groups (``{rank: record}``)."""
+    range's) and the attributes of format-4 groups (``{rank: record}``). ``found_in``
+    receives, per rank, the file its record was read from (relative to ``root``), which
+    errors about that record name."""
     folder = root / FOLDER
     try:
         names = sorted(os.listdir(folder))
     except FileNotFoundError:
         return {}
     out: dict[int, dict[str, Any]] = {}
+    where = {} if found_in is None else found_in
     for n in names:
         if ranks_of(n) is not None:
             path = folder / n
-            out.update(decode_named(safe_paths.read_bytes(path, StoreError), n, str(path)))
+            got_docs = decode_named(safe_paths.read_bytes(path, StoreError), n, str(path))
+            out.update(got_docs)
+            where.update(dict.fromkeys(got_docs, f"{FOLDER}/{n}"))
             continue
         got = rank_of(n)  # not a file: a format-4 group
         meta = folder / n / "zarr.json"
         if got is not None and meta.is_file():
             doc = json.loads(safe_paths.read_bytes(meta, StoreError))
             out.setdefault(got[0], dict(doc.get("attributes") or {}))
+            where.setdefault(got[0], f"{FOLDER}/{n}/zarr.json")
     return out
