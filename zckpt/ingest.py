@@ -43,6 +43,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
+from zckpt.records import GROUP_VERSION, regroup_local
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
@@ -788,6 +789,8 @@ def _run(
                 if helper is not None:
                     helper.close()  # no more writes once this fails: the store may be removed next
                 raise
+        if shared is None and local and store.version >= GROUP_VERSION:  # the files one process writes
+            regroup_local(store.path, [j.rank for j in todo], max(1, -(-len(todo) // RECORD_FILES)))
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
             compared = run_all(compare_replicas, checks, options, client=client, label="verify",

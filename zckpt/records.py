@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,31 @@ def write_many(root: Path, infos: Mapping[int, Mapping[str, Any]]) -> None:
     file written as :func:`write` writes one."""
     for name, data in files_for(infos):
         write_atomic(root / FOLDER / name, data, fsync=False)
+
+
+def regroup_local(root: Path, ranks: Sequence[int], group: int) -> None:
+    """Rewrite the records of ``ranks``, one file each (written by tasks on a cluster), as the
+    files an ingest running in one process writes: ``group`` ranks at a time, in order, each
+    run of consecutive ranks in one file (:func:`files_for`), so that the store is the same
+    bytes however it was written. A group's file is written before its ranks' own files are
+    removed: a crash in between leaves ranks in two files with the same records."""
+    if group <= 1:
+        return
+    folder = root / FOLDER
+    for i in range(0, len(ranks), group):
+        part = list(ranks[i:i + group])
+        infos = {}
+        for r in part:
+            path = folder / file_name(r)
+            infos[r] = {k: v for k, v in decode(safe_paths.read_bytes(path, StoreError), r, str(path)).items()
+                        if k != "rank"}
+        written = set()
+        for name, data in files_for(infos):
+            write_atomic(folder / name, data, fsync=False)
+            written.add(name)
+        for r in part:
+            if file_name(r) not in written:
+                (folder / file_name(r)).unlink(missing_ok=True)
 
 
 def forget(
