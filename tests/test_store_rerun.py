@@ -139,3 +139,17 @@ def test_rerun_with_work_to_do_still_waits_for_readers(job: Job, tmp_path: Path)
     done = _run(*job.ingest_args(store))
     assert done.returncode == 0 and "source rank 2 ingested again" in done.stdout, done.stdout + done.stderr
     assert _run("verify", str(store)).returncode == 0
+
+
+def test_rerun_seals_a_store_marked_complete_without_its_record_digests(job: Job, tmp_path: Path) -> None:
+    """The ``complete`` flag kept but the record digests sealed with it removed: readers refuse
+    the store; a rerun, with every record present and intact, only seals it again."""
+    store = _copy(job, tmp_path)
+    root = json.loads((store / "zarr.json").read_text())
+    del root["attributes"]["zckpt"]["integrity"]["records"]
+    (store / "zarr.json").write_text(json.dumps(root))
+    assert _run("verify", str(store)).returncode == 1
+    again = _run(*job.ingest_args(store))
+    assert again.returncode == 0 and "already complete" not in again.stdout, again.stdout + again.stderr
+    assert _run("verify", str(store)).returncode == 0
+    assert _snapshot(store) == _snapshot(job.store)

@@ -116,6 +116,7 @@ def test_current_format_without_its_seal_is_refused(job: Job, tmp_path: Path) ->
     _refused(_run("export", str(store), "--out", str(out), "--quiet"), *words)
     assert not list(out.rglob("*.ckpt")) if out.exists() else True
     _refused(_run("load", str(store), "--param", "layer1.w", "--out", str(tmp_path / "loaded")), *words)
+    _refused(_run("consolidate", str(store)), *words)
     with pytest.raises(StoreError, match="integrity digests"):
         Store.open(store).check_integrity()
 
@@ -148,6 +149,8 @@ def test_foreign_sharding_is_refused_by_name(job: Job, tmp_path: Path, setting: 
     _refused(_run("export", str(store), "--out", str(tmp_path / "out"), "--quiet"), *words)
     _refused(_run("load", str(store), "--param", "layer1.w", "--out", str(tmp_path / "loaded")), *words)
     _refused(_run("verify", str(store)), *words)
+    _refused(_run("consolidate", str(store)), *words)
+    assert "consolidated_metadata" not in (store / "zarr.json").read_text()
     with pytest.raises(StoreError, match=shown) as err:
         Store.open(store).chunk_info("layer1.w")
     assert err.value.path == str(meta) and err.value.param == "layer1.w"

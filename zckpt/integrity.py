@@ -133,9 +133,16 @@ def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str, *, 
     if seal["manifest"] != manifest_digest(manifest):
         raise StoreError("the manifest differs from the one its ingest wrote (entries, shapes, types or source "
                          "edited or lost): the store is damaged", path=where)
-    if not manifest.get("complete") or not records:
+    if records:
+        check_sealed(manifest, ranks, where)
+
+
+def check_sealed(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> None:
+    """Refuse a complete store whose sealed record digests are missing or list other source
+    ranks than those with a progress record (``ranks``); the manifest itself is not hashed."""
+    if not checked(manifest) or not manifest.get("complete"):
         return
-    sealed_records = seal.get("records")
+    sealed_records = manifest["integrity"].get("records")
     if not isinstance(sealed_records, dict):
         raise StoreError("store is marked complete but its checksum records were never sealed (the flag was not "
                          "set by zckpt): the store is damaged", path=where)

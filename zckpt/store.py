@@ -1046,6 +1046,14 @@ class Store:
                     integrity.check_record(self.manifest, rank, attrs, self.record_where(rank))
             self._trusted = True
 
+    def check_arrays(self) -> None:
+        """Every array's ``zarr.json`` against its manifest entry and what the format requires
+        (which :meth:`chunk_info` checks on first use), for commands that hand the metadata to
+        other readers without reading the data (``consolidate``)."""
+        for e in self.entries():
+            if e.kind != "str" and e.offset is None:
+                self.chunk_info(e.name)
+
     def _damaged_entry(self) -> StoreError | None:
         """Which parameter a manifest that fails its digest got wrong, when its arrays tell:
         an entry whose array disagrees with it, or an array no entry names any more (read
