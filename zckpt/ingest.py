@@ -922,7 +922,8 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: _
                 report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task;
     ``shared``: what the tasks run in the ingest's own process share)."""
-    from zckpt.store import Store, encode_runs
+    from zckpt.records import encode_runs
+    from zckpt.store import Store
 
     if job.target is not None:
         t = job.target

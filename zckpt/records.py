@@ -104,6 +104,22 @@ def encode_range(infos: Mapping[int, Mapping[str, Any]]) -> bytes:
     return ("[" + ",".join(encode(r, infos[r]).decode("utf-8") for r in sorted(infos)) + "]").encode("utf-8")
 
 
+def encode_runs(runs: Iterable[tuple[int, int, Sequence[int]]]) -> str:
+    """A shard's run records as one JSON string (progress groups stay small and quick to
+    parse at hundreds of thousands of runs): ``"<offset>:<length>:<sum>.<sum>... ..."``,
+    offsets and lengths in decimal, each block's CRC-32C as 8 hexadecimal digits."""
+    return " ".join(f"{o}:{n}:" + ".".join(f"{int(v):08x}" for v in sums) for o, n, sums in runs)
+
+
+def decode_runs(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The ``(offset, length, block sums)`` of every run :func:`encode_runs` wrote."""
+    out = []
+    for item in text.split():
+        o, n, sums = item.split(":")
+        out.append((int(o), int(n), tuple(int(v, 16) for v in sums.split("."))))
+    return out
+
+
 def decode_named(data: bytes, name: str, where: str) -> dict[int, dict[str, Any]]:
     """The records of a record file named ``name`` (one rank's or a range's), each checked
     to describe the rank its name says."""

@@ -51,6 +51,7 @@ from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
 from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
+from zckpt.records import decode_runs
 
 if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.zarr_local
     import zarr
@@ -441,22 +442,6 @@ def shard_grid(shape: Sequence[int], chunks: Sequence[int], itemsize: int, targe
     k0 = min(counts[0], max(1, target_bytes // max(1, row)))
     per = (k0, *counts[1:])
     return per if math.prod(per) > 1 else None
-
-
-def encode_runs(runs: Iterable[tuple[int, int, Sequence[int]]]) -> str:
-    """A shard's run records as one JSON string (progress groups stay small and quick to
-    parse at hundreds of thousands of runs): ``"<offset>:<length>:<sum>.<sum>... ..."``,
-    offsets and lengths in decimal, each block's CRC-32C as 8 hexadecimal digits."""
-    return " ".join(f"{o}:{n}:" + ".".join(f"{int(v):08x}" for v in sums) for o, n, sums in runs)
-
-
-def decode_runs(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
-    """The ``(offset, length, block sums)`` of every run :func:`encode_runs` wrote."""
-    out = []
-    for item in text.split():
-        o, n, sums = item.split(":")
-        out.append((int(o), int(n), tuple(int(v, 16) for v in sums.split("."))))
-    return out
 
 
 @dataclass(frozen=True)
