@@ -135,9 +135,10 @@ def _rewrite_records(store: Path, algo: str, of: Callable[[bytes], int]) -> None
         attrs[algo] = {n: {k: of((store / st.entry(n).key / k).read_bytes()) for k in keys}
                        for n, keys in per.items()}
         record.write_text(json.dumps(attrs))
-    meta = store / "zarr.json"  # nor had such stores digests
+    meta = store / "zarr.json"  # nor had such stores digests (nor a format that requires them)
     doc = json.loads(meta.read_text())
     doc["attributes"]["zckpt"].pop("integrity", None)
+    doc["attributes"]["zckpt"]["version"] = 2
     meta.write_text(json.dumps(doc))
 
 

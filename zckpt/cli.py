@@ -360,13 +360,16 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
          "bytes_compared": r.bytes_compared, "seconds": r.seconds, "complete": r.complete,
          "rank_files": {str(k): v for k, v in r.rank_files.items()}, "file_choices": choices_json(choices),
          "same_as_rank0": list(r.same_as_rank0), "left_behind": dict(r.left_behind),
-         "redone": {str(k): v for k, v in r.redone.items()}},
+         "redone": {str(k): v for k, v in r.redone.items()}, "already_complete": r.already_complete,
+         "store_ranks": list(r.store_ranks)},
         a.json,
         source_lines(dict(r.rank_files), choices, r.same_as_rank0)
         + [f"source rank {k} ingested again: {v}" for k, v in sorted(r.redone.items())]
-        + [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
-         f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
-         f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"]
+        + ([f"{r.store}: already complete ({r.tensors} entries from {len(r.store_ranks)} source ranks), nothing to "
+            "do"] if r.already_complete else
+           [f"ingested {r.tensors} entries from {len(r.ranks_read)} source rank(s) into {r.store}",
+            f"{human_bytes(r.bytes_written)} written, {human_bytes(r.bytes_compared)} compared with replicas, "
+            f"{r.seconds:.2f} s ({_rate(r.bytes_written, r.seconds)}), complete: {r.complete}"])
         + ([f"ignored rank file(s) outside the strategy's stages: {list(r.ignored_ranks)}"] if r.ignored_ranks else [])
         + ([partial_line(r.left_behind)] if r.left_behind else []),
         quiet=a.quiet,
@@ -583,7 +586,10 @@ def _verify_args(sub: Any) -> None:
     ver = sub.add_parser("verify", help="re-read a store (and its sources / an export) and report every mismatch")
     ver.add_argument("store", help="zckpt store (a directory or a URL)")
     ver.add_argument("src_dir", nargs="?", help="also compare these local source shards (rank_<r>/*.ckpt) with "
-                                                "the store")
+                                                "the store (same as --sources)")
+    ver.add_argument("--sources", metavar="SRC_DIR", dest="sources",
+                     help="compare the store with the source shards it was ingested from, byte for byte: the check "
+                          "that finds a store edited with its digests recomputed")
     old_spelling(ver, "--strategy", like=ver.add_argument(
         "--src-strategy", dest="strategy", help="source strategy of SRC_DIR (omit: rank_0 is the full model)"))
     _source_args(ver)
@@ -604,6 +610,9 @@ def _verify_args(sub: Any) -> None:
 def _cmd_verify(a: argparse.Namespace) -> int:
     from zckpt.verify import summary_lines, verify
 
+    if a.sources and a.src_dir and a.sources != a.src_dir:
+        raise CommandLineError("SRC_DIR given twice (positional and --sources) with different values")
+    a.src_dir = a.src_dir or a.sources
     if a.strategy and not a.src_dir:
         raise CommandLineError("--src-strategy is the strategy of SRC_DIR, which is not given")
     if (a.file_suffix or a.specify_prefix or a.filter_prefix) and not a.src_dir:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,7 @@ import numpy as np
 
 from zckpt import remote
 from zckpt.dtypes import STRING_TYPE, ms_dtype
-from zckpt.errors import DiskFullError, OutputError, StoreError, UsageError, ZckptError
+from zckpt.errors import DiskFullError, OutputError, StoreError, UsageError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
 from zckpt.plan import RankExport
@@ -270,12 +270,6 @@ def free_space(path: Path) -> int:
     return shutil.disk_usage(at).free
 
 
-def probe_lock(lock: Path, *, shared: bool, busy: ZckptError) -> None:
-    from zckpt.locks import probe
-
-    probe(lock, shared=shared, busy=busy)
-
-
 def _output_free(out: Path) -> None:
     from zckpt.locks import probe_output
 
@@ -375,7 +369,7 @@ def dry_run_export(
 ) -> DryRunReport:
     """:func:`zckpt.export.export` up to its first write (the store is read, not locked)."""
     from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_jobs, plan_export
-    from zckpt.locks import store_lock_path
+    from zckpt.locks import probe_store
     from zckpt.out_dirs import output_dir
     from zckpt.store import Store
 
@@ -385,8 +379,7 @@ def dry_run_export(
     so = options.storage_options
     if not (isinstance(store_path, str) and remote.is_remote(store_path)):
         where = remote.local_path(store_path)
-        probe_lock(store_lock_path(where), shared=True, busy=StoreError(
-            "a zckpt ingest is writing this store (lock held): retry when it has finished", path=where))
+        probe_store(where, shared=True)
     store = Store.open(store_path, storage_options=so)
     store.check_integrity()
     plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
@@ -446,11 +439,11 @@ class _IngestState:
     done: frozenset[int] = field(default_factory=frozenset)
 
 
-def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, rank_files: Mapping[int, str],
-                  storage_options: remote.StorageOptions) -> _IngestState:
+def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, required: Set[int],
+                  rank_files: Mapping[int, str], storage_options: remote.StorageOptions) -> _IngestState:
     """What :func:`zckpt.ingest.open_for_ingest` would find, refusing what it refuses,
     opening the store read-only."""
-    from zckpt.ingest import changed_sources
+    from zckpt.rerun import to_redo, unsealed
     from zckpt.store import Store
 
     if isinstance(target, str):  # a URL
@@ -469,8 +462,8 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, rank_fi
             raise StoreError("exists and is not a zckpt store (--overwrite replaces it)", path=target) from None
         found = existing.manifest.get("fingerprint")
         if found == fingerprint:
-            redone = changed_sources(existing, rank_files)
-            if existing.complete and not redone:
+            redone = to_redo(existing, required, rank_files)
+            if existing.complete and not redone and not unsealed(existing):
                 return _IngestState("complete")
             return _IngestState("resume", frozenset(set(existing.ingested_ranks()) - set(redone)))
         if found is None and not existing.complete:
@@ -482,15 +475,13 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, rank_fi
     return _IngestState("new")
 
 
-def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions) -> None:
+def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions, shared: bool) -> None:
     """The ingest's lock on the store: held by another run, the run would stop there."""
     from zckpt.ingest import LOCK_SUFFIX
-    from zckpt.locks import store_lock_path
+    from zckpt.locks import probe_store
 
     if isinstance(target, Path):
-        probe_lock(store_lock_path(target), shared=False, busy=StoreError(
-            "another zckpt ingest is writing this store, or an export, verify or load is reading it (lock held): "
-            "retry when it has finished", path=store_lock_path(target)))
+        probe_store(target, shared=shared)
         return
     loc = remote.locate(target, storage_options, StoreError)
     lock = loc.sibling(target.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
@@ -546,8 +537,9 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
     layout = store_layout(plan, smap, options, sharded=isinstance(target, Path))
     if isinstance(target, Path):
         layout = _resumable_layout(target, layout, plan, smap, options)
-    _probe_store_lock(target, so)
-    found = _ingest_state(target, layout.fingerprint(), options.overwrite, plan.rank_files, so)
+    required = set(plan.ranks_to_read(verify_replicas=False))
+    found = _ingest_state(target, layout.fingerprint(), options.overwrite, required, plan.rank_files, so)
+    _probe_store_lock(target, so, shared=found.state == "complete")  # a no-op rerun only reads
     specs = {t.name: t for t in layout.tensors}
     reads: list[SourceRead] = []
     compared = 0

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from zckpt import fileio, integrity, locks, packed, remote, safe_paths
+from zckpt import fileio, integrity, locks, packed, remote, rerun, safe_paths
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, crc32c, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
@@ -43,6 +43,7 @@ from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.plan import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
 from zckpt.progress import Report, Ticker
+from zckpt.records import GROUP_VERSION, regroup_local
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs, sample_boxes, spot_checks
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
@@ -144,8 +145,12 @@ class IngestReport:
     left_behind: Mapping[str, Any] = field(default_factory=dict)
     """Pipeline stages, ranks and parameters of rank files outside the strategy's stages (not ingested)."""
     redone: Mapping[int, str] = field(default_factory=dict)
-    """Source ranks ingested before whose file changed since (``{rank: what changed}``):
-    their writes were done again."""
+    """Source ranks ingested before whose file changed since, or whose progress record was
+    missing or damaged (``{rank: why}``): their writes were done again."""
+    already_complete: bool = False
+    """The store already held this whole ingest: nothing was read or written."""
+    store_ranks: tuple[int, ...] = ()
+    """The source ranks the store was ingested from (those read, unless already complete)."""
 
 
 StrategyArg = str | Path | StrategyMap | None
@@ -399,6 +404,11 @@ def _ingest(
     layout = store_layout(plan, smap, options, sharded=not is_remote)
     if not is_remote:
         layout = _resumable_layout(remote.local_path(store_path), layout, plan, smap, options)
+    required = set(plan.ranks_to_read(verify_replicas=False))
+    found = None if is_remote or options.overwrite else \
+        rerun.complete_already(remote.local_path(store_path), layout.fingerprint(), required, plan.rank_files)
+    if found is not None:  # nothing to write: checked under the readers' lock, the writer's never taken
+        return _report(found, prepared, (0, 0, ()), "complete", {}, t0)
     if isinstance(store_path, str) and is_remote:
         lock: contextlib.AbstractContextManager[None] = remote_store_lock(store_path, options.storage_options)
         target: str | Path = store_path
@@ -408,8 +418,8 @@ def _ingest(
         store, state = open_for_ingest(target, layout.fingerprint(), options.overwrite, options.storage_options)
         redone: dict[int, str] = {}
         if state != "new":
-            redone = changed_sources(store, plan.rank_files)
-            if redone:
+            redone = rerun.to_redo(store, required, plan.rank_files)
+            if redone or (state == "complete" and rerun.unsealed(store)):
                 store.unseal()
                 store.forget_ranks(redone)
                 state = "resume"
@@ -418,10 +428,9 @@ def _ingest(
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
                              fingerprint=layout.fingerprint(), shards=layout.shards, packing=layout.packing)
             running = helper[0] if helper else None
-            written, compared, ranks = ((0, 0, ()) if state == "complete"
-                                        else _run(plan, layout, store, options, prepared.indexes, running))
-            complete = not plan.uncovered
-            if complete and state != "complete":
+            done = ((0, 0, ()) if state == "complete"
+                    else _run(plan, layout, store, options, prepared.indexes, running))
+            if not plan.uncovered and state != "complete":
                 store.mark_complete()
         except DiskFullError:
             _drop_temporaries(target)
@@ -435,6 +444,13 @@ def _ingest(
                 raise
             _drop_temporaries(target)
             raise full from None
+    return _report(store, prepared, done, state, redone, t0)
+
+
+def _report(store: Store, prepared: PreparedIngest, done: tuple[int, int, tuple[int, ...]], state: str,
+            redone: dict[int, str], t0: float) -> IngestReport:
+    plan = prepared.plan
+    written, compared, ranks = done
     return IngestReport(
         store=store.url,
         ranks_read=ranks,
@@ -442,7 +458,7 @@ def _ingest(
         bytes_written=written,
         bytes_compared=compared,
         seconds=time.perf_counter() - t0,
-        complete=complete,
+        complete=not plan.uncovered,
         uncovered=plan.uncovered,
         ignored_ranks=plan.ignored_ranks,
         resumed=state == "resume",
@@ -451,20 +467,9 @@ def _ingest(
         same_as_rank0=prepared.same_model.ranks,
         left_behind=plan.left_behind,
         redone=redone,
+        already_complete=state == "complete",
+        store_ranks=tuple(sorted(store.ingested_ranks())) if state == "complete" else ranks,
     )
-
-
-def changed_sources(store: Store, rank_files: Mapping[int, str]) -> dict[int, str]:
-    """Source ranks already ingested whose file is no longer the one read then (its size,
-    time or ends differ from the identity recorded with the rank's progress), with what
-    changed: resuming must redo them rather than keep their old values."""
-    out = {}
-    for rank, record in store.progress_records().items():
-        path = rank_files.get(rank)
-        why = None if path is None else integrity.source_change(record.get("source"), path)
-        if why is not None:
-            out[rank] = why
-    return out
 
 
 def store_lock(path: Path) -> contextlib.AbstractContextManager[None]:
@@ -786,6 +791,8 @@ def _run(
                 if helper is not None:
                     helper.close()  # no more writes once this fails: the store may be removed next
                 raise
+        if shared is None and local and store.version >= GROUP_VERSION:  # the files one process writes
+            regroup_local(store.path, [j.rank for j in todo], max(1, -(-len(todo) // RECORD_FILES)))
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
             compared = run_all(compare_replicas, checks, options, client=client, label="verify",
@@ -917,7 +924,8 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: _
                 report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task;
     ``shared``: what the tasks run in the ingest's own process share)."""
-    from zckpt.store import Store, encode_runs
+    from zckpt.records import encode_runs
+    from zckpt.store import Store
 
     if job.target is not None:
         t = job.target

@@ -22,8 +22,10 @@ export fingerprints, so an output directory exported from an earlier content of 
 is never taken as done.
 
 Digests detect damage and inconsistent edits; they are not signatures (whoever can edit a
-store can recompute them). Stores written before these keys existed (no ``integrity``) are
-read as before.
+store can recompute them: only comparing the store with its sources, ``zckpt verify
+--sources``, finds a consistent forgery). Stores of format 6 and later always carry them
+(:data:`SEALED_VERSION`): one without them was damaged and is refused; only stores that
+declare an older format (written before these keys existed) are read without them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 from collections.abc import Mapping, Set
 from typing import Any
 
+from zckpt import records
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError
 
@@ -42,6 +45,9 @@ MANIFEST_KEYS = ("format", "version", "entries", "source", "fingerprint")
 
 RECORD_KEYS = ("crc32c_blocks", "crc32c", "crc32")
 """Where a progress record keeps its checksums (per block; per chunk in older stores)."""
+
+SEALED_VERSION = 6
+"""The first store format whose every store carries ``integrity`` (digests came during format 5)."""
 
 ENDS_BYTES = 64 * 1024
 """Bytes read at each end of a source file for its identity (headers, first and last data)."""
@@ -65,6 +71,22 @@ def record_digest(record: Mapping[str, Any]) -> str:
 def checked(manifest: Mapping[str, Any]) -> bool:
     """Whether the store carries digests (written by a zckpt that records them)."""
     return isinstance(manifest.get("integrity"), dict)
+
+
+def required(manifest: Mapping[str, Any]) -> bool:
+    """Whether the store's declared format requires digests (:data:`SEALED_VERSION`)."""
+    try:
+        return int(manifest.get("version", 0)) >= SEALED_VERSION
+    except (TypeError, ValueError):
+        return True
+
+
+def _refuse_unsealed(manifest: Mapping[str, Any], where: str) -> None:
+    """Refuse a store whose format requires digests but which has none (removed by hand:
+    without them, edited records and damaged chunks would go unnoticed)."""
+    if not checked(manifest) and required(manifest):
+        raise StoreError(f"the store declares format {manifest.get('version')!r}, whose manifest always carries "
+                         "integrity digests, but it has none (removed?): the store is damaged", path=where)
 
 
 def sealed(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]] | None = None,
@@ -94,13 +116,15 @@ def identity(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any
     return None if records is None else digest(record_digests(records))
 
 
-def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> None:
+def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str, *, records: bool = True) -> None:
     """Refuse a store whose manifest is not the one its ingest wrote: begun but never
     defined (killed before its manifest), edited since, or marked complete without the
-    digests of its checksum records (``ranks``: the source ranks with a progress record)."""
+    digests of its checksum records (``ranks``: the source ranks with a progress record;
+    ``records=False``: the records are not compared, an ingest rerun redoes what they lack)."""
     if manifest.get("fingerprint") is None and not manifest.get("complete"):
         raise StoreError("store is incomplete: its ingest stopped before writing the manifest (no entries); rerun "
                          "the ingest", path=where)
+    _refuse_unsealed(manifest, where)
     if not checked(manifest):
         return
     seal = manifest["integrity"]
@@ -109,25 +133,42 @@ def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> 
     if seal["manifest"] != manifest_digest(manifest):
         raise StoreError("the manifest differs from the one its ingest wrote (entries, shapes, types or source "
                          "edited or lost): the store is damaged", path=where)
-    if not manifest.get("complete"):
+    if records:
+        check_sealed(manifest, ranks, where)
+
+
+def check_sealed(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> None:
+    """Refuse a complete store whose sealed record digests are missing or list other source
+    ranks than those with a progress record (``ranks``); the manifest itself is not hashed."""
+    if not checked(manifest) or not manifest.get("complete"):
         return
-    records = seal.get("records")
-    if not isinstance(records, dict):
+    sealed_records = manifest["integrity"].get("records")
+    if not isinstance(sealed_records, dict):
         raise StoreError("store is marked complete but its checksum records were never sealed (the flag was not "
                          "set by zckpt): the store is damaged", path=where)
-    listed = {int(r) for r in records}
+    listed = {int(r) for r in sealed_records}
     if listed - set(ranks):
-        raise StoreError(f"the checksum records of source rank(s) {sorted(listed - set(ranks))} are missing: the "
-                         "store is damaged", path=where)
+        raise StoreError(missing_records(listed - set(ranks)), path=where)
     if set(ranks) - listed:
         raise StoreError(f"progress records of source rank(s) {sorted(set(ranks) - listed)} were not part of the "
                          "completed ingest: the store is damaged", path=where)
+
+
+def missing_records(ranks: Set[int]) -> str:
+    """The error of source ranks sealed in a complete store whose progress records are gone,
+    naming the files that held them."""
+    shown = sorted(ranks)
+    files = ", ".join(f"{records.FOLDER}/{records.file_name(r)}" for r in shown[:3]) + (", ..." if len(shown) > 3
+                                                                                        else "")
+    return (f"the progress records of source rank(s) {shown} are missing ({files}, or the "
+            f"{records.FOLDER}/ranks_<first>-<last>.json holding them): the store is damaged")
 
 
 def check_record(manifest: Mapping[str, Any], rank: int, record: Mapping[str, Any], where: str, *,
                  digest: bool = True) -> None:
     """Refuse a source rank's progress record that lost its checksums or (``digest``: checked
     against the digest sealed with a complete store) changed since the store was completed."""
+    _refuse_unsealed(manifest, where)
     if not checked(manifest):
         return
     if not any(k in record for k in RECORD_KEYS):
@@ -166,6 +207,38 @@ def check_array(kind: str, ms_type: str, shape: tuple[int, ...], name: str, doc:
             if key in attrs and attrs[key] != want:
                 raise StoreError(f"array attribute {key} is {attrs[key]!r}, the manifest says {want!r}: the store is "
                                  "damaged", path=where, param=name)
+
+
+def check_codecs(codecs: Any, where: str, name: str) -> None:
+    """An array's codecs (its ``zarr.json``) against what zckpt stores hold: a sharded array's
+    single ``sharding_indexed`` codec has raw inner chunks and zckpt's index (little-endian
+    offsets and sizes with a CRC-32C, at the end of the shard). Any other sharding would make
+    zarr read the index from the wrong bytes and fail with an error naming nothing."""
+    if not isinstance(codecs, list | tuple):  # tuples: zarr's own metadata
+        return
+    for c in codecs:
+        if not (isinstance(c, dict) and c.get("name") == "sharding_indexed"):
+            continue
+        conf = c.get("configuration") or {}
+        found = {"index_location": conf.get("index_location", "end"),
+                 "index_codecs": [_codec(x) for x in conf.get("index_codecs") or []],
+                 "codecs": [_codec(x) for x in conf.get("codecs") or []], "codec count": len(codecs)}
+        for key, value in found.items():
+            if value != SHARDING[key]:
+                raise StoreError(f"the sharding codec's {key} is {value!r} where zckpt stores have "
+                                 f"{SHARDING[key]!r}: the store is damaged", path=where, param=name)
+
+
+SHARDING: dict[str, Any] = {"index_location": "end", "index_codecs": [("bytes", "little"), ("crc32c", None)],
+                            "codecs": [("bytes", "little")], "codec count": 1}
+"""The sharding of zckpt's sharded arrays (:func:`check_codecs`), codecs as ``(name, endian)``."""
+
+
+def _codec(doc: Any) -> tuple[Any, Any]:
+    if not isinstance(doc, dict):
+        return (doc, None)
+    endian = (doc.get("configuration") or {}).get("endian")
+    return (doc.get("name"), "little" if doc.get("name") == "bytes" and endian is None else endian)
 
 
 def source_identity(path: str | os.PathLike[str], fd: int | None = None) -> dict[str, Any] | None:

@@ -104,9 +104,7 @@ def store_writing(store: Path) -> contextlib.AbstractContextManager[None]:
     """Exclusive hold of a local store (``zckpt ingest``)."""
     lock = store_lock_path(store)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    busy = StoreError("another zckpt ingest is writing this store, or an export, verify or load is reading it "
-                      "(lock held): retry when it has finished", path=lock)
-    return hold(lock, shared=False, busy=busy, remove=True)
+    return hold(lock, shared=False, busy=store_busy(store, shared=False), remove=True)
 
 
 def store_reading(store: Path) -> contextlib.AbstractContextManager[None]:
@@ -114,8 +112,21 @@ def store_reading(store: Path) -> contextlib.AbstractContextManager[None]:
     lock = store_lock_path(store)
     if not lock.parent.is_dir():
         return contextlib.nullcontext()
-    busy = StoreError("a zckpt ingest is writing this store (lock held): retry when it has finished", path=store)
-    return hold(lock, shared=True, busy=busy, remove=True)
+    return hold(lock, shared=True, busy=store_busy(store, shared=True), remove=True)
+
+
+def store_busy(store: Path, *, shared: bool) -> StoreError:
+    """Why a local store's lock cannot be had: by a reader (``shared``) or by a writer."""
+    if shared:
+        return StoreError("a zckpt ingest is writing this store (lock held): retry when it has finished", path=store)
+    return StoreError("another zckpt ingest is writing this store, or an export, verify or load is reading it "
+                      "(lock held): retry when it has finished", path=store_lock_path(store))
+
+
+def probe_store(store: Path, *, shared: bool) -> None:
+    """:func:`store_reading`'s (``shared``) or :func:`store_writing`'s refusal, found without
+    creating or locking anything."""
+    probe(store_lock_path(store), shared=shared, busy=store_busy(store, shared=shared))
 
 
 @contextmanager

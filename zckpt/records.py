@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,17 @@ def file_name(rank: int) -> str:
     return f"rank_{rank}.json"
 
 
+def canonical(doc: Any) -> bytes:
+    """``doc`` as canonical JSON (sorted keys, no spaces): the same document is the same bytes
+    whichever process wrote it and in whatever order its parts were gathered (threads,
+    workers, the helper process)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
 def encode(rank: int, info: Mapping[str, Any]) -> bytes:
-    """The record file's bytes: ``{"rank": r, "bytes": ..., "crc32c_blocks": ...}`` as compact JSON."""
-    return json.dumps({"rank": rank, **info}, separators=(",", ":")).encode("utf-8")
+    """The record file's bytes: ``{"bytes": ..., "crc32c_blocks": ..., "rank": r, ...}`` as
+    canonical JSON (:func:`canonical`)."""
+    return canonical({"rank": rank, **info})
 
 
 def range_name(first: int, last: int) -> str:
@@ -94,6 +102,22 @@ def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
 def encode_range(infos: Mapping[int, Mapping[str, Any]]) -> bytes:
     """A range file's bytes: the records of its ranks in order, a JSON list."""
     return ("[" + ",".join(encode(r, infos[r]).decode("utf-8") for r in sorted(infos)) + "]").encode("utf-8")
+
+
+def encode_runs(runs: Iterable[tuple[int, int, Sequence[int]]]) -> str:
+    """A shard's run records as one JSON string (progress groups stay small and quick to
+    parse at hundreds of thousands of runs): ``"<offset>:<length>:<sum>.<sum>... ..."``,
+    offsets and lengths in decimal, each block's CRC-32C as 8 hexadecimal digits."""
+    return " ".join(f"{o}:{n}:" + ".".join(f"{int(v):08x}" for v in sums) for o, n, sums in runs)
+
+
+def decode_runs(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The ``(offset, length, block sums)`` of every run :func:`encode_runs` wrote."""
+    out = []
+    for item in text.split():
+        o, n, sums = item.split(":")
+        out.append((int(o), int(n), tuple(int(v, 16) for v in sums.split("."))))
+    return out
 
 
 def decode_named(data: bytes, name: str, where: str) -> dict[int, dict[str, Any]]:
@@ -148,6 +172,31 @@ def write_many(root: Path, infos: Mapping[int, Mapping[str, Any]]) -> None:
     file written as :func:`write` writes one."""
     for name, data in files_for(infos):
         write_atomic(root / FOLDER / name, data, fsync=False)
+
+
+def regroup_local(root: Path, ranks: Sequence[int], group: int) -> None:
+    """Rewrite the records of ``ranks``, one file each (written by tasks on a cluster), as the
+    files an ingest running in one process writes: ``group`` ranks at a time, in order, each
+    run of consecutive ranks in one file (:func:`files_for`), so that the store is the same
+    bytes however it was written. A group's file is written before its ranks' own files are
+    removed: a crash in between leaves ranks in two files with the same records."""
+    if group <= 1:
+        return
+    folder = root / FOLDER
+    for i in range(0, len(ranks), group):
+        part = list(ranks[i:i + group])
+        infos = {}
+        for r in part:
+            path = folder / file_name(r)
+            infos[r] = {k: v for k, v in decode(safe_paths.read_bytes(path, StoreError), r, str(path)).items()
+                        if k != "rank"}
+        written = set()
+        for name, data in files_for(infos):
+            write_atomic(folder / name, data, fsync=False)
+            written.add(name)
+        for r in part:
+            if file_name(r) not in written:
+                (folder / file_name(r)).unlink(missing_ok=True)
 
 
 def forget(
@@ -227,23 +276,29 @@ def local_ranks(root: Path) -> set[int]:
     return out
 
 
-def read_local(root: Path) -> dict[int, dict[str, Any]]:
+def read_local(root: Path, found_in: dict[int, str] | None = None) -> dict[int, dict[str, Any]]:
     """Every record of the local store at ``root``: the files' documents (one rank's or a
-    range's) and the attributes of format-4 groups (``{rank: record}``)."""
+    range's) and the attributes of format-4 groups (``{rank: record}``). ``found_in``
+    receives, per rank, the file its record was read from (relative to ``root``), which
+    errors about that record name."""
     folder = root / FOLDER
     try:
         names = sorted(os.listdir(folder))
     except FileNotFoundError:
         return {}
     out: dict[int, dict[str, Any]] = {}
+    where = {} if found_in is None else found_in
     for n in names:
         if ranks_of(n) is not None:
             path = folder / n
-            out.update(decode_named(safe_paths.read_bytes(path, StoreError), n, str(path)))
+            got_docs = decode_named(safe_paths.read_bytes(path, StoreError), n, str(path))
+            out.update(got_docs)
+            where.update(dict.fromkeys(got_docs, f"{FOLDER}/{n}"))
             continue
         got = rank_of(n)  # not a file: a format-4 group
         meta = folder / n / "zarr.json"
         if got is not None and meta.is_file():
             doc = json.loads(safe_paths.read_bytes(meta, StoreError))
             out.setdefault(got[0], dict(doc.get("attributes") or {}))
+            where.setdefault(got[0], f"{FOLDER}/{n}/zarr.json")
     return out

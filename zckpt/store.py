@@ -51,6 +51,7 @@ from zckpt.errors import StoreError
 from zckpt.formats.strategy import ParamLayout
 from zckpt.layout import Box, tiles
 from zckpt.plan import TensorSpec
+from zckpt.records import decode_runs
 
 if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.zarr_local
     import zarr
@@ -440,22 +441,6 @@ def shard_grid(shape: Sequence[int], chunks: Sequence[int], itemsize: int, targe
     return per if math.prod(per) > 1 else None
 
 
-def encode_runs(runs: Iterable[tuple[int, int, Sequence[int]]]) -> str:
-    """A shard's run records as one JSON string (progress groups stay small and quick to
-    parse at hundreds of thousands of runs): ``"<offset>:<length>:<sum>.<sum>... ..."``,
-    offsets and lengths in decimal, each block's CRC-32C as 8 hexadecimal digits."""
-    return " ".join(f"{o}:{n}:" + ".".join(f"{int(v):08x}" for v in sums) for o, n, sums in runs)
-
-
-def decode_runs(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
-    """The ``(offset, length, block sums)`` of every run :func:`encode_runs` wrote."""
-    out = []
-    for item in text.split():
-        o, n, sums = item.split(":")
-        out.append((int(o), int(n), tuple(int(v, 16) for v in sums.split("."))))
-    return out
-
-
 @dataclass(frozen=True)
 class Run:
     """Consecutive inner chunks of one writer box that are one byte range of a shard file
@@ -630,9 +615,11 @@ class Store:
         self._pack_files: dict[tuple[Path, str], Path] = {}
         self._digested: tuple[dict[str, Any], str] | None = None
         self._manifest: dict[str, Any] | None = None
+        """The manifest as this process last wrote it (local stores: not through zarr)."""
         self._other_attrs: dict[str, Any] | None = None
         """The root group's attributes besides the manifest, as this process last wrote them."""
-        """The manifest as this process last wrote it (local stores: not through zarr)."""
+        self._record_files: dict[int, str] = {}
+        """Per source rank, the file its progress record was read from (for messages)."""
 
     @classmethod
     def attach(
@@ -791,8 +778,7 @@ class Store:
         if self._other_attrs is None:
             self._other_attrs = {k: v for k, v in self.group.attrs.items() if k != "zckpt"}
         doc = {"attributes": {**self._other_attrs, "zckpt": meta}, "zarr_format": 3, "node_type": "group"}
-        fileio.write_atomic(self.path / "zarr.json", json.dumps(doc, separators=(",", ":")).encode("utf-8"),
-                            fsync=False)
+        fileio.write_atomic(self.path / "zarr.json", rank_records.canonical(doc), fsync=False)
         self._manifest = meta
         self._group = None
 
@@ -876,13 +862,16 @@ class Store:
 
                 node = self.group[f"{rank_records.FOLDER}/{name}"]
                 out[got[0]] = dict(node.attrs) if isinstance(node, zarr.Group) else {}
+                self._record_files[got[0]] = f"{rank_records.FOLDER}/{name}/zarr.json"
         if files and read:
             with remote.remote_errors(StoreError, self.url, "cannot read progress records"):
                 fetched = folder.fs.cat([folder.child(n).path for n in files])
             by_name = {str(k).rstrip("/").rsplit("/", 1)[-1]: v for k, v in fetched.items()}
             for name in sorted(files):
-                out.update(rank_records.decode_named(by_name.get(name, b""), name,
-                                                     self.where(rank_records.FOLDER, name)))
+                got_docs = rank_records.decode_named(by_name.get(name, b""), name,
+                                                     self.where(rank_records.FOLDER, name))
+                out.update(got_docs)
+                self._record_files.update(dict.fromkeys(got_docs, f"{rank_records.FOLDER}/{name}"))
         else:
             out.update({rank: {} for first, last in files.values() for rank in range(first, last + 1)})
         return out
@@ -1034,8 +1023,16 @@ class Store:
                 raise StoreError(f"{err.message}; {named.message}", path=named.path, param=named.param) from None
             if integrity.checked(self.manifest):  # each record against its sealed digest, once per command
                 for rank, attrs in self._progress_attributes():
-                    integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"))
+                    integrity.check_record(self.manifest, rank, attrs, self.record_where(rank))
             self._trusted = True
+
+    def check_arrays(self) -> None:
+        """Every array's ``zarr.json`` against its manifest entry and what the format requires
+        (which :meth:`chunk_info` checks on first use), for commands that hand the metadata to
+        other readers without reading the data (``consolidate``)."""
+        for e in self.entries():
+            if e.kind != "str" and e.offset is None:
+                self.chunk_info(e.name)
 
     def _damaged_entry(self) -> StoreError | None:
         """Which parameter a manifest that fails its digest got wrong, when its arrays tell:
@@ -1233,6 +1230,7 @@ class Store:
         doc = {"shape": node.shape, "data_type": _data_type_name(node),
                "attributes": {"zckpt": node.attrs.get("zckpt")}}
         integrity.check_array(e.kind, e.ms_type, e.shape, name, doc, self.where(e.key, "zarr.json"))
+        integrity.check_codecs(node.metadata.to_dict().get("codecs"), self.where(e.key, "zarr.json"), name)
 
     def _keep(self, name: str, node: zarr.Array[Any]) -> zarr.Array[Any]:
         """Cache an opened array as zckpt uses it (bf16 as bits), remembering its stored type."""
@@ -1267,6 +1265,7 @@ class Store:
                     doc = None
                 if doc is not None:
                     integrity.check_array(e.kind, e.ms_type, e.shape, e.name, doc, self.where(e.key, "zarr.json"))
+                    integrity.check_codecs(doc.get("codecs"), self.where(e.key, "zarr.json"), e.name)
             if doc is None and self.location is not None:
                 self.prefetch([name])
                 doc = self.array(name).metadata.to_dict()  # the zarr.json the open just read
@@ -1391,7 +1390,7 @@ class Store:
             plain: dict[str, dict[str, ChunkSums]] = {}
             texts: dict[tuple[str, str], list[str]] = {}
             for rank, attrs in self._progress_attributes():
-                integrity.check_record(self.manifest, rank, attrs, self.where("progress", f"rank_{rank}"),
+                integrity.check_record(self.manifest, rank, attrs, self.record_where(rank),
                                        digest=False)  # digests: once per command, check_integrity
                 blocks: Any = attrs.get("crc32c_blocks", {})
                 if blocks:
@@ -1423,8 +1422,15 @@ class Store:
         through zarr costs more than parsing them)."""
         if self._confined is not None:
             self._confined.folder(rank_records.FOLDER)
-        found = rank_records.read_local(self.path) if self.location is None else self._remote_records(read=True)
+        found = (rank_records.read_local(self.path, self._record_files) if self.location is None
+                 else self._remote_records(read=True))
         return [(r, found[r]) for r in sorted(found)]
+
+    def record_where(self, rank: int) -> str:
+        """The file holding source rank ``rank``'s progress record, as messages name it (a
+        range file, a format-4 group's ``zarr.json``, or the rank's own file)."""
+        return self.where(*self._record_files.get(rank, f"{rank_records.FOLDER}/{rank_records.file_name(rank)}")
+                          .split("/"))
 
     def record_owner(self, name: str) -> str:
         """Under which name the checksum records of entry ``name`` are filed: a packed

@@ -48,6 +48,8 @@ def consolidate(store_path: str | os.PathLike[str], storage_options: remote.Stor
     store = Store.open(store_path, mode="r+", storage_options=storage_options)
     if not store.complete:
         raise StoreError("store is not complete; consolidate it once ingest has finished", path=store.url)
+    store.check_integrity()  # what other readers will be handed must be what zckpt wrote
+    store.check_arrays()
     with warnings.catch_warnings():
         # zarr warns that consolidated metadata is not part of the Zarr v3 specification yet;
         # that is the documented trade-off of this opt-in step.

@@ -10,7 +10,9 @@ the first, so that one run says everything that is wrong:
   every writer's run in it against its record. Problems are named by parameter and chunk
   (or shard) key.
 * **sources** -- every source shard equals its box of the store, byte for byte (the boxes
-  come from the same plan ingest uses), replicas included.
+  come from the same plan ingest uses), replicas included. The store's digests are not keyed
+  (an edit can recompute them); this comparison is what finds such a consistent forgery
+  (``zckpt verify STORE --sources SRC_DIR``).
 * **exports** -- every destination rank file (``.ckpt``, ``.safetensors`` or a split
   safetensors index) holds exactly the entries the export plan gives it, in order (unless
   ``any_order``; safetensors files have no order), with the store's dtype, the slice's
