@@ -114,7 +114,7 @@ def test_cli_reference_matches_the_parser() -> None:
 
 
 TEACHING_PAGES = [ROOT / "README.md", *(DOCS / n for n in ("tutorial.md", "faq.md", "layouts.md", "layout-kinds.md",
-                                                          "dask-cluster.md", "mindspore-api.md"))]
+                                                          "dask-cluster.md", "mindspore-api.md", "store-format.md"))]
 
 
 def _command_lines(text: str) -> list[tuple[str, str]]:

@@ -348,3 +348,20 @@ def test_direct_path_imports_neither_zarr_nor_dask(tmp_path: Path) -> None:
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "out") == []
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "api") == []
+
+
+def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
+    """In one process the replica comparisons run as one merged task; the checks that are only
+    spot-checked by default stay spot-checked there (not compared in full), and the others
+    stay compared in full."""
+    from zckpt.plan import ReplicaCheck
+    from zckpt.replicas import CheckJob
+    from zckpt.transform import merged
+
+    spot = ReplicaCheck("w", 4, Box((0, 0), (64, 64)), (0,), "replica")
+    full = ReplicaCheck("w", 5, Box((0, 0), (64, 64)), (0,), "replica")
+    jobs = [CheckJob(4, (spot,), (), {4: "a"}, {4: {}}, 1, frozenset({spot})),
+            CheckJob(5, (full,), (), {5: "b"}, {5: {}}, 1, frozenset())]
+    (one,) = merged(jobs)
+    assert one.checks == (spot, full)
+    assert one.sampled == frozenset({spot})

@@ -48,8 +48,8 @@ class CheckJob:
     files: Mapping[int, str]
     entries: Mapping[int, Mapping[str, EntryInfo]]
     nbytes: int
-    sampled: frozenset[str] = frozenset()
-    """Entries of ``checks`` only spot-checked (:func:`sample_boxes`), not compared in full."""
+    sampled: frozenset[ReplicaCheck] = frozenset()
+    """The ``checks`` only spot-checked (:func:`sample_boxes`), not compared in full."""
 
 
 def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInfo]], names: set[str] | None,
@@ -58,13 +58,13 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
     parameters shared by pipeline stages; others with ``verify_replicas``), of ``names``
     (``None``: every entry)."""
     by_rank: dict[int, list[ReplicaCheck]] = {}
-    sampled: dict[int, set[str]] = {}
+    sampled: dict[int, set[ReplicaCheck]] = {}
     spot = set() if verify_replicas else spot_checks(source)
     for c in source.checks:
         if (names is None or c.name in names) and (c.required or verify_replicas or c in spot):
             by_rank.setdefault(c.rank, []).append(c)
             if c in spot:
-                sampled.setdefault(c.rank, set()).add(c.name)
+                sampled.setdefault(c.rank, set()).add(c)
     itemsizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in source.tensors if t.kind == "tensor"}
     writes_of: dict[tuple[str, int], Write] = {(w.name, w.rank): w for w in source.writes}
     jobs = []
@@ -175,7 +175,7 @@ def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: in
             continue
         if not c.box.ndim:
             pieces = [common]
-        elif c.name in job.sampled:
+        elif c in job.sampled:
             pieces = sample_boxes(common, itemsize)
         else:
             pieces = c_order_pieces(common, max(1, block_bytes // 4 // itemsize))

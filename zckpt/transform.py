@@ -344,7 +344,8 @@ def merged(jobs: list[CheckJob]) -> list[CheckJob]:
             entries.setdefault(r, {}).update(per)
     writes = tuple(dict.fromkeys(w for j in jobs for w in j.writes))
     return [CheckJob(jobs[0].rank, tuple(c for j in jobs for c in j.checks), writes,
-                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs))]
+                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs),
+                     frozenset(c for j in jobs for c in j.sampled))]
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:
