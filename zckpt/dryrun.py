@@ -477,21 +477,15 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, require
 
 def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions, shared: bool) -> None:
     """The ingest's lock on the store: held by another run, the run would stop there."""
-    from zckpt.ingest import LOCK_SUFFIX
+    from zckpt.ingest import remote_lock_held, remote_store_lock_of
     from zckpt.locks import probe_store
 
     if isinstance(target, Path):
         probe_store(target, shared=shared)
         return
-    loc = remote.locate(target, storage_options, StoreError)
-    lock = loc.sibling(target.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
+    lock = remote_store_lock_of(target, storage_options)
     if remote.isfile(lock, StoreError):
-        try:
-            who = remote.read_bytes(lock, StoreError).decode("utf-8", "replace")
-        except StoreError:
-            who = "?"
-        raise StoreError(f"another zckpt ingest is writing this store (lock object held by {who}); if no ingest "
-                         "is running (one was killed), delete the lock object and rerun to resume", path=lock.url)
+        raise remote_lock_held(lock)
 
 
 def store_file_bytes(layout: StoreLayout) -> int:

@@ -481,21 +481,31 @@ def store_lock(path: Path) -> contextlib.AbstractContextManager[None]:
 LOCK_SUFFIX = ".lock"
 
 
+def remote_store_lock_of(url: str, storage_options: remote.StorageOptions) -> remote.Location:
+    """Where an ingest's lock object on object storage lives: ``<store>.lock`` beside it."""
+    return remote.locate(url, storage_options, StoreError).sibling(url.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
+
+
+def remote_lock_held(loc: remote.Location) -> StoreError:
+    """The refusal of an ingest whose store's lock object exists, naming its holder."""
+    try:
+        who = remote.read_bytes(loc, StoreError).decode("utf-8", "replace")
+    except StoreError:
+        who = "?"
+    return StoreError(f"another zckpt ingest is writing this store (lock object held by {who}); if no ingest "
+                      "is running (one was killed), delete the lock object and rerun to resume", path=loc.url)
+
+
 @contextmanager
 def remote_store_lock(url: str, storage_options: remote.StorageOptions) -> Iterator[None]:
     """Hold ``<store>.lock`` on object storage: an object created only if absent (S3's
     conditional ``If-None-Match: *`` put, which AWS S3 and compatible servers honour; other
     fsspec filesystems check then write, which is not atomic). A lock left by a killed
     ingest is not taken over: the error says which object to delete once no ingest runs."""
-    loc = remote.locate(url, storage_options, StoreError).sibling(url.rstrip("/").rsplit("/", 1)[-1] + LOCK_SUFFIX)
+    loc = remote_store_lock_of(url, storage_options)
     holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode()
     if not remote.create_exclusive(loc, holder, StoreError):
-        try:
-            who = remote.read_bytes(loc, StoreError).decode("utf-8", "replace")
-        except StoreError:
-            who = "?"
-        raise StoreError(f"another zckpt ingest is writing this store (lock object held by {who}); if no ingest "
-                         "is running (one was killed), delete the lock object and rerun to resume", path=loc.url)
+        raise remote_lock_held(loc)
     try:
         yield
     finally:
