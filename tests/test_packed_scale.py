@@ -218,7 +218,9 @@ def test_ingest_of_packed_tensors_killed_anywhere_resumes_to_the_same_store(tmp_
     reference = snapshot(tmp_path / "ref.zarr")
     rng = random.Random(2026)
     killed = 0
-    for trial in range(4):
+    for trial in range(12):  # on a busy machine a run may end before its kill time: try more
+        if killed == 4:
+            break
         store = tmp_path / f"s{trial}.zarr"
         proc = subprocess.Popen(cmd(store), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -229,4 +231,4 @@ def test_ingest_of_packed_tensors_killed_anywhere_resumes_to_the_same_store(tmp_
             killed += 1
         subprocess.run(cmd(store), env=env, check=True)
         assert snapshot(store) == reference, f"trial {trial}: the resumed store differs"
-    assert killed >= 2, f"only {killed} of 4 runs were killed before finishing"
+    assert killed >= 2, f"only {killed} of {trial + 1} runs were killed before finishing"
