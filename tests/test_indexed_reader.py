@@ -11,7 +11,7 @@ import pytest
 
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import open_indexed
+from zckpt.formats.opener import open_indexed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SHARD = EXAMPLE / "src" / "checkpoints" / "rank_3" / "checkpoint_3.ckpt"

@@ -22,7 +22,7 @@ from mindspore_env import require_ms_python, run_ms_tool
 from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_file, expected_rank
 
 import zckpt
-from zckpt.formats.shards import open_shard
+from zckpt.formats.opener import open_shard
 from zckpt.loading import ShardSlicer
 
 pytestmark = pytest.mark.mindspore

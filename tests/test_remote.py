@@ -27,7 +27,7 @@ from zckpt.cli import main as cli_main
 from zckpt.cli import parse_storage_options
 from zckpt.errors import OutputError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import pick_rank_name
+from zckpt.formats.rank_files import pick_rank_name
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, random_layout, write_model
 from zckpt.replicas import SAMPLE_BYTES

@@ -24,8 +24,10 @@ import zckpt
 from zckpt.cli import main
 from zckpt.errors import CheckpointFormatError, OutputError, SourceError
 from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.opener import open_shard
+from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.safetensors import SF_TO_MS, STRING_PREFIX, SafetensorsReader, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import SafetensorsSetReader, open_shard, pick_rank_file
+from zckpt.formats.shard_reader import SafetensorsSetReader
 from zckpt.generate import GeneratedModel
 
 sn = pytest.importorskip("safetensors.numpy", reason="the safetensors package is needed (pip install safetensors)")

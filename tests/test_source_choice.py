@@ -23,7 +23,7 @@ import zckpt
 from zckpt.cli import main as cli_main
 from zckpt.errors import SourceError, UsageError
 from zckpt.formats.ckpt import CkptReader, CkptWriter
-from zckpt.formats.shards import choose_rank_file
+from zckpt.formats.rank_files import choose_rank_file
 from zckpt.ingest import IngestOptions
 from zckpt.store import Store
 

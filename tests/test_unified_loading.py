@@ -19,7 +19,7 @@ import zckpt
 import zckpt.parallel
 from zckpt.errors import SourceError, UsageError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import open_shard
+from zckpt.formats.opener import open_shard
 from zckpt.formats.strategy import read_strategy
 from zckpt.formats.unified import HYPER_FILE
 from zckpt.loading import ShardSlicer, read_rank

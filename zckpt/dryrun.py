@@ -170,7 +170,7 @@ def safetensors_files(rank: RankExport, target: Path, entries: Entries, options:
     sizes: one file, or its parts and their index."""
     from zckpt.export_safetensors import _stem, part_name, split_parts
     from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, TensorHeader, header_bytes
-    from zckpt.formats.shards import INDEX_SUFFIX
+    from zckpt.formats.shard_reader import INDEX_SUFFIX
 
     tensors = [TensorHeader(s.name, entries.ms_types[s.name], s.box.shape) for s in rank.slices
                if entries.kinds[s.name] == "tensor"]

@@ -49,7 +49,7 @@ from zckpt.export import (
     task_name,
 )
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import INDEX_SUFFIX
+from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
 from zckpt.out_dirs import output_folders

@@ -29,15 +29,16 @@ from pathlib import Path
 import numpy as np
 
 from zckpt.errors import CheckpointFormatError, UsageError
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.opener import open_shard
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import open_shard
+from zckpt.formats.shard_reader import ShardReader
 
 BLOCK_BYTES = 64 * 1024 * 1024
 """Most bytes of one tensor in memory at a time while copying."""
 
 
-def _blocks(reader: CkptReader, name: str) -> Iterator[np.ndarray]:
+def _blocks(reader: ShardReader, name: str) -> Iterator[np.ndarray]:
     for _, block in reader.row_blocks(name, BLOCK_BYTES):
         yield block
 

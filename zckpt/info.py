@@ -10,7 +10,7 @@ from typing import Any
 
 from zckpt import remote
 from zckpt.errors import CheckpointFormatError, UsageError
-from zckpt.formats.shards import open_shard, shard_format
+from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.strategy import read_strategy
 
 
@@ -71,7 +71,7 @@ def _describe_file(path: Path, shown: str) -> Described:
 def _describe_dir(path: Path) -> Described:
     """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
     ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
-    from zckpt.formats.shards import pick_rank_file
+    from zckpt.formats.rank_files import pick_rank_file
     from zckpt.source_layouts import discover_other_layout
     from zckpt.sources import discover_sources
 

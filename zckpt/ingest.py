@@ -34,8 +34,9 @@ from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
 from zckpt.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, write_at
-from zckpt.formats.ckpt import CkptReader, EntryInfo
-from zckpt.formats.shards import RankFileChoice
+from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.rank_files import RankFileChoice
+from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
 from zckpt.helper import Helper, hand_over, overlap_beside
 from zckpt.helper import start as start_helper_process
@@ -89,7 +90,7 @@ class IngestOptions:
     file_suffix: str | None = None
     """MindSpore's ``file_suffix``: in each ``rank_<r>`` directory only the checkpoint file
     ending in ``<file_suffix>.ckpt`` (or ``.safetensors``) counts (see
-    :func:`zckpt.formats.shards.choose_rank_file`)."""
+    :func:`zckpt.formats.rank_files.choose_rank_file`)."""
     choice_func: Callable[[str], bool] | None = None
     """MindSpore's ``choice_func``: called with each entry name, ``False`` leaves the entry out
     of the store (it is never read)."""
@@ -1014,7 +1015,7 @@ def _descriptor(reader: object, path: str) -> int | None:
         return None
 
 
-def _write_packed(store: Store, reader: CkptReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
+def _write_packed(store: Store, reader: ShardReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
     """Copy this rank's packed tensors into their byte ranges of the packed arrays."""
     targets = []
     files: dict[tuple[Path, str], Path] = {}
@@ -1055,7 +1056,7 @@ def _written_checksums(
 
 
 def _source_checksums(
-    store: Store, reader: CkptReader, writes: tuple[Write, ...], known: _RankSums
+    store: Store, reader: ShardReader, writes: tuple[Write, ...], known: _RankSums
 ) -> None:
     """Remote stores: CRC-32C of every raw chunk this rank wrote, summed from the source's
     C-order bytes of the chunk (what the ``bytes`` codec stored) instead of downloading the
@@ -1160,7 +1161,7 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
-def _write_runs(batch: _WriteBatch, reader: CkptReader, w: Write, sum_block: int) -> bool:
+def _write_runs(batch: _WriteBatch, reader: ShardReader, w: Write, sum_block: int) -> bool:
     """Fill the box's chunks straight from the source file when the store holds raw chunks
     on a local disk: run by run (:func:`zckpt.store.write_runs`), each one byte range of a
     chunk or shard file. A run whose rows are one byte range of the source is copied through
@@ -1203,7 +1204,7 @@ class _WholeChunk(NamedTuple):
 
 
 def _whole_chunk_copies(
-    store: Store, reader: CkptReader, writes: tuple[Write, ...], limit: int
+    store: Store, reader: ShardReader, writes: tuple[Write, ...], limit: int
 ) -> tuple[list[_WholeChunk], tuple[Write, ...]]:
     """Split a rank's writes into the boxes copied as one whole inner chunk of at most
     ``limit`` bytes (most boxes of a job on hundreds of ranks: 28 800 of 74 KB at 512) and
@@ -1260,7 +1261,7 @@ class _ChunkCopier:
     while another is written, or inline with one. :meth:`finish` waits for every copy and
     returns the sums; leaving the context waits too, so that no copy outlives the source."""
 
-    def __init__(self, reader: CkptReader, threads: int, files: fileio.SharedFiles) -> None:
+    def __init__(self, reader: ShardReader, threads: int, files: fileio.SharedFiles) -> None:
         self.reader = reader  # its file descriptor is taken on the first copy (split sources have none)
         self._src: int | None = None
         self.files = files
@@ -1435,7 +1436,7 @@ class _WriteBatch:
     zarr encodes them; the limit bounds what is in flight.
     """
 
-    def __init__(self, store: Store, limit: int, reader: CkptReader, copier: _ChunkCopier) -> None:
+    def __init__(self, store: Store, limit: int, reader: ShardReader, copier: _ChunkCopier) -> None:
         from zckpt.store import write_runs
 
         self.write_runs = write_runs
@@ -1464,7 +1465,7 @@ class _WriteBatch:
 
 def _write(
     batch: _WriteBatch,
-    reader: CkptReader,
+    reader: ShardReader,
     w: Write,
     chunks: tuple[int, ...],
     block_bytes: int,
@@ -1503,7 +1504,7 @@ def _write(
 
 def _compare(
     store: Store,
-    reader: CkptReader,
+    reader: ShardReader,
     c: ReplicaCheck,
     block_bytes: int,
     files: Mapping[int, str],

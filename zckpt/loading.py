@@ -40,9 +40,10 @@ from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
 from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.opener import open_shard
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import open_shard
+from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
 from zckpt.layout import Box
@@ -65,15 +66,15 @@ class ShardSlicer:
         for w in plan.writes:
             self._writes.setdefault(w.name, []).append((w.rank, w.box))
         self._local = threading.local()
-        self._opened: list[CkptReader] = []
+        self._opened: list[ShardReader] = []
         self._lock = threading.Lock()
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         return self.plan.tensors
 
-    def _reader(self, rank: int) -> CkptReader:
-        readers: dict[int, CkptReader] = self._local.__dict__.setdefault("readers", {})
+    def _reader(self, rank: int) -> ShardReader:
+        readers: dict[int, ShardReader] = self._local.__dict__.setdefault("readers", {})
         if rank not in readers:
             readers[rank] = open_shard(self.plan.rank_files[rank], verify_crc=False)
             with self._lock:

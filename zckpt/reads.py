@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zckpt.dtypes import ms_dtype
-from zckpt.formats.shards import shard_format
+from zckpt.formats.opener import shard_format
 from zckpt.layout import c_order_pieces
 from zckpt.plan import RankExport
 from zckpt.rank_writer import batch_bytes

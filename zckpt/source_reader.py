@@ -25,8 +25,9 @@ import numpy as np
 
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import SourceError
-from zckpt.formats.ckpt import CkptReader, EntryInfo, FileRange
-from zckpt.formats.shards import open_shard, shard_format
+from zckpt.formats.ckpt import EntryInfo, FileRange
+from zckpt.formats.opener import open_shard, shard_format
+from zckpt.formats.shard_reader import ShardReader
 from zckpt.layout import Box, c_order_pieces
 from zckpt.plan import Slice, TensorSpec, Write
 from zckpt.rank_writer import batch_bytes
@@ -121,7 +122,7 @@ class ShardFiles:
         self.files = files
         self.entries = entries
         self._fds: dict[int, int] = {}
-        self._readers: dict[int, CkptReader] = {}
+        self._readers: dict[int, ShardReader] = {}
         self._split: dict[int, bool] = {}
         self._paths: dict[int, Path] = {}
         self._lock = threading.Lock()
@@ -153,7 +154,7 @@ class ShardFiles:
             got = self._paths[rank] = Path(self.files[rank])
         return got
 
-    def reader(self, rank: int) -> CkptReader:
+    def reader(self, rank: int) -> ShardReader:
         """The rank's shard reader (strings, MapParameters, split safetensors ranks)."""
         with self._lock:
             r = self._readers.get(rank)
@@ -250,7 +251,7 @@ class SourceReader:
     def ms_type(self, name: str) -> str:
         return self.boxes.specs[name].ms_type
 
-    def _holder(self, name: str) -> CkptReader:
+    def _holder(self, name: str) -> ShardReader:
         writes = self.boxes.writes.get(name)
         if not writes:
             raise SourceError("no source file holds it", param=name)

@@ -6,7 +6,7 @@ several ``.ckpt`` files the last one in lexicographic order is the checkpoint, a
 are found the same way. Where those rules would be a guess (``net-9_100.ckpt`` against
 ``net-10_100.ckpt``, ranks from different steps) zckpt refuses and asks for MindSpore's
 ``file_suffix``; every choice among several files is kept in :class:`SourceSet` for the
-report (see :func:`zckpt.formats.shards.choose_rank_file`).
+report (see :func:`zckpt.formats.rank_files.choose_rank_file`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,10 @@ from pathlib import Path
 
 from zckpt import remote
 from zckpt.errors import SourceError
-from zckpt.formats.ckpt import CkptReader, EntryInfo
-from zckpt.formats.shards import (
-    INDEX_SUFFIX,
-    RankFileChoice,
-    check_single_format,
-    choose_rank_file,
-    open_indexed,
-    open_shard,
-)
+from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.opener import check_single_format, open_indexed, open_shard
+from zckpt.formats.rank_files import RankFileChoice, choose_rank_file
+from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
 from zckpt.source_layouts import discover_other_layout
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -181,15 +176,15 @@ def check_rank_map(
 def open_source(
     path: SourceFile, storage_options: remote.StorageOptions = None, *, verify_crc: bool = True,
     index: Mapping[str, EntryInfo] | None = None, sparse: bool = False,
-) -> Iterator[CkptReader]:
+) -> Iterator[ShardReader]:
     """Open a source shard, local or remote (a reader context).
 
     A remote shard is first copied to a local temporary file (readers map their file; the
     copy is streamed in blocks and deleted when the reader closes); a split safetensors
     rank brings its parts along. Errors name the URL, not the temporary copy. ``index``:
     the local shard's entries as planning parsed them (not parsed again, see
-    :func:`zckpt.formats.shards.open_indexed`). ``sparse``: opened for its index only
-    (:func:`zckpt.formats.shards.open_shard`).
+    :func:`zckpt.formats.opener.open_indexed`). ``sparse``: opened for its index only
+    (:func:`zckpt.formats.opener.open_shard`).
     """
     if not (isinstance(path, str) and remote.is_remote(path)):
         with open_shard(path, verify_crc=verify_crc, sparse=sparse) if index is None else \

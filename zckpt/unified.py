@@ -39,8 +39,9 @@ from zckpt.errors import SourceError, UsageError
 from zckpt.export import ExportOptions, StoreReader, reading
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import write_atomic
+from zckpt.formats.opener import open_shard
+from zckpt.formats.rank_files import choose_by_suffix, latest_by_numbers
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shards import choose_by_suffix, latest_by_numbers, open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
 from zckpt.ingest import IngestOptions, ingest, load_strategy
@@ -75,7 +76,7 @@ def machine_share(count: int, split_dst_file: tuple[int, int]) -> range:
 
 def collect_rank_files(src_dir: Path, file_suffix: str | None) -> dict[int, Path]:
     """MindSpore's ``_collect_safetensor_files``: ``rank_<r>/*<file_suffix>.safetensors``, several
-    narrowed by :func:`~zckpt.formats.shards.choose_by_suffix` (its ``_find_most_matching_file``)."""
+    narrowed by :func:`~zckpt.formats.rank_files.choose_by_suffix` (its ``_find_most_matching_file``)."""
     out: dict[int, Path] = {}
     for d in sorted(src_dir.glob("rank_[0-9]*")):
         rank = d.name.split("rank_")[-1]

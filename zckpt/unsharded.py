@@ -22,7 +22,8 @@ import numpy as np
 
 from zckpt import remote
 from zckpt.errors import SourceError
-from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.shard_reader import ShardReader
 from zckpt.sources import SourceFile, open_source
 
 _ADVICE = "without a source strategy rank_0 must be the full model; pass the source strategy (--strategy / " \
@@ -71,7 +72,7 @@ def check_same_model(
     return SameModel(tuple(others), compared)
 
 
-def _same_entries(base: CkptReader, other: CkptReader, rank: int, keep: Callable[[str], bool] | None) -> None:
+def _same_entries(base: ShardReader, other: ShardReader, rank: int, keep: Callable[[str], bool] | None) -> None:
     def kept(names: Iterable[str]) -> list[str]:
         return [n for n in names if keep is None or keep(n)]
 
@@ -95,7 +96,7 @@ def _describe(e: EntryInfo) -> str:
     return f"{e.ms_type}{list(e.shape)}" if e.kind == "tensor" else f"a {e.kind}"
 
 
-def _same_bytes(name: str, entry: EntryInfo, base: CkptReader, readers: Mapping[int, CkptReader], block: int) -> int:
+def _same_bytes(name: str, entry: EntryInfo, base: ShardReader, readers: Mapping[int, ShardReader], block: int) -> int:
     """Bytes compared for one entry (its size times the ranks compared)."""
     if entry.kind == "str":
         value: object = base.string(name)

@@ -40,8 +40,8 @@ from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError, ZckptError
 from zckpt.export import reading
-from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.shards import INDEX_SUFFIX, open_shard
+from zckpt.formats.opener import open_shard
+from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.integrity import stored_type_names
 from zckpt.layout import Box
@@ -476,7 +476,7 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[int, ...] | None:
 
 
 def compare_tensor(
-    reader: CkptReader, name: str, arr: Any, box: Box, block_bytes: int
+    reader: ShardReader, name: str, arr: Any, box: Box, block_bytes: int
 ) -> tuple[int, tuple[int, ...] | None]:
     """Compare a file's tensor with the store's region ``box``, band by band.
 
@@ -508,7 +508,7 @@ def _where(index: tuple[int, ...], box: Box) -> str:
 
 def _compare_entry(
     check: str,
-    reader: CkptReader,
+    reader: ShardReader,
     store: Store,
     e: EntryRecord,
     box: Box,

@@ -62,7 +62,7 @@ import numpy as np
 from zckpt.dtypes import ms_name_for_numpy
 from zckpt.errors import CheckpointFormatError, LayoutError, SourceError, StrategyError
 from zckpt.formats.safetensors import MS_METADATA, SafetensorsReader, TensorHeader, header_bytes
-from zckpt.formats.shards import SafetensorsSetReader
+from zckpt.formats.shard_reader import SafetensorsSetReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.layout import resolve
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from zckpt.errors import CheckpointFormatError
 from zckpt.formats.safetensors import SafetensorsReader
-from zckpt.formats.shards import SafetensorsSetReader
+from zckpt.formats.shard_reader import SafetensorsSetReader
 
 MAP_FILE = "param_name_map.json"
 HYPER_FILE = "hyper_param.safetensors"
