@@ -20,7 +20,7 @@ accepted and ignored: in MindSpore 2.10 neither the compiler's slicing
 builds that way. Fixture s20 shows compiled jobs holding the plain slices.
 
 A JSON layout in MindSpore's expanded form is folded here, where the shape is known
-(:func:`zckpt.formats.strategy.fold_layout`).
+(:func:`zckpt.strategy_values.fold_layout`).
 
 Everything here is a pure function of (layout, global shape, rank): no I/O, no state.
 """
@@ -34,7 +34,7 @@ from fractions import Fraction
 from functools import cached_property
 
 from zckpt.errors import LayoutError
-from zckpt.formats.strategy import ParamLayout, fold_candidates, fold_layout
+from zckpt.strategy_values import ParamLayout, fold_candidates, fold_layout
 
 
 @dataclass(frozen=True, order=True)

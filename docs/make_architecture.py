@@ -1,0 +1,168 @@
+"""Draw zckpt's layers from the package itself (``python docs/make_architecture.py``).
+
+The layers are the ``layers`` contract in ``pyproject.toml`` (``lint-imports`` enforces it in
+``.ci/run``); the modules, their sizes and the imports between them are read from the source
+files under ``zckpt/`` with :mod:`ast`, imports inside functions and ``TYPE_CHECKING`` blocks
+included, so the picture shows every import that can run. Each band is a layer, top to
+bottom; each box a module (its width grows with its lines); each arrow on the right counts
+the imports from one layer into a lower one. An import from a layer into a higher one would
+be drawn in red: ``tests/test_architecture.py`` checks there is none, and that
+``docs/img/architecture.svg`` is what this script draws now.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "zckpt"
+PICTURE = ROOT / "docs" / "img" / "architecture.svg"
+
+TITLES = {
+    0: "face: command line, MindSpore-named API",
+    1: "commands: ingest, export, transform, load, verify, info",
+    2: "write and run: rank writers, box readers, engines, output directories",
+    3: "sources and store (independent of each other)",
+    4: "plans: pure layout maths over whole jobs",
+    5: "file formats: .ckpt, safetensors, strategy files, MindFormers, unified",
+    6: "io: files local and remote, checksums, locks, safe paths",
+    7: "core: errors, dtypes, strategy values, sharding maths",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    """Below ``zckpt``: ``export``, ``formats``, or ``__init__`` for the package itself."""
+    lines: int
+    imports: frozenset[str]
+    """The top-level modules of ``zckpt`` it imports (its own name left out)."""
+
+
+def layers(pyproject: Path = ROOT / "pyproject.toml") -> list[list[str]]:
+    """The layers of the ``layers`` contract, top first, each a list of module names."""
+    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        if contract["type"] == "layers":
+            return [[m.strip() for m in layer.replace("|", ":").split(":")] for layer in contract["layers"]]
+    raise SystemExit("pyproject.toml has no layers contract")
+
+
+def top(dotted: str) -> str | None:
+    """``zckpt.formats.ckpt`` -> ``formats``; ``zckpt`` -> ``__init__``; others -> None."""
+    parts = dotted.split(".")
+    if parts[0] != "zckpt":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported(tree: ast.Module) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(t for a in node.names if (t := top(a.name)) is not None)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            t = top(node.module)
+            if t == "__init__":  # from zckpt import fileio, remote: the modules named
+                out.update(a.name for a in node.names if (PACKAGE / f"{a.name}.py").exists()
+                           or (PACKAGE / a.name).is_dir())
+            elif t is not None:
+                out.add(t)
+    return out
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Module]:
+    """Every top-level module of the package (a subpackage counts as one), generated protobuf
+    code left out of the line counts."""
+    found: dict[str, tuple[int, set[str]]] = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        name = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
+        text = path.read_text(encoding="utf-8")
+        lines = 0 if path.name.endswith("_pb2.py") else text.count("\n")
+        n, imp = found.setdefault(name, (0, set()))
+        found[name] = (n + lines, imp | imported(ast.parse(text)))
+    return {k: Module(k, n, frozenset(imp - {k})) for k, (n, imp) in found.items()}
+
+
+def upward(mods: dict[str, Module], bands: list[list[str]]) -> list[tuple[str, str]]:
+    """Imports from a module into a module of a higher layer (none may exist)."""
+    level = {m: i for i, band in enumerate(bands) for m in band}
+    return sorted((m.name, t) for m in mods.values() for t in m.imports
+                  if m.name in level and t in level and level[t] < level[m.name])
+
+
+def svg(mods: dict[str, Module], bands: list[list[str]]) -> str:
+    level = {m: i for i, band in enumerate(bands) for m in band}
+    band_h, gap, left, width = 112, 14, 16, 900
+    arrows_x = left + width + 40
+    total_w = arrows_x + 260
+    out: list[str] = []
+    y = 40
+    tops: list[float] = []
+    for i, band in enumerate(bands):
+        tops.append(y)
+        present = [m for m in band if m in mods]
+        lines = sum(mods[m].lines for m in present) or 1
+        out.append(f"<rect x='{left}' y='{y}' width='{width}' height='{band_h}' fill='#f4f6fa' stroke='#9aa5b8'/>")
+        out.append(f"<text x='{left + 6}' y='{y + 14}' font-size='12' font-weight='bold'>{escape(TITLES.get(i, ''))}"
+                   f" ({lines} lines)</text>")
+        x = left + 6.0
+        usable = width - 12 - 3 * (len(present) - 1)
+        for m in present:
+            w = max(usable * mods[m].lines / lines, 1.0)
+            out.append(f"<rect x='{x:.1f}' y='{y + 22}' width='{w:.1f}' height='{band_h - 28}' fill='#dbe4f3' "
+                       f"stroke='#4a5a78'><title>zckpt.{escape(m)}: {mods[m].lines} lines</title></rect>")
+            if w > 7 * len(m) * 0.62:
+                out.append(f"<text x='{x + w / 2:.1f}' y='{y + 22 + (band_h - 28) / 2 + 4:.1f}' font-size='10' "
+                           f"text-anchor='middle'>{escape(m)}</text>")
+            elif w > 9:
+                out.append(f"<text x='{x + w / 2 + 3:.1f}' y='{y + 26:.1f}' font-size='9' "
+                           f"transform='rotate(90 {x + w / 2 + 3:.1f} {y + 26:.1f})'>{escape(m)}</text>")
+            x += w + 3
+        y += band_h + gap
+    flows: Counter[tuple[int, int]] = Counter()
+    for m in mods.values():
+        for t in m.imports:
+            if m.name in level and t in level and level[m.name] != level[t]:
+                flows[(level[m.name], level[t])] += 1
+    for lane, ((a, b), n) in enumerate(sorted(flows.items(), key=lambda kv: (kv[0][1] - kv[0][0], kv[0]))):
+        up = b < a
+        x = arrows_x + 11 * (lane % 20)
+        y0 = tops[a] + band_h / 2
+        y1 = tops[b] + (band_h / 2 + 8 if up else band_h / 2 - 8)
+        colour = "#c0392b" if up else "#556"
+        out.append(f"<text x='{x + 2}' y='{y0 - 2:.1f}' font-size='8' fill='{colour}'>{n}</text>")
+        out.append(f"<line x1='{x}' y1='{y0:.1f}' x2='{x}' y2='{y1:.1f}' stroke='{colour}' stroke-width='1.2' "
+                   f"marker-end='url(#head{'up' if up else ''})'><title>{n} import(s) from layer {a} into layer "
+                   f"{b}</title></line>")
+    out.append(f"<text x='{arrows_x}' y='30' font-size='11'>imports between layers (count at the importer)</text>")
+    legend = f"{len(mods)} modules, {sum(m.lines for m in mods.values())} lines; arrows point at the layer imported"
+    out.append(f"<text x='{left}' y='26' font-size='13'>zckpt's layers, read from the code ({escape(legend)})</text>")
+    head = (f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_w}' height='{y + 10}' "
+            f"font-family='DejaVu Sans, Arial, sans-serif'>\n<defs>"
+            "<marker id='head' markerWidth='8' markerHeight='8' refX='6' refY='3' orient='auto'>"
+            "<path d='M0,0 L6,3 L0,6 z' fill='#556'/></marker>"
+            "<marker id='headup' markerWidth='8' markerHeight='8' refX='6' refY='3' orient='auto'>"
+            "<path d='M0,0 L6,3 L0,6 z' fill='#c0392b'/></marker></defs>\n")
+    return head + "\n".join(out) + "\n</svg>\n"
+
+
+def picture() -> str:
+    return svg(modules(), layers())
+
+
+def main() -> int:
+    PICTURE.write_text(picture(), encoding="utf-8")
+    print(PICTURE.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""zckpt's layers: every module placed in one, no import into a higher one, and the picture of
+docs/architecture.md as ``docs/make_architecture.py`` draws it from the code now.
+
+``lint-imports`` (``.ci/run``) enforces the same contracts with import-linter; this test
+checks them with :mod:`ast` alone, so it also runs where import-linter is not installed
+(MindSpore's virtualenv), and it fails on a module that no layer names, which import-linter
+would let through unconstrained.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs"))
+
+import make_architecture as arch  # noqa: E402
+
+
+def test_every_module_is_in_exactly_one_layer() -> None:
+    bands = arch.layers()
+    named = [m for band in bands for m in band]
+    assert len(named) == len(set(named)), "a module is named in two layers"
+    unplaced = set(arch.modules()) - set(named) - {"__init__"}
+    assert not unplaced, f"modules in no layer of pyproject.toml's layers contract: {sorted(unplaced)}"
+    gone = set(named) - set(arch.modules())
+    assert not gone, f"layers name modules that do not exist: {sorted(gone)}"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    assert arch.upward(arch.modules(), arch.layers()) == []
+
+
+def test_upward_imports_are_found(tmp_path: Path) -> None:
+    """The check itself: a core module importing a command is reported."""
+    pkg = tmp_path / "zckpt"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "layout.py").write_text("def f():\n    from zckpt.export import x\n")
+    (pkg / "export.py").write_text("from zckpt import layout\n")
+    mods = arch.modules(pkg)
+    assert arch.upward(mods, [["export"], ["layout"]]) == [("layout", "export")]
+
+
+def test_the_picture_is_drawn_from_the_code_as_it_is() -> None:
+    assert arch.PICTURE.read_text(encoding="utf-8") == arch.picture(), \
+        "docs/img/architecture.svg is stale: run python docs/make_architecture.py"
