@@ -441,8 +441,8 @@ def _dry_run_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from zckpt.ingest import load_strategy
     from zckpt.ranklist import rank_arrays_for_transform_maps
+    from zckpt.strategies import load_strategy
 
     if a.file_suffix and not a.src:
         raise CommandLineError("--file-suffix applies to --src SRC_DIR, which is not given")

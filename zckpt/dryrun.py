@@ -37,8 +37,9 @@ from zckpt.reads import SourceRead, band_bytes_of, source_reads
 
 if TYPE_CHECKING:
     from zckpt.export import ExportOptions
-    from zckpt.ingest import IngestOptions, StoreLayout, StrategyArg
+    from zckpt.ingest import IngestOptions, StoreLayout
     from zckpt.store import Store
+    from zckpt.strategies import StrategyArg
     from zckpt.transform import TransformOptions, TransformPlan
 
 

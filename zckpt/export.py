@@ -35,7 +35,6 @@ from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import FileRange
 from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import hand_over, helper_for, overlap_beside
-from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box, c_order_pieces, tiles
 from zckpt.out_dirs import finish_output, output_dir, resume_or_refuse, resume_or_refuse_remote
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
@@ -43,6 +42,7 @@ from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import RankResult, batch_bytes, write_ckpt_rank
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
+from zckpt.strategies import StrategyArg, load_strategy
 
 if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
     from zckpt.store import Checked, Store

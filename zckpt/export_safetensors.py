@@ -50,7 +50,6 @@ from zckpt.export import (
 )
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import INDEX_SUFFIX
-from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
 from zckpt.out_dirs import output_folders
 from zckpt.plan import ExportPlan, RankExport
@@ -58,6 +57,7 @@ from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import BoxReader, RankResult
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
+from zckpt.strategies import StrategyArg
 
 SUFFIX = ".safetensors"
 

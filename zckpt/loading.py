@@ -44,11 +44,12 @@ from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import open_shard
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
-from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
+from zckpt.ingest import plan_ingest
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
 from zckpt.store import Store
+from zckpt.strategies import StrategyArg, load_strategy
 
 Value = np.ndarray | str
 

@@ -43,10 +43,11 @@ from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWri
 from zckpt.formats.shards import choose_by_suffix, latest_by_numbers, open_shard
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
-from zckpt.ingest import IngestOptions, ingest, load_strategy
+from zckpt.ingest import IngestOptions, ingest
 from zckpt.layout import Box
 from zckpt.plan import TensorSpec, state_owner
 from zckpt.store import Store
+from zckpt.strategies import load_strategy
 
 PART_BYTES = 3 * 1024**3
 """MindSpore's target size of one part."""

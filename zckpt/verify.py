@@ -632,7 +632,7 @@ def check_export(
     the order of its entries, which that format does not keep; ``any_order`` accepts
     ``.ckpt`` entries in any order too."""
     from zckpt.export import ExportOptions, output_jobs
-    from zckpt.ingest import load_strategy
+    from zckpt.strategies import load_strategy
 
     try:
         plan = build_export_plan(store.specs(), load_strategy(strategy))
