@@ -369,10 +369,11 @@ def dry_run_export(
     ranks: Iterable[int] | None = None, options: ExportOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.export.export` up to its first write (the store is read, not locked)."""
-    from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_jobs, plan_export
+    from zckpt.export import ExportOptions, export_fingerprint, output_jobs, plan_export
     from zckpt.locks import probe_store
     from zckpt.out_dirs import output_dir
     from zckpt.store import Store
+    from zckpt.store_reader import check_coverage
 
     options = options if options is not None else ExportOptions()
     if options.format not in ("ckpt", "safetensors"):

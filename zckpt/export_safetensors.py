@@ -41,7 +41,6 @@ from zckpt.export import (
     ExportOptions,
     ExportReport,
     PlannedStore,
-    StoreReader,
     export_fingerprint,
     export_session,
     output_jobs,
@@ -57,6 +56,7 @@ from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import BoxReader, RankResult
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader
 from zckpt.strategies import StrategyArg
 
 SUFFIX = ".safetensors"

@@ -39,7 +39,7 @@ import numpy as np
 from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
-from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
+from zckpt.export import ExportOptions
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import open_shard
@@ -49,6 +49,7 @@ from zckpt.layout import Box
 from zckpt.msnet import load_into_network
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader, check_coverage, reading
 from zckpt.strategies import StrategyArg, load_strategy
 
 Value = np.ndarray | str

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions, StoreReader, reading
+from zckpt.export import ExportOptions
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import write_atomic
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
@@ -47,6 +47,7 @@ from zckpt.ingest import IngestOptions, ingest
 from zckpt.layout import Box
 from zckpt.plan import TensorSpec, state_owner
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader, reading
 from zckpt.strategies import load_strategy
 
 PART_BYTES = 3 * 1024**3

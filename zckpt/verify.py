@@ -39,7 +39,6 @@ from zckpt import packed, remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError, ZckptError
-from zckpt.export import reading
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.shards import INDEX_SUFFIX, open_shard
 from zckpt.formats.strategy import StrategyMap
@@ -47,6 +46,7 @@ from zckpt.integrity import stored_type_names
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
 from zckpt.store import Checked, ChunkInfo, EntryRecord, Store
+from zckpt.store_reader import reading
 
 MiB = 1024 * 1024
 
