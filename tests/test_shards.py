@@ -18,7 +18,7 @@ import pytest
 from ckpt_compare import diff_dirs
 
 import zckpt
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from zckpt import remote
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, export, export_rank, plan_export
+from zckpt.export import export, export_rank
+from zckpt.export_job import ExportOptions, plan_export
 from zckpt.formats.strategy import StrategyMap
 from zckpt.ingest import IngestOptions, ingest
 from zckpt.layout import Box

@@ -378,7 +378,8 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from zckpt.export import ExportOptions, export
+    from zckpt.export import export
+    from zckpt.export_job import ExportOptions
 
     budget = _budget(a)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,

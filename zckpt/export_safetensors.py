@@ -37,7 +37,7 @@ import numpy as np
 from zckpt import fileio, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
-from zckpt.export import (
+from zckpt.export_job import (
     ExportOptions,
     ExportReport,
     PlannedStore,

@@ -39,7 +39,7 @@ import numpy as np
 from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shards import open_shard

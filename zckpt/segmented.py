@@ -46,7 +46,7 @@ import numpy as np
 
 from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network, require_mindspore

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # imported where used: importing this module does not load Za
 
 
 class ReadOptions(Protocol):
-    """What a :class:`StoreReader` reads from an export's options (:class:`zckpt.export.ExportOptions`)."""
+    """What a :class:`StoreReader` reads from an export's options (:class:`zckpt.export_job.ExportOptions`)."""
 
     @property
     def block_bytes(self) -> int: ...

@@ -25,7 +25,7 @@ from pathlib import Path
 from zckpt import out_dirs, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, stage_jobs
+from zckpt.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap

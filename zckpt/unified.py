@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import write_atomic
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader

@@ -631,7 +631,7 @@ def check_export(
     (``<prefix><r>.safetensors`` or its split index) is compared the same way, except for
     the order of its entries, which that format does not keep; ``any_order`` accepts
     ``.ckpt`` entries in any order too."""
-    from zckpt.export import ExportOptions, output_jobs
+    from zckpt.export_job import ExportOptions, output_jobs
     from zckpt.strategies import load_strategy
 
     try:
