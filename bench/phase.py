@@ -169,7 +169,8 @@ def main(argv: list[str]) -> None:
                                    overlap=overlap))
         counted = rep.bytes_written + rep.bytes_compared  # each source byte of a written box, read once
     elif phase == "export":
-        from zckpt.export import ExportOptions, export
+        from zckpt.export import export
+        from zckpt.export_job import ExportOptions
         from zckpt.runner import memory_budget
 
         workers = int(args[3]) if len(args) > 3 else 1

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from zckpt.draw import Panel, flow_svg, held_boxes, layout_panel, panels_by_stage, svg, transfer_svg
-from zckpt.export import plan_export
+from zckpt.export_job import plan_export
 from zckpt.formats.strategy import read_strategy
 from zckpt.ingest import IngestOptions, ingest
 from zckpt.plan import without_opt_shard

@@ -256,7 +256,7 @@ def test_failed_export_leaves_no_complete_looking_file(example: Path, tmp_path: 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "s.zarr"
     assert cli_main(_ingest_args(example, store)) == 0
-    from zckpt.export import StoreReader
+    from zckpt.store_reader import StoreReader
 
     calls = {"n": 0}
     real = StoreReader.materialise

@@ -14,11 +14,12 @@ import pytest
 import zckpt
 from zckpt.checksums import BLOCK_BYTES, ChunkSums
 from zckpt.cli import main as cli_main
-from zckpt.export import ExportOptions, StoreReader
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model
 from zckpt.ingest import IngestOptions
+from zckpt.store_reader import StoreReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")

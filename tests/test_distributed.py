@@ -128,8 +128,8 @@ def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None
 def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread workers live in one process: each task gets 1/N of --max-mem's batch size;
     worker processes and remote workers each get the whole."""
-    from zckpt.export import StoreReader
     from zckpt.runner import Engine
+    from zckpt.store_reader import StoreReader
 
     assert Engine(workers=2).share(1 << 20) == 1 << 19
     assert Engine(workers=2, processes=True).share(1 << 20) == 1 << 20

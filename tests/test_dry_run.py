@@ -15,7 +15,8 @@ import pytest
 
 import zckpt
 from zckpt.cli import main as cli_main
-from zckpt.export import ExportOptions, export
+from zckpt.export import export
+from zckpt.export_job import ExportOptions
 from zckpt.formats.strategy import encode_strategy
 from zckpt.generate import TensorDef, random_layout, strategy_of, with_optimizer_states, write_model
 from zckpt.ingest import IngestOptions, ingest

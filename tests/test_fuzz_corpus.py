@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from zckpt.errors import ZckptError
-from zckpt.export import ExportOptions, export
+from zckpt.export import export
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import read_strategy
 from zckpt.ingest import IngestOptions, ingest

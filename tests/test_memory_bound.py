@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 import zckpt
 from zckpt import rank_writer
 from zckpt.cli import parse_size
-from zckpt.export import StoreReader
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model
 from zckpt.layout import Box, c_order_pieces
 from zckpt.runner import memory_budget
 from zckpt.source_reader import SourceReader
+from zckpt.store_reader import StoreReader
 from zckpt.transform import TransformOptions, transform
 
 

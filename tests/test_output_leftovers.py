@@ -222,7 +222,7 @@ def test_a_marker_left_by_a_killed_run_is_resumed_then_removed(store: Path, tmp_
 
 def _marker_of(store: Path, out: Path) -> str:
     """The fingerprint a run of this export writes into its marker."""
-    from zckpt.export import export_fingerprint, output_jobs, plan_export
+    from zckpt.export_job import export_fingerprint, output_jobs, plan_export
     from zckpt.store import Store
 
     st = Store.open(store)

@@ -15,7 +15,7 @@ import pytest
 
 import zckpt
 from zckpt.cli import main as cli_main
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, random_layout, write_model

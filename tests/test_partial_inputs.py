@@ -113,7 +113,7 @@ def test_per_stage_parts_of_a_partial_store_stay_allowed(tmp_path: Path) -> None
     by stage, so a store of stage 0 exports ``_part0`` files holding stage 0's tensors."""
     job = _job(tmp_path)
     ingest(job.root, tmp_path / "s.zarr", _stage0_strategy_dir(job, tmp_path))
-    from zckpt.export import ExportOptions
+    from zckpt.export_job import ExportOptions
 
     export(tmp_path / "s.zarr", tmp_path / "out", _dst_strategy(tmp_path), options=ExportOptions(per_stage=True))
     with CkptReader(tmp_path / "out" / "rank_0" / "checkpoint_0_part0.ckpt") as r:

@@ -15,7 +15,7 @@ import zckpt
 import zckpt.progress as progress
 from zckpt.cli import main as cli_main
 from zckpt.errors import UsageError
-from zckpt.export import ExportOptions
+from zckpt.export_job import ExportOptions
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, write_model
 from zckpt.ingest import IngestOptions

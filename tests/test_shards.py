@@ -18,12 +18,13 @@ import pytest
 from ckpt_compare import diff_dirs
 
 import zckpt
-from zckpt.export import ExportOptions, StoreReader
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.generate import TensorDef, global_value, write_model
 from zckpt.ingest import IngestOptions
 from zckpt.layout import Box
+from zckpt.store_reader import StoreReader
 from zckpt.verify import verify
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         UsageError,
         ZckptError,
     )
-    from zckpt.export import ExportOptions, ExportReport, export
+    from zckpt.export import export
+    from zckpt.export_job import ExportOptions, ExportReport
     from zckpt.file_convert import ckpt_to_safetensors, safetensors_to_ckpt
     from zckpt.ingest import IngestOptions, IngestReport, ingest
     from zckpt.loading import load_distributed_checkpoint
@@ -41,8 +42,8 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
 
 _WHERE = {
     "CheckpointFormatError": "zckpt.errors",
-    "ExportOptions": "zckpt.export",
-    "ExportReport": "zckpt.export",
+    "ExportOptions": "zckpt.export_job",
+    "ExportReport": "zckpt.export_job",
     "IngestOptions": "zckpt.ingest",
     "IngestReport": "zckpt.ingest",
     "LayoutError": "zckpt.errors",

@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from zckpt import remote
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, export, export_rank, plan_export
+from zckpt.export import export, export_rank
+from zckpt.export_job import ExportOptions, plan_export
 from zckpt.formats.strategy import StrategyMap
-from zckpt.ingest import IngestOptions, ingest, load_strategy
+from zckpt.ingest import IngestOptions, ingest
 from zckpt.layout import Box
 from zckpt.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
 from zckpt.out_dirs import check_out_dir
+from zckpt.strategies import load_strategy
 from zckpt.transform import TransformOptions, transform, transform_rank
 from zckpt.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
 

@@ -378,7 +378,8 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from zckpt.export import ExportOptions, export
+    from zckpt.export import export
+    from zckpt.export_job import ExportOptions
 
     budget = _budget(a)
     opts = ExportOptions(prefix=a.prefix, overwrite=a.overwrite, crc=a.crc, block_bytes=budget.block_bytes,
@@ -441,8 +442,8 @@ def _dry_run_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from zckpt.ingest import load_strategy
     from zckpt.ranklist import rank_arrays_for_transform_maps
+    from zckpt.strategies import load_strategy
 
     if a.file_suffix and not a.src:
         raise CommandLineError("--file-suffix applies to --src SRC_DIR, which is not given")

@@ -63,7 +63,7 @@ def check_values(args: argparse.Namespace) -> None:
     """Checks of option values that need zckpt's own rules, made before any file is read: a
     wrong value is a :class:`CommandLineError` (exit 2), as argparse's are."""
     if getattr(args, "command", None) in ("export", "transform"):
-        from zckpt.export import check_prefix
+        from zckpt.export_job import check_prefix
 
         try:
             check_prefix(args.prefix)

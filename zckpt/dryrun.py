@@ -36,9 +36,10 @@ from zckpt.plan import RankExport
 from zckpt.reads import SourceRead, band_bytes_of, source_reads
 
 if TYPE_CHECKING:
-    from zckpt.export import ExportOptions
-    from zckpt.ingest import IngestOptions, StoreLayout, StrategyArg
+    from zckpt.export_job import ExportOptions
+    from zckpt.ingest import IngestOptions, StoreLayout
     from zckpt.store import Store
+    from zckpt.strategies import StrategyArg
     from zckpt.transform import TransformOptions, TransformPlan
 
 
@@ -238,7 +239,7 @@ def pending_jobs(out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: st
 
 
 def check_folders(out: Path, paths: Iterable[Path]) -> None:
-    """:func:`zckpt.export.output_folders`' refusals (a rank folder that is a link or not a
+    """:func:`zckpt.out_dirs.output_folders`' refusals (a rank folder that is a link or not a
     directory), creating nothing."""
     from zckpt import safe_paths
 
@@ -284,7 +285,7 @@ def dry_run_transform(
     ranks: Iterable[int] | None = None, options: TransformOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.transform.transform` up to its first write."""
-    from zckpt.export import stage_jobs
+    from zckpt.export_job import stage_jobs
     from zckpt.out_dirs import check_out_dir
     from zckpt.replicas import compare_replicas
     from zckpt.transform import (
@@ -368,10 +369,11 @@ def dry_run_export(
     ranks: Iterable[int] | None = None, options: ExportOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.export.export` up to its first write (the store is read, not locked)."""
-    from zckpt.export import ExportOptions, check_coverage, export_fingerprint, output_jobs, plan_export
+    from zckpt.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export
     from zckpt.locks import probe_store
     from zckpt.out_dirs import output_dir
     from zckpt.store import Store
+    from zckpt.store_reader import check_coverage
 
     options = options if options is not None else ExportOptions()
     if options.format not in ("ckpt", "safetensors"):

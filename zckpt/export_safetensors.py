@@ -37,11 +37,10 @@ import numpy as np
 from zckpt import fileio, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError
-from zckpt.export import (
+from zckpt.export_job import (
     ExportOptions,
     ExportReport,
     PlannedStore,
-    StoreReader,
     export_fingerprint,
     export_session,
     output_jobs,
@@ -50,7 +49,6 @@ from zckpt.export import (
 )
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import INDEX_SUFFIX
-from zckpt.ingest import StrategyArg
 from zckpt.layout import Box
 from zckpt.out_dirs import output_folders
 from zckpt.plan import ExportPlan, RankExport
@@ -58,6 +56,8 @@ from zckpt.progress import Report, Ticker
 from zckpt.rank_writer import BoxReader, RankResult
 from zckpt.runner import Engine, dask_client, run_all
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader
+from zckpt.strategies import StrategyArg
 
 SUFFIX = ".safetensors"
 

@@ -161,7 +161,7 @@ def store_svg(path: str | os.PathLike[str], name: str, dst_strategy: str | None,
     """``zckpt info STORE --svg``: a parameter's writers and chunk grid in the store, beside
     the boxes a destination strategy gives its ranks (real shapes, from the store)."""
     from zckpt.draw import Panel, held_boxes, store_picture
-    from zckpt.export import plan_export
+    from zckpt.export_job import plan_export
     from zckpt.store import Store
 
     store = Store.open(path, storage_options=storage_options)

@@ -32,12 +32,12 @@ from zckpt import fileio, integrity, locks, packed, remote, rerun, safe_paths
 from zckpt.checksums import BLOCK_BYTES, BlockSummer, block_sums, crc32c, file_sums
 from zckpt.collect import fewer_collections
 from zckpt.dtypes import ms_dtype
-from zckpt.errors import DiskFullError, SourceError, StoreError, StrategyError, UsageError, ZckptError
+from zckpt.errors import DiskFullError, SourceError, StoreError, UsageError, ZckptError
 from zckpt.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, write_at
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.rank_files import RankFileChoice
 from zckpt.formats.shard_reader import ShardReader
-from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
+from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import Helper, hand_over, overlap_beside
 from zckpt.helper import start as start_helper_process
 from zckpt.layout import Box, c_order_pieces, tiles
@@ -49,6 +49,7 @@ from zckpt.replicas import CheckJob, compare_replicas, replica_jobs, sample_boxe
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_layouts import implied_strategy
 from zckpt.sources import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
+from zckpt.strategies import StrategyArg, load_strategy
 from zckpt.unsharded import SameModel, check_same_model
 
 if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
@@ -152,44 +153,6 @@ class IngestReport:
     """The store already held this whole ingest: nothing was read or written."""
     store_ranks: tuple[int, ...] = ()
     """The source ranks the store was ingested from (those read, unless already complete)."""
-
-
-StrategyArg = str | Path | StrategyMap | None
-
-
-def load_strategy(strategy: StrategyArg, storage_options: remote.StorageOptions = None) -> StrategyMap | None:
-    """A strategy file, a directory of per-rank strategy files (local or URLs), a StrategyMap, or None."""
-    if strategy is None or isinstance(strategy, StrategyMap):
-        return strategy
-    if isinstance(strategy, str) and remote.is_remote(strategy):
-        return _load_remote_strategy(strategy, storage_options)
-    p = remote.local_path(strategy)
-    if p.is_dir():
-        files = sorted(p.glob("*.ckpt")) or sorted(p.glob("*.json"))
-        if not files:
-            raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=p)
-        return read_strategies(files)
-    return read_strategy(p)
-
-
-def _load_remote_strategy(url: str, storage_options: remote.StorageOptions) -> StrategyMap:
-    """A strategy file or directory at a URL: copied to a temporary directory and read there;
-    the map names the URLs (they enter the store's manifest and fingerprint)."""
-    loc = remote.locate(url, storage_options, StrategyError)
-    if remote.isdir(loc, StrategyError):
-        names = [n for n, d in remote.listdir(loc, StrategyError) if not d]
-        picked = sorted(n for n in names if n.endswith(".ckpt")) or sorted(n for n in names if n.endswith(".json"))
-        if not picked:
-            raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=url)
-        with (remote.local_dir_copy(url, picked, storage_options, StrategyError) as tmp,
-              remote.named_by_url(tmp, url, children=True)):
-            smap = read_strategies([tmp / n for n in picked])
-        return replace(smap, sources=tuple(loc.child(n).url for n in picked))
-    if not remote.isfile(loc, StrategyError):
-        raise StrategyError("no such strategy file", path=url)
-    with remote.local_copy(url, storage_options, StrategyError) as local, remote.named_by_url(local, url):
-        smap = read_strategy(local)
-    return replace(smap, sources=(url,))
 
 
 def resolve_sources(

@@ -39,17 +39,19 @@ import numpy as np
 from zckpt import safe_paths
 from zckpt.dtypes import ms_dtype, public_array
 from zckpt.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
-from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptWriter
 from zckpt.formats.opener import open_shard
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
-from zckpt.ingest import StrategyArg, load_strategy, plan_ingest
+from zckpt.ingest import plan_ingest
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader, check_coverage, reading
+from zckpt.strategies import StrategyArg, load_strategy
 
 Value = np.ndarray | str
 

@@ -1,7 +1,7 @@
 """The executor: write one destination rank's ``.ckpt`` from any place where boxes live.
 
 A destination file is a list of slices (:class:`~zckpt.plan.RankExport`); where their
-bytes come from is a :class:`BoxReader`. The store (:class:`zckpt.export.StoreReader`)
+bytes come from is a :class:`BoxReader`. The store (:class:`zckpt.store_reader.StoreReader`)
 and the source shards themselves (:class:`zckpt.source_reader.SourceReader`) are two such
 places, so one executor serves ``export`` and the direct ``transform`` alike: a slice the
 reader can hand out as file ranges is copied file to file (:meth:`CkptWriter.write_blocks`),

@@ -46,14 +46,15 @@ import numpy as np
 
 from zckpt.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions, StoreReader, check_coverage, reading
+from zckpt.export_job import ExportOptions
 from zckpt.formats.ckpt import CkptReader, EntryInfo
-from zckpt.ingest import StrategyArg, load_strategy
 from zckpt.layout import Box
 from zckpt.msnet import load_into_network, require_mindspore
 from zckpt.new_files import NewFile
 from zckpt.plan import ExportPlan, RankExport, build_export_plan
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader, check_coverage, reading
+from zckpt.strategies import StrategyArg, load_strategy
 
 Value = np.ndarray | str
 """A loaded entry: a tensor (numpy array; bf16 as ``ml_dtypes.bfloat16``; MapParameter as its encoded bytes) or a

@@ -4,7 +4,7 @@ The ingest plan already says, for every entry, which source rank holds which box
 replica per box (its ``Write``s), and planning indexed every shard: where each entry's
 payload bytes lie. A destination slice is the union of its intersections with those boxes,
 so :class:`SourceReader` serves the executor (:mod:`zckpt.rank_writer`) from the shards
-themselves, the way :class:`zckpt.export.StoreReader` serves it from a store: pieces that
+themselves, the way :class:`zckpt.store_reader.StoreReader` serves it from a store: pieces that
 are whole rows of both the source shard and the destination slice are handed out as byte
 ranges of the shard files (the writer copies them file to file), anything else is read with ``pread``
 and cut into the slice, one band at a time. Tasks never parse a shard again: the indexes

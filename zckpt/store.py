@@ -1011,7 +1011,7 @@ class Store:
         """Refuse (by name) a store whose manifest was never written, was edited since its
         ingest, is marked complete without the sealed digests of its checksum records, or
         whose records lost their checksums or changed since. Once per command: readers call
-        it before planning (:func:`zckpt.export.check_coverage`); tasks that read records
+        it before planning (:func:`zckpt.store_reader.check_coverage`); tasks that read records
         then check only that each rank's checksums are there."""
         if not self._trusted:
             try:

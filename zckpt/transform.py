@@ -25,12 +25,12 @@ from pathlib import Path
 from zckpt import out_dirs, out_records, remote
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import ExportOptions, ExportReport, stage_jobs
+from zckpt.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.fileio import Publisher, disk_full_named
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.helper import hand_over, helper_for, overlap_beside
-from zckpt.ingest import StrategyArg, load_strategy, prepare_ingest
+from zckpt.ingest import prepare_ingest
 from zckpt.out_dirs import check_out_dir, finish_output, output_folders, resume_or_refuse
 from zckpt.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.plan import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
@@ -39,6 +39,7 @@ from zckpt.rank_writer import RankResult, write_ckpt_rank
 from zckpt.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.runner import Engine, dask_client, run_all, wants_overlap
 from zckpt.source_reader import Corners, SourceBoxes, SourceReader
+from zckpt.strategies import StrategyArg, load_strategy
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from zckpt.errors import SourceError, UsageError
-from zckpt.export import ExportOptions, StoreReader, reading
+from zckpt.export_job import ExportOptions
 from zckpt.export_safetensors import _BandStream
 from zckpt.fileio import write_atomic
 from zckpt.formats.opener import open_shard
@@ -44,10 +44,12 @@ from zckpt.formats.rank_files import choose_by_suffix, latest_by_numbers
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
-from zckpt.ingest import IngestOptions, ingest, load_strategy
+from zckpt.ingest import IngestOptions, ingest
 from zckpt.layout import Box
 from zckpt.plan import TensorSpec, state_owner
 from zckpt.store import Store
+from zckpt.store_reader import StoreReader, reading
+from zckpt.strategies import load_strategy
 
 PART_BYTES = 3 * 1024**3
 """MindSpore's target size of one part."""

@@ -39,7 +39,6 @@ from zckpt import packed, remote, safe_paths
 from zckpt.checksums import ChunkSums, file_sums
 from zckpt.dtypes import ms_dtype
 from zckpt.errors import StoreError, ZckptError
-from zckpt.export import reading
 from zckpt.formats.opener import open_shard
 from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
 from zckpt.formats.strategy import StrategyMap
@@ -47,6 +46,7 @@ from zckpt.integrity import stored_type_names
 from zckpt.layout import Box
 from zckpt.plan import build_export_plan
 from zckpt.store import Checked, ChunkInfo, EntryRecord, Store
+from zckpt.store_reader import reading
 
 MiB = 1024 * 1024
 
@@ -631,8 +631,8 @@ def check_export(
     (``<prefix><r>.safetensors`` or its split index) is compared the same way, except for
     the order of its entries, which that format does not keep; ``any_order`` accepts
     ``.ckpt`` entries in any order too."""
-    from zckpt.export import ExportOptions, output_jobs
-    from zckpt.ingest import load_strategy
+    from zckpt.export_job import ExportOptions, output_jobs
+    from zckpt.strategies import load_strategy
 
     try:
         plan = build_export_plan(store.specs(), load_strategy(strategy))
