@@ -5,7 +5,8 @@ fixture s01 (8 -> 4 ranks, optimizer parallel on the destination), ``docs/layout
 the strategy files of fixtures s06 (2 pipeline stages x 4 ranks) and s16 (multi-axis
 tensor maps). Shapes come from the example's real shards (ingested into a temporary store);
 s06 and s16 compile the same network. ``tests/test_pictures.py`` checks the files here are
-what this script draws, and that the drawn boxes are the shards' real shapes.
+what this script draws, and that the drawn boxes are the shards' real shapes. It also draws
+the layers of docs/architecture.md (``make_architecture.py``, from zckpt's own code).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from zckpt.plan import without_opt_shard
 from zckpt.store import Store
 
 DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS))
+import make_architecture  # noqa: E402  (beside this script)
+
 EXAMPLE = DOCS / "example"
 LAYOUTS = DOCS / "layouts"
 SHAPES = {"layer1.weight": (32, 48), "layer2.weight": (48, 48), "layer2.bias": (48,), "layer3.weight": (48, 24)}
@@ -89,6 +93,7 @@ def pictures(work: Path) -> dict[str, str]:
     src = layout_panel("source: dev_matrix (2,4,2), map (None, (mp, sp))", multi.layout(name), SHAPES[name], param=name)
     dst = layout_panel("destination: dev_matrix (4,2), map (y, x)", multi_dst.layout(name), SHAPES[name], param=name)
     out["multi-axis.svg"] = transfer_svg(name, src, dst, rank=0)
+    out[make_architecture.PICTURE.name] = make_architecture.picture()  # zckpt's layers, from its code
     return out
 
 
