@@ -46,3 +46,14 @@ def test_upward_imports_are_found(tmp_path: Path) -> None:
 def test_the_picture_is_drawn_from_the_code_as_it_is() -> None:
     assert arch.PICTURE.read_text(encoding="utf-8") == arch.picture(), \
         "docs/img/architecture.svg is stale: run python docs/make_architecture.py"
+
+
+def test_the_page_lists_each_layer_as_the_contract_does() -> None:
+    """docs/architecture.md's table names, row by row, the modules of each layer (top first)."""
+    import re
+
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line.count("|") == 4
+            and not line.startswith("| layer") and "`" in line.rsplit("|", 2)[1]]
+    listed = [[m.removesuffix("/") for m in re.findall(r"`([a-z0-9_/]+)`", row.rsplit("|", 2)[1])] for row in rows]
+    assert [sorted(x) for x in listed] == [sorted(x) for x in arch.layers()]
