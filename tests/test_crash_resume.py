@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,47 +101,40 @@ def test_ingest_killed_at_random_points_resumes_to_identical_store(job: dict[str
     assert killed >= INGEST_TRIALS // 2, f"only {killed} runs were killed before finishing"
 
 
+def _killed_and_resumed(what: str, cmd: Callable[[Path], list[str]], tmp: Path, ref: Path, trials: int,
+                        seed: int) -> None:
+    """Run ``cmd`` once whole into ``ref``, then ``trials`` times SIGKILLed at a random point and
+    rerun: each rerun ends with the reference files and nothing of zckpt's beside them."""
+    duration = _run(cmd(ref))
+    reference = _snapshot(ref)
+    rng = random.Random(seed)
+    killed = 0
+    for trial in range(trials):
+        out = tmp / f"{what[0]}{trial}"
+        if _kill_after(cmd(out), rng.uniform(0.2, duration)):
+            killed += 1
+            _check_killed(out, reference, trial)
+        _run(cmd(out))
+        assert _snapshot(out) == reference, f"trial {trial}: {what} differs after resume"
+        assert _names(out) == set(reference), f"trial {trial}: the resumed {what} left files of its own"
+        shutil.rmtree(out)
+    print(f"{what}: {killed} of {trials} runs killed mid-way, all resumed to the reference files")
+    assert killed >= trials // 2, f"only {killed} runs were killed before finishing"
+
+
 def test_export_killed_at_random_points_resumes_to_identical_files(job: dict[str, Path]) -> None:
     tmp = job["tmp"]
     store = tmp / "exp.zarr"
     _run(_cli("ingest", str(job["src"]), "--strategy", str(job["strategy"]), "--store", str(store)))
-    cmd = lambda out: _cli("export", str(store), "--strategy", str(job["dst"]), "--out", str(out))  # noqa: E731
-    duration = _run(cmd(tmp / "ref"))
-    reference = _snapshot(tmp / "ref")
-    rng = random.Random(11232026)
-    killed = 0
-    for trial in range(EXPORT_TRIALS):
-        out = tmp / f"o{trial}"
-        if _kill_after(cmd(out), rng.uniform(0.2, duration)):
-            killed += 1
-            _check_killed(out, reference, trial)
-        _run(cmd(out))
-        assert _snapshot(out) == reference, f"trial {trial}: export differs after resume"
-        assert _names(out) == set(reference), f"trial {trial}: the resumed export left files of its own"
-        shutil.rmtree(out)
-    print(f"export: {killed} of {EXPORT_TRIALS} runs killed mid-way, all resumed to the reference files")
-    assert killed >= EXPORT_TRIALS // 2, f"only {killed} runs were killed before finishing"
+    _killed_and_resumed("export", lambda out: _cli("export", str(store), "--strategy", str(job["dst"]), "--out",
+                                                   str(out)), tmp, tmp / "ref", EXPORT_TRIALS, 11232026)
 
 
 def test_transform_killed_at_random_points_resumes_to_identical_files(job: dict[str, Path]) -> None:
     tmp = job["tmp"]
-    cmd = lambda out: _cli("transform", str(job["src"]), "--src-strategy", str(job["strategy"]),  # noqa: E731
-                           "--dst-strategy", str(job["dst"]), "--out", str(out))
-    duration = _run(cmd(tmp / "tref"))
-    reference = _snapshot(tmp / "tref")
-    rng = random.Random(25)
-    killed = 0
-    for trial in range(TRANSFORM_TRIALS):
-        out = tmp / f"t{trial}"
-        if _kill_after(cmd(out), rng.uniform(0.2, duration)):
-            killed += 1
-            _check_killed(out, reference, trial)
-        _run(cmd(out))
-        assert _snapshot(out) == reference, f"trial {trial}: transform differs after resume"
-        assert _names(out) == set(reference), f"trial {trial}: the resumed transform left files of its own"
-        shutil.rmtree(out)
-    print(f"transform: {killed} of {TRANSFORM_TRIALS} runs killed mid-way, all resumed to the reference files")
-    assert killed >= TRANSFORM_TRIALS // 2, f"only {killed} runs were killed before finishing"
+    _killed_and_resumed("transform", lambda out: _cli("transform", str(job["src"]), "--src-strategy",
+                                                      str(job["strategy"]), "--dst-strategy", str(job["dst"]),
+                                                      "--out", str(out)), tmp, tmp / "tref", TRANSFORM_TRIALS, 25)
 
 
 def _names(root: Path) -> set[str]:
