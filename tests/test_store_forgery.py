@@ -13,45 +13,33 @@ anything zckpt's export computes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from store_jobs import StoreJob, run_cli
 
 from zckpt import integrity
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, global_value, random_layout, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.generate import TensorDef, random_layout
+from zckpt.ingest import IngestOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zckpt.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+_run = run_cli
 
 
-class Job:
+class Job(StoreJob):
     def __init__(self, tmp: Path) -> None:
         rng = np.random.default_rng(25)
         defs = [TensorDef(f"layer{i}.w", (64, 32), "Float32", random_layout(rng, (64, 32), 4, allow_opt=False))
                 for i in range(4)]
         defs += [TensorDef(f"bias{i}", (8,), "Float32") for i in range(4)]  # whole on every rank: packed
-        self.model = write_model(tmp / "src", defs, device_num=4)
-        assert self.model.strategy_path is not None
-        self.src = tmp / "src"
-        self.store = tmp / "store.zarr"
-        ingest(self.src, self.store, self.model.strategy_path, IngestOptions(pack_count=1, helper=False))
-
-    def value(self, name: str) -> bytes:
-        t = self.model.tensor(name)
-        return np.ascontiguousarray(global_value(t.name, t.shape, t.ms_type)).tobytes()
+        super().__init__(tmp, defs, 4, IngestOptions(pack_count=1, helper=False))
 
 
 @pytest.fixture(scope="module")

@@ -11,39 +11,29 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from store_jobs import StoreJob, run_cli
 
 from zckpt import locks
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, global_value, random_layout, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.generate import TensorDef, global_value, random_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zckpt.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+_run = run_cli
 
 
-class Job:
+class Job(StoreJob):
     def __init__(self, tmp: Path) -> None:
         rng = np.random.default_rng(71)
-        defs = [TensorDef(f"layer{i}.w", (64, 32), "Float32" if i % 2 else "BFloat16",
-                          random_layout(rng, (64, 32), RANKS, allow_opt=False)) for i in range(6)]
-        self.model = write_model(tmp / "src", defs, device_num=RANKS)
-        assert self.model.strategy_path is not None
-        self.src = tmp / "src"
-        self.store = tmp / "store.zarr"
-        ingest(self.src, self.store, self.model.strategy_path, IngestOptions(helper=False))
+        super().__init__(tmp, [TensorDef(f"layer{i}.w", (64, 32), "Float32" if i % 2 else "BFloat16",
+                                         random_layout(rng, (64, 32), RANKS, allow_opt=False)) for i in range(6)],
+                         RANKS)
 
     def ingest_args(self, store: Path, *extra: str) -> list[str]:
         return ["ingest", str(self.src), "--strategy", str(self.model.strategy_path), "--store", str(store), *extra]
@@ -64,9 +54,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
 
 def _copy(job: Job, tmp: Path) -> Path:
-    store = tmp / "store.zarr"
-    shutil.copytree(job.store, store)
-    return store
+    return job.copy(tmp)
 
 
 def _flip_in_rank(store: Path, rank: int) -> None:

@@ -13,29 +13,24 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from store_jobs import StoreJob, run_cli
 
 from zckpt import records
 from zckpt.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, global_value, random_layout, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.generate import TensorDef, random_layout
 from zckpt.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zckpt.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+_run = run_cli
 
 
 def _refused(proc: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -46,19 +41,11 @@ def _refused(proc: subprocess.CompletedProcess[str], *words: str) -> None:
         assert w in text, (w, text)
 
 
-class Job:
+class Job(StoreJob):
     def __init__(self, tmp: Path) -> None:
         rng = np.random.default_rng(6)
-        defs = [TensorDef(f"layer{i}.w", (64, 32), "Float32", random_layout(rng, (64, 32), 4, allow_opt=False))
-                for i in range(4)]
-        self.model = write_model(tmp / "src", defs, device_num=4)
-        assert self.model.strategy_path is not None
-        self.store = tmp / "store.zarr"
-        ingest(tmp / "src", self.store, self.model.strategy_path, IngestOptions(helper=False))
-
-    def value(self, name: str) -> bytes:
-        t = self.model.tensor(name)
-        return np.ascontiguousarray(global_value(t.name, t.shape, t.ms_type)).tobytes()
+        super().__init__(tmp, [TensorDef(f"layer{i}.w", (64, 32), "Float32",
+                                         random_layout(rng, (64, 32), 4, allow_opt=False)) for i in range(4)], 4)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +54,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
 
 def _copy(job: Job, tmp: Path) -> Path:
-    store = tmp / "store.zarr"
-    shutil.copytree(job.store, store)
-    return store
+    return job.copy(tmp)
 
 
 def _edit_root(store: Path, change: Any) -> None:
