@@ -36,7 +36,7 @@ elif mode == "by-key":
         if e["kind"] == "tensor":
             g[e["key"]]; n += 1
 else:
-    from zckpt.store import Store
+    from zckpt.store.store import Store
     s = Store.open(path); n = 0
     for e in s.entries():
         if e.kind == "tensor":
@@ -55,7 +55,7 @@ MODES = {
 
 def build(root: Path, params: int) -> Path:
     import zckpt
-    from zckpt.generate import TensorDef, write_model
+    from zckpt.jobs.generate import TensorDef, write_model
 
     defs = [TensorDef(f"layers.{i // 10}.p{i % 10}.weight", (4, 8), "Float32") for i in range(params)]
     write_model(root / "src", defs, device_num=1, strategy_format=None)
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
-    from zckpt.store_tools import consolidate
+    from zckpt.store.consolidate import consolidate
 
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         root = Path(tmp)

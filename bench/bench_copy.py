@@ -9,7 +9,7 @@ run, as ``zckpt ingest`` does for each run of a shard. ``--shift`` moves the des
 offsets by that many bytes (a ``.ckpt`` payload and an inner chunk seldom share an
 alignment). Two ways are compared:
 
-* ``read+write``: :func:`zckpt.fileio.copy_range_at`, one read into a buffer, sums, one
+* ``read+write``: :func:`zckpt.io.fileio.copy_range_at`, one read into a buffer, sums, one
   ``pwrite`` (what ingest does);
 * ``kernel+read``: ``copy_file_range`` of the run, then a second read of it for the sums
   (what ingest did before).
@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchlib import MiB, machine  # noqa: E402
 
-from zckpt import fileio  # noqa: E402
-from zckpt.checksums import BLOCK_BYTES, BlockSummer, Sink  # noqa: E402
+from zckpt.io import fileio  # noqa: E402
+from zckpt.io.checksums import BLOCK_BYTES, BlockSummer, Sink  # noqa: E402
 
 Copy = Callable[[int, int, int, int, int, bytearray, Sink | None], None]
 
@@ -104,7 +104,7 @@ def copy_all(copy: Copy, src: int, dst: int, size: int, run: int, threads: int, 
 
 
 def parse_size(text: str) -> int:
-    from zckpt.cli import parse_size as parse
+    from zckpt.cli.main import parse_size as parse
 
     return parse(text)
 

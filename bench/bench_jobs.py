@@ -39,8 +39,8 @@ from typing import Any
 from benchlib import GiB, MiB, drop_caches, machine, peak, phase_env, run_phase, tree_bytes, tree_files
 from jobs_model import ModelDims, Parallel, box_value, model_bytes, size_model, width_unit, write_job, write_strategy
 
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
-from zckpt.layout import Box
 
 PRESETS = {
     "512": ("pp4xtp8xdp16", "tp8xdp2,1"),

@@ -3,7 +3,7 @@
 Generates (or reuses) bench_transform's transformer-like model on ``--src-ranks`` ranks and
 its destination strategy, then, each in a fresh process, for destination rank ``--rank``:
 
-* ``load from shards``: ``zckpt.loading.read_rank`` over the mapped source shards (what
+* ``load from shards``: ``zckpt.jobs.loading.read_rank`` over the mapped source shards (what
   ``load_distributed_checkpoint`` does before handing the arrays to the network);
 * ``load from store``: the same from a store of the job (built once, not timed);
 * ``convert rank``: ``transform_checkpoint_by_rank`` for that rank (a temporary store of the
@@ -41,8 +41,8 @@ if kind == "convert":
     nbytes = Path(extra).stat().st_size
 else:
     from zckpt.formats.strategy import read_strategy
-    from zckpt.loading import ShardSlicer, read_rank
-    from zckpt.store import Store
+    from zckpt.jobs.loading import ShardSlicer, read_rank
+    from zckpt.store.store import Store
     source = Store.open(extra) if kind == "store" else ShardSlicer(src, src_strategy)
     values = read_rank(source, read_strategy(dst_strategy), rank)
     nbytes = sum(v.nbytes for v in values.values() if not isinstance(v, str))

@@ -23,7 +23,7 @@ from benchlib import machine, phase_env, run_phase
 from jobs_model import ModelDims, Parallel, tensors, width_unit, write_strategy
 
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.generate import write_pipeline_strategies
+from zckpt.jobs.generate import write_pipeline_strategies
 
 
 def dims_for(params: int, unit: int, pp: int) -> ModelDims:
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"`zckpt plan`, {src} -> {dst}, {entries} strategy entries: median {statistics.median(runs):.2f} s "
           f"(runs {' '.join(f'{x:.2f}' for x in runs)}; target < 2 s)")
     if a.profile is not None:
-        from zckpt.cli import main as cli_main
+        from zckpt.cli.main import main as cli_main
 
         prof = cProfile.Profile()
         with contextlib.redirect_stdout(io.StringIO()):

@@ -4,7 +4,7 @@ usage: python bench/bench_tiny.py [--tensors 100000] [--dir DIR] [--max-mem 1G]
 
 A checkpoint with many tiny tensors (biases, norms, scalars: ~500 bytes each, mixed
 dtypes) used to make one chunk file and one ``zarr.json`` per tensor: 100 000 tensors took
-1.26 GB of disk for 84 MB of values. This writes such a shard with :mod:`zckpt.generate`
+1.26 GB of disk for 84 MB of values. This writes such a shard with :mod:`zckpt.jobs.generate`
 (one rank, no strategy), then runs ``ingest`` and ``export`` each in a fresh process
 (bench/phase.py, so peak RSS is the phase's own) and prints the files and bytes the store
 takes on disk, wall and CPU seconds and peak RSS of each phase.
@@ -29,7 +29,7 @@ SHAPES = (((210,), "Float32"), ((26, 16), "BFloat16"), ((13, 16), "Int32"), ((),
 
 def build(src: Path, count: int) -> int:
     """Write the shard; the bytes of its values."""
-    from zckpt.generate import TensorDef, write_model
+    from zckpt.jobs.generate import TensorDef, write_model
 
     defs = [TensorDef(f"layers.{i // 16}.p{i % 16}.w", *SHAPES[i % len(SHAPES)]) for i in range(count)]
     write_model(src, defs, device_num=1, strategy_format=None, scalars=False)

@@ -10,7 +10,7 @@ and writes it one rank at a time, each rank's shard computed on its own, so that
 
 Values: element ``i`` (row-major global index) of a tensor is a hash of ``(name, i)`` turned
 into a finite float, so any box of any tensor can be computed alone (:func:`box_value`) and
-replicas agree. Strategy files come from :mod:`zckpt.generate`'s encoders.
+replicas agree. Strategy files come from :mod:`zckpt.jobs.generate`'s encoders.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from zckpt.core.layout import Box, rank_box, resolve
 from zckpt.formats.ckpt import MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, write_pipeline_strategies
-from zckpt.layout import Box, rank_box, resolve
+from zckpt.jobs.generate import TensorDef, write_pipeline_strategies
 
 BYTES_PER_STEP = 32 * 1024 * 1024
 """Rows of a shard are computed and written this many bytes at a time."""

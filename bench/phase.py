@@ -59,7 +59,7 @@ def _max_mem(args: list[str]) -> tuple[list[str], int]:
     """Strip a trailing ``--max-mem SIZE`` (default 1 GiB)."""
     if "--max-mem" in args:
         i = args.index("--max-mem")
-        from zckpt.cli import parse_size
+        from zckpt.cli.main import parse_size
 
         return args[:i] + args[i + 2 :], parse_size(args[i + 1])
     return args, 1024**3
@@ -125,7 +125,7 @@ def _copy_in_two(src: Path, out: Path) -> None:
 def main(argv: list[str]) -> None:
     phase, args = argv[0], argv[1:]
     if phase in ("ingest", "export", "transform", "cli"):  # in the process the ``zckpt`` program makes
-        from zckpt.cli import ONE_THREAD  # (zckpt.cli.run): BLAS on one thread, set before numpy's import
+        from zckpt.cli.main import ONE_THREAD  # (zckpt.cli.main.run): BLAS on one thread, set before numpy's import
 
         for name in ONE_THREAD:
             os.environ.setdefault(name, "1")
@@ -145,12 +145,12 @@ def main(argv: list[str]) -> None:
     if phase in ("ingest", "export", "cli"):  # the time of Python's imports, part of the wall time
         import importlib
 
-        import zckpt.cli  # noqa: F401
+        import zckpt.cli.main  # noqa: F401
 
         # what the phase runs (a command imports only its own modules: transform never loads Zarr)
         command = args[0] if phase == "cli" and args else phase
         if command in ("ingest", "export", "transform"):
-            importlib.import_module(f"zckpt.{command}")
+            importlib.import_module(f"zckpt.jobs.{command}")
     import_seconds = time.perf_counter() - t0
     prof = None
     if profile is not None:
@@ -159,8 +159,8 @@ def main(argv: list[str]) -> None:
         prof = cProfile.Profile()
         prof.enable()
     if phase == "ingest":
-        from zckpt.ingest import IngestOptions, ingest
-        from zckpt.runner import memory_budget
+        from zckpt.jobs.ingest import IngestOptions, ingest
+        from zckpt.run.engines import memory_budget
 
         b = memory_budget(max_mem)
         workers = int(args[3]) if len(args) > 3 else 1
@@ -169,9 +169,9 @@ def main(argv: list[str]) -> None:
                                    overlap=overlap))
         counted = rep.bytes_written + rep.bytes_compared  # each source byte of a written box, read once
     elif phase == "export":
-        from zckpt.export import export
-        from zckpt.export_job import ExportOptions
-        from zckpt.runner import memory_budget
+        from zckpt.jobs.export import export
+        from zckpt.jobs.export_job import ExportOptions
+        from zckpt.run.engines import memory_budget
 
         workers = int(args[3]) if len(args) > 3 else 1
         reader = args[4] if len(args) > 4 else "zarr"
@@ -179,8 +179,8 @@ def main(argv: list[str]) -> None:
                              overlap=overlap)
         counted = export(args[0], args[2], args[1] or None, options=opts).bytes_read
     elif phase == "transform":  # the direct path: source shards -> destination files, no store
-        from zckpt.runner import memory_budget
-        from zckpt.transform import TransformOptions, transform
+        from zckpt.jobs.transform import TransformOptions, transform
+        from zckpt.run.engines import memory_budget
 
         workers = int(args[4]) if len(args) > 4 else 1
         topts = TransformOptions(workers=workers, block_bytes=memory_budget(max_mem).block_bytes, overlap=overlap)
@@ -194,7 +194,7 @@ def main(argv: list[str]) -> None:
     elif phase == "copy2":
         _copy_in_two(Path(args[0]), Path(args[1]))
     elif phase == "cli":
-        from zckpt.cli import main as cli_main
+        from zckpt.cli.main import main as cli_main
 
         code = cli_main(args)
         if code:

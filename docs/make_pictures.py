@@ -15,12 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from zckpt.draw import Panel, flow_svg, held_boxes, layout_panel, panels_by_stage, svg, transfer_svg
-from zckpt.export_job import plan_export
 from zckpt.formats.strategy import read_strategy
-from zckpt.ingest import IngestOptions, ingest
-from zckpt.plan import without_opt_shard
-from zckpt.store import Store
+from zckpt.jobs.draw import Panel, flow_svg, held_boxes, layout_panel, panels_by_stage, svg, transfer_svg
+from zckpt.jobs.export_job import plan_export
+from zckpt.jobs.ingest import IngestOptions, ingest
+from zckpt.plan.plans import without_opt_shard
+from zckpt.store.store import Store
 
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 STATE = tempfile.mkdtemp(prefix="zckpt-test-state-")
-"""The records of completed output directories (:mod:`zckpt.out_records`) of this test run,
+"""The records of completed output directories (:mod:`zckpt.write.out_records`) of this test run,
 never the user's: set for this process and the processes the tests start."""
 os.environ["ZCKPT_STATE_DIR"] = STATE
 atexit.register(shutil.rmtree, STATE, True)

@@ -7,7 +7,7 @@ tensor equals what an independent reader says they must hold:
 * the shards and the output files are decoded with the protobuf classes alone
   (:func:`read_ckpt`: no :mod:`zckpt.formats.ckpt`);
 * the layouts are read from the strategy file's raw fields and applied by
-  :mod:`oracle` (no :mod:`zckpt.layout`, no :mod:`zckpt.formats.strategy`).
+  :mod:`oracle` (no :mod:`zckpt.core.layout`, no :mod:`zckpt.formats.strategy`).
 
 Source side (:func:`judge_source`): the job is converted with a mutated source strategy to
 one unsharded file; every source rank's shard must then be the oracle's slice, under the
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import oracle
 
-from zckpt.errors import ZckptError
+from zckpt.core.errors import ZckptError
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 
@@ -192,7 +192,7 @@ def judge_source(job: Path, strategy: Path, out: Path, *, verify_replicas: bool 
     """Convert ``job`` read with ``strategy`` to one unsharded rank and judge the tensors
     (every rank's shard, replicas included: a damaged replica that the conversion does not
     read is only refused with ``verify_replicas``)."""
-    from zckpt.transform import TransformOptions, transform
+    from zckpt.jobs.transform import TransformOptions, transform
 
     options = TransformOptions(overwrite=True, fsync=False, verify_replicas=verify_replicas)
     refused = _attempt(lambda: transform(job, out, strategy, None, options=options))
@@ -236,7 +236,7 @@ def destination_reading(name: str, layouts: dict[str, oracle.Layout],
 
 def judge_destination(job: Path, strategy: Path, out: Path) -> Verdict:
     """Convert ``job`` (its own strategy) to the destination ``strategy`` and judge every rank file."""
-    from zckpt.transform import TransformOptions, transform
+    from zckpt.jobs.transform import TransformOptions, transform
 
     refused = _attempt(lambda: transform(job, out, job / "strategy.ckpt", strategy,
                                          options=TransformOptions(overwrite=True, fsync=False)))

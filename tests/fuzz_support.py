@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from zckpt.errors import ZckptError
+from zckpt.core.errors import ZckptError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb

@@ -1,11 +1,11 @@
 """An independent re-slicer: the shard each rank holds, cut from the global tensor with numpy.
 
 The round-trip and property tests need an expected value that zckpt's layout maths did not
-compute (zckpt also generated their inputs, so a bug in :mod:`zckpt.layout` would pass a
+compute (zckpt also generated their inputs, so a bug in :mod:`zckpt.core.layout` would pass a
 comparison with itself). This module reads the strategy file's raw fields itself (the
 protobuf message through the generated classes, JSON with :mod:`json`) and applies
 MindSpore's rules as the fixtures' ``make/verify_layout2.py`` states them, written again
-from those rules; it imports nothing from ``zckpt.layout`` nor ``zckpt.formats.strategy``.
+from those rules; it imports nothing from ``zckpt.core.layout`` nor ``zckpt.formats.strategy``.
 
 The rules, per parameter (``D`` = ``dev_matrix``, a rank's coordinate = its stage-local
 rank unravelled row-major over ``D``, map entry ``k`` = axis ``D[len(D) - 1 - k]``):

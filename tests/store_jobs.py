@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.ingest import IngestOptions, ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader, value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.layout import Box
-from zckpt.plan import Write
-from zckpt.safe_paths import temp_name
-from zckpt.store import Store
+from zckpt.io.safe_paths import temp_name
+from zckpt.plan.plans import Write
+from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 
@@ -59,7 +59,7 @@ def test_source_truncated_after_it_was_indexed(example: Path, tmp_path: Path, ca
     named with the parameter whose payload it ends in, on both copy paths, and no store is left."""
     import importlib
 
-    ingest_mod = importlib.import_module("zckpt.ingest")  # the module: zckpt.ingest is also the function
+    ingest_mod = importlib.import_module("zckpt.jobs.ingest")  # the module: zckpt.ingest is also the function
 
     real = ingest_mod._whole_chunk_copies
     cut: list[tuple[str, str]] = []
@@ -256,7 +256,7 @@ def test_failed_export_leaves_no_complete_looking_file(example: Path, tmp_path: 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "s.zarr"
     assert cli_main(_ingest_args(example, store)) == 0
-    from zckpt.store_reader import StoreReader
+    from zckpt.store.reader import StoreReader
 
     calls = {"n": 0}
     real = StoreReader.materialise

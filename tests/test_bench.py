@@ -76,8 +76,8 @@ def test_jobs_model_shards_match_an_independent_slicer(tmp_path: Path) -> None:
         from jobs_model import ModelDims, Parallel, box_value, write_job
     finally:
         sys.path.remove(str(BENCH_DIR))
+    from zckpt.core.layout import Box
     from zckpt.formats.ckpt import CkptReader
-    from zckpt.layout import Box
 
     dims = ModelDims(hidden=64, layers=2, ffn=64, vocab=128)
     par = Parallel(pp=2, tp=2, dp=2)

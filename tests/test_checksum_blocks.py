@@ -1,4 +1,4 @@
-"""Per-block chunk checksums (zckpt.checksums): summing in pieces, spans, range checks."""
+"""Per-block chunk checksums (zckpt.io.checksums): summing in pieces, spans, range checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zckpt.checksums import BlockSummer, ChunkSums, Mismatch, SpanCheck, block_sums, file_sums
+from zckpt.io.checksums import BlockSummer, ChunkSums, Mismatch, SpanCheck, block_sums, file_sums
 
 
 class _Bad(Exception):

@@ -12,14 +12,14 @@ import google_crc32c
 import pytest
 
 import zckpt
-from zckpt.checksums import BLOCK_BYTES, ChunkSums
-from zckpt.cli import main as cli_main
-from zckpt.export_job import ExportOptions
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.ingest import IngestOptions
-from zckpt.store_reader import StoreReader
+from zckpt.io.checksums import BLOCK_BYTES, ChunkSums
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.store.reader import StoreReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC_S = str(EXAMPLE / "src" / "strategy.ckpt")
@@ -350,7 +350,7 @@ def test_copied_ranges_are_checked_on_every_block_they_touch(tmp_path: Path, ove
 def test_a_run_of_one_block_is_copied_whole_with_its_crc32c(tmp_path: Path) -> None:
     """The one-read copy of a small run writes exactly the source bytes at its place and sums
     them as the reference CRC-32C does; a source that ends early is left to the general copy."""
-    from zckpt.ingest import _copy_block
+    from zckpt.jobs.ingest import _copy_block
 
     payload = bytes(range(256)) * 40 + b"tail"
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"

@@ -20,17 +20,17 @@ import numpy as np
 import oracle
 import pytest
 
-from zckpt import generate
-from zckpt.checksums import BlockCheck, ChunkSums, Mismatch
-from zckpt.dtypes import MS_DTYPES, ms_dtype
-from zckpt.errors import CheckpointFormatError, UsageError
+from zckpt.core.dtypes import MS_DTYPES, ms_dtype
+from zckpt.core.errors import CheckpointFormatError, UsageError
+from zckpt.core.layout import resolve
 from zckpt.formats import ckpt as ckpt_mod
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, CkptWriter, value_header
 from zckpt.formats.pb import ms_checkpoint_pb2
 from zckpt.formats.strategy import fold_layout, make_layout, read_strategy
-from zckpt.generate import TensorDef, encode_string, encode_tensor, global_value, random_layout, write_model
-from zckpt.layout import resolve
+from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch
+from zckpt.jobs import generate
+from zckpt.jobs.generate import TensorDef, encode_string, encode_tensor, global_value, random_layout, write_model
 
 ALL_TYPES = sorted(MS_DTYPES)
 SCENARIOS = ["s01", "s02", "s03", "s03b", "s04", "s05", "s06", "s07", "s08", "s09", "s10", "s11", "s12", "s14", "s15"]
@@ -577,7 +577,7 @@ def test_generated_model_shards_match_layouts(tmp_path: Path, strategy_format: g
     assert back == {t.name: {0: t.layout} for t in tensors if t.layout}
     names = [t.name for t in model.tensors] + ["note"]
     assert names[-3:] == ["learning_rate", "global_step", "note"]
-    raw = oracle.read_layouts(model.strategy_path)  # the file's raw fields, cut without zckpt.layout
+    raw = oracle.read_layouts(model.strategy_path)  # the file's raw fields, cut without zckpt.core.layout
     assert set(raw) == {t.name for t in tensors if t.layout}
     for rank, path in enumerate(model.rank_files):
         with CkptReader(path) as r:

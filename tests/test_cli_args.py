@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from zckpt.cli import EXIT_USAGE
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import EXIT_USAGE
+from zckpt.cli.main import main as cli_main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC, SRC_S = str(EXAMPLE / "src/checkpoints"), str(EXAMPLE / "src/strategy.ckpt")
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
-INGEST, EXPORT, TRANSFORM, VERIFY = (importlib.import_module(f"zckpt.{m}")  # the modules, not zckpt's functions
+INGEST, EXPORT, TRANSFORM, VERIFY = (importlib.import_module(f"zckpt.jobs.{m}")  # the modules, not zckpt's functions
                                      for m in ("ingest", "export", "transform", "verify"))
 
 

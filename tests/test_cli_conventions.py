@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE, rank_ranges
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE, rank_ranges
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptWriter
-from zckpt.generate import TensorDef, write_model
+from zckpt.jobs.generate import TensorDef, write_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 CLI = [sys.executable, "-m", "zckpt.cli"]
@@ -225,8 +225,8 @@ FIXED = {"ingest": ["SRC", "--store", "S"], "export": ["S", "--out", "O"], "veri
 def test_one_option_name_with_the_old_spelling_kept_out_of_the_help(cmd: str, new: str, old: str,
                                                                      value: str | None, dest: str) -> None:
     """The help (and so cli.md) shows one name per option; the older spelling still works."""
-    from zckpt.cli import _parser
-    from zckpt.clidoc import subcommands
+    from zckpt.cli.doc import subcommands
+    from zckpt.cli.main import _parser
 
     p = _parser()
     given = [value] if value is not None else []
@@ -237,8 +237,8 @@ def test_one_option_name_with_the_old_spelling_kept_out_of_the_help(cmd: str, ne
 
 
 def test_no_verify_checksums_is_one_name_across_commands() -> None:
-    from zckpt.cli import _parser
-    from zckpt.clidoc import options, subcommands
+    from zckpt.cli.doc import options, subcommands
+    from zckpt.cli.main import _parser
 
     subs = subcommands(_parser())
     assert {name for name, sub in subs.items() if "--no-verify-checksums" in options(sub)} == {"export", "transform"}
@@ -262,7 +262,7 @@ def report():
 
 atexit.register(report)
 sys.argv = ['zckpt', *sys.argv[1:]]
-runpy.run_module('zckpt.cli', run_name='__main__', alter_sys=True)
+runpy.run_module('zckpt.cli.main', run_name='__main__', alter_sys=True)
 """
 
 
@@ -287,7 +287,7 @@ def test_the_program_keeps_blas_on_one_thread_unless_told(tmp_path: Path, own: s
 
 
 def test_main_leaves_the_callers_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the program (:func:`zckpt.cli.run`) sets the BLAS thread count; ``main`` called
+    """Only the program (:func:`zckpt.cli.main.run`) sets the BLAS thread count; ``main`` called
     from Python changes nothing in its caller's process."""
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     assert cli_main(["plan", "--src-strategy", str(EXAMPLE / "src/strategy.ckpt")]) == 0

@@ -23,7 +23,7 @@ import pytest
 
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.generate import TensorDef, random_layout, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_TRIALS = 12
@@ -154,7 +154,7 @@ def _check_killed(out: Path, reference: dict[str, bytes], trial: int) -> None:
 
 
 def test_second_ingest_into_the_same_store_is_refused(job: dict[str, Path]) -> None:
-    from zckpt.ingest import store_lock
+    from zckpt.jobs.ingest import store_lock
 
     store = job["tmp"] / "locked.zarr"
     with store_lock(store):

@@ -21,7 +21,7 @@ import pytest
 from ckpt_compare import diff_dirs
 
 import zckpt.parallel
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example"

@@ -14,7 +14,7 @@ import pytest
 from ckpt_compare import diff_dirs
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -64,7 +64,7 @@ def test_errors_cross_the_cluster_with_their_class(tmp_path: Path) -> None:
     with pytest.raises(zckpt.SourceError, match="layer1.weight"):
         zckpt.ingest(str(src), tmp_path / "s.zarr", SRC_S, zckpt.IngestOptions(workers=2, verify_replicas=True))
     assert not (tmp_path / "s.zarr").exists()
-    from zckpt.transform import transform
+    from zckpt.jobs.transform import transform
 
     with pytest.raises(zckpt.SourceError, match="layer1.weight"):
         transform(src, tmp_path / "direct", SRC_S, DST_S, options=zckpt.TransformOptions(workers=2,
@@ -128,8 +128,8 @@ def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None
 def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread workers live in one process: each task gets 1/N of --max-mem's batch size;
     worker processes and remote workers each get the whole."""
-    from zckpt.runner import Engine
-    from zckpt.store_reader import StoreReader
+    from zckpt.run.engines import Engine
+    from zckpt.store.reader import StoreReader
 
     assert Engine(workers=2).share(1 << 20) == 1 << 19
     assert Engine(workers=2, processes=True).share(1 << 20) == 1 << 20

@@ -19,8 +19,8 @@ import pytest
 from ckpt_compare import diff_dirs, diff_files
 from sf_models import entries_by_name
 
-from zckpt.cli_args import older_spellings
-from zckpt.clidoc import options, render, subcommands
+from zckpt.cli.args import older_spellings
+from zckpt.cli.doc import options, render, subcommands
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.safetensors import SafetensorsReader
 
@@ -100,17 +100,17 @@ def test_cli_reference_matches_the_parser() -> None:
     text = (DOCS / "cli.md").read_text(encoding="utf-8")
     sections = dict(re.findall(r"^## zckpt (\S+)\n(.*?)(?=^## |\Z)", text, re.S | re.M))
     subs = subcommands()
-    assert list(sections) == list(subs), "docs/cli.md is stale: run python -m zckpt.clidoc > docs/cli.md"
+    assert list(sections) == list(subs), "docs/cli.md is stale: run python -m zckpt.cli.doc > docs/cli.md"
     for name, sub in subs.items():
         usage = re.search(r"```text\n(.*?)```", sections[name], re.S)
         assert usage is not None, name
         documented = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", usage.group(1)))
         wanted = {o for o in options(sub) if o.startswith("-")}
         assert documented == wanted, (f"docs/cli.md section {name}: documents {sorted(documented - wanted)} "
-                                      f"but lacks {sorted(wanted - documented)}; run python -m zckpt.clidoc")
+                                      f"but lacks {sorted(wanted - documented)}; run python -m zckpt.cli.doc")
         older = re.findall(r"`(\S[^`]*)` \(now `(--[\w-]+)`\)", sections[name])
         assert dict(older) == older_spellings(sub), f"docs/cli.md section {name}: older spellings are stale"
-    assert text == render(), "docs/cli.md is stale: run python -m zckpt.clidoc > docs/cli.md"
+    assert text == render(), "docs/cli.md is stale: run python -m zckpt.cli.doc > docs/cli.md"
 
 
 TEACHING_PAGES = [ROOT / "README.md", *(DOCS / n for n in ("tutorial.md", "faq.md", "layouts.md", "layout-kinds.md",

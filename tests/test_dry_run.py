@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.export import export
-from zckpt.export_job import ExportOptions
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.strategy import encode_strategy
-from zckpt.generate import TensorDef, random_layout, strategy_of, with_optimizer_states, write_model
-from zckpt.ingest import IngestOptions, ingest
-from zckpt.transform import TransformOptions, transform
+from zckpt.jobs.export import export
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import TensorDef, random_layout, strategy_of, with_optimizer_states, write_model
+from zckpt.jobs.ingest import IngestOptions, ingest
+from zckpt.jobs.transform import TransformOptions, transform
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = EXAMPLE / "src" / "checkpoints"
@@ -95,7 +95,7 @@ def test_safetensors_files_announced(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_split_safetensors_parts_and_index(tmp_path: Path) -> None:
-    from zckpt.dryrun import dry_run_transform
+    from zckpt.jobs.dryrun import dry_run_transform
 
     out = tmp_path / "out"
     opts = TransformOptions(format="safetensors", max_file_bytes=3000)
@@ -209,7 +209,7 @@ def test_refusals_are_the_real_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_not_enough_space(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from zckpt import dryrun
+    from zckpt.jobs import dryrun
 
     monkeypatch.setattr(dryrun, "free_space", lambda path: 1000)
     code, doc, err = _dry(["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
@@ -232,7 +232,7 @@ def test_plain_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_locks_held_are_the_real_runs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A store an ingest writes, an output directory another run writes into: refused by the
     dry run as by the run, and the dry run leaves no lock file of its own."""
-    from zckpt import locks
+    from zckpt.io import locks
 
     store, out = tmp_path / "store.zarr", tmp_path / "out"
     ingest(SRC, store, SRC_S, IngestOptions())
@@ -297,7 +297,7 @@ def test_store_of_another_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_resumed_ingest(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """An ingest interrupted after 3 source ranks: the dry run of the rerun says it resumes
     and announces the bytes the rerun then writes."""
-    ingest_module = importlib.import_module("zckpt.ingest")  # the module (zckpt.ingest names the function)
+    ingest_module = importlib.import_module("zckpt.jobs.ingest")  # the module (zckpt.ingest names the function)
     real_rank = ingest_module.ingest_rank
     done: list[int] = []
 

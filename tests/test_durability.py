@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 

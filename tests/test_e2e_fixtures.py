@@ -14,7 +14,7 @@ from ckpt_compare import diff_dirs, diff_files, entry_digest
 from conftest import scenario
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 
 # Non-pipeline scenarios whose destination MindSpore compiled (s03 has none, s06/s07/s21/s22 are
@@ -73,7 +73,7 @@ def test_cli_ingest_export_matches_expected(sid: str, reader: str, tmp_path: Pat
 
 @pytest.mark.parametrize("sid", ["s01", "s05", "s09", "s16"])
 def test_cli_ingest_export_transform_with_helper_processes_match_expected(sid: str, tmp_path: Path) -> None:
-    """Part of the ranks and of the files written by a second process (zckpt.helper)."""
+    """Part of the ranks and of the files written by a second process (zckpt.run.helper)."""
     d = scenario(sid)
     store = tmp_path / "store.zarr"
     args = ["ingest", str(d / "src" / "checkpoints"), "--store", str(store), "--helper", "--quiet"]

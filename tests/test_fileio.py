@@ -1,4 +1,4 @@
-"""Byte-range copies between files (zckpt.fileio): one read, summed and written from one buffer."""
+"""Byte-range copies between files (zckpt.io.fileio): one read, summed and written from one buffer."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from zckpt import fileio
-from zckpt.checksums import BlockSummer, ChunkSums, SpanCheck, block_sums
-from zckpt.errors import DiskFullError
+from zckpt.core.errors import DiskFullError
+from zckpt.io import fileio
+from zckpt.io.checksums import BlockSummer, ChunkSums, SpanCheck, block_sums
 
 
 @pytest.mark.parametrize(("offset", "length", "at", "bufsize"),
@@ -139,7 +139,7 @@ def test_publisher_failure_leaves_no_final_name(tmp_path: Path, monkeypatch: pyt
     raised when the publisher closes (the other files are published)."""
     import errno
 
-    from zckpt import new_files
+    from zckpt.io import new_files
 
     monkeypatch.setattr(new_files, "UNNAMED", unnamed)
     real_fsync = os.fsync

@@ -17,7 +17,7 @@ import pytest
 from ckpt_compare import entry_digest
 from conftest import FIXTURES, have_fixtures, scenario
 
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 
 pytestmark = pytest.mark.fixtures

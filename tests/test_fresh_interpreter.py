@@ -1,7 +1,7 @@
 """Every entry point works on bf16 data in a fresh interpreter (issue 25).
 
 zarr-python has no ``bfloat16`` of its own: zckpt registers it (:mod:`zckpt.zarr_bfloat16`) when
-:mod:`zckpt.zarr_local` is imported. A module that imported zarr directly worked in the test
+:mod:`zckpt.io.zarr_local` is imported. A module that imported zarr directly worked in the test
 process, where some earlier import had registered the type, and failed in a user's fresh process
 (``zckpt consolidate`` on any store holding bf16). So here each CLI command and each public
 function runs in a new interpreter on a job whose tensors are bf16, and its output is compared
@@ -35,11 +35,11 @@ import pytest
 
 import zckpt
 import zckpt.parallel
-from zckpt import cli
+from zckpt.cli import main as cli
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import ParamLayout
-from zckpt.generate import TensorDef, write_pipeline_strategies
+from zckpt.jobs.generate import TensorDef, write_pipeline_strategies
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -168,7 +168,8 @@ class Job:
     dst_strategy: Path
     pipeline_strategies: Path
     merged_strategy: Path
-    """What MindSpore's ``merge_pipeline_strategys`` makes of ``pipeline_strategies`` (as zckpt.generate writes it)."""
+    """What MindSpore's ``merge_pipeline_strategys`` makes of ``pipeline_strategies`` (zckpt.jobs.generate
+    writes it)."""
     store: Path
 
     def rank_file(self, r: int) -> Path:
@@ -518,8 +519,8 @@ def _runtime_zarr_imports(path: Path) -> list[int]:
 
 def test_zarr_is_imported_only_through_zarr_local() -> None:
     """Any other module importing zarr could use it before ``bfloat16`` is registered."""
-    door = {ROOT / "zckpt" / "zarr_local.py", ROOT / "zckpt" / "zarr_bfloat16.py"}
+    door = {ROOT / "zckpt" / "io" / "zarr_local.py", ROOT / "zckpt" / "zarr_bfloat16.py"}
     stray = {str(p.relative_to(ROOT)): lines for p in sorted((ROOT / "zckpt").rglob("*.py"))
              if p not in door and (lines := _runtime_zarr_imports(p))}
-    assert not stray, f"import zarr from zckpt.zarr_local instead: {stray}"
-    assert _runtime_zarr_imports(ROOT / "zckpt" / "zarr_local.py")  # the check sees imports where they are
+    assert not stray, f"import zarr from zckpt.io.zarr_local instead: {stray}"
+    assert _runtime_zarr_imports(ROOT / "zckpt" / "io" / "zarr_local.py")  # the check sees imports where they are

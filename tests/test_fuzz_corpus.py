@@ -24,12 +24,12 @@ import fuzz_support as fs
 import numpy as np
 import pytest
 
-from zckpt.errors import ZckptError
-from zckpt.export import export
-from zckpt.export_job import ExportOptions
+from zckpt.core.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import read_strategy
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.jobs.export import export
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.ingest import IngestOptions, ingest
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 MANIFEST: dict[str, dict[str, str]] = json.loads((CORPUS / "MANIFEST.json").read_text(encoding="utf-8"))

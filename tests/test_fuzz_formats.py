@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
 

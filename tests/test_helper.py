@@ -1,4 +1,4 @@
-"""The ingest's helper process (zckpt.helper): the store it helps write is the one a single
+"""The ingest's helper process (zckpt.run.helper): the store it helps write is the one a single
 process writes, byte for byte; a failure in its share reaches the caller with the file and
 reason; a helper that dies, or a caller killed mid-run, leaves nothing that looks complete
 and no helper behind. Values are checked against the generator's, not read back from zckpt."""
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.errors import SourceError, ZckptError
-from zckpt.generate import GeneratedModel, TensorDef, random_layout, write_model
-from zckpt.helper import Helper
-from zckpt.runner import run_all
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import SourceError, ZckptError
+from zckpt.jobs.generate import GeneratedModel, TensorDef, random_layout, write_model
+from zckpt.run.engines import run_all
+from zckpt.run.helper import Helper
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 40  # two ranks per record group (ceil(40 / 32)): the helper's share starts on a group border
@@ -45,7 +45,7 @@ def _args(job: GeneratedModel, store: Path, *extra: str) -> list[str]:
 
 
 def _helpers_of(pid: int) -> list[int]:
-    """Processes running ``zckpt.helper`` for the process ``pid`` (its pid is their first argument)."""
+    """Processes running ``zckpt.run.helper`` for the process ``pid`` (its pid is their first argument)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -54,7 +54,7 @@ def _helpers_of(pid: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"zckpt.helper" in argv and str(pid).encode() in argv:
+        if b"zckpt.run.helper" in argv and str(pid).encode() in argv:
             found.append(int(entry.name))
     return found
 
@@ -62,7 +62,7 @@ def _helpers_of(pid: int) -> list[int]:
 def test_store_with_a_helper_is_the_single_process_store(job: GeneratedModel, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     shares: list[tuple[int, int]] = []
-    from zckpt import helper as helper_mod
+    from zckpt.run import helper as helper_mod
 
     real = helper_mod.share_from
 
@@ -154,7 +154,7 @@ def test_killed_ingest_takes_its_helper_along_and_resumes(job: GeneratedModel, t
 def test_busy_helper_ends_with_the_process_that_started_it() -> None:
     """A helper in the middle of its call (not waiting for one, which ends on its own when the
     pipe closes) is killed with its caller: a rerun must not meet it writing."""
-    code = ("import time, zckpt.helper as h\n"
+    code = ("import time, zckpt.run.helper as h\n"
             "x = h.Helper()\nx.submit(time.sleep, 60)\nprint('submitted', flush=True)\ntime.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     caller = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -181,7 +181,7 @@ def test_busy_helper_ends_with_the_process_that_started_it() -> None:
 
 
 def test_helper_returns_results_and_raises_errors_as_raised() -> None:
-    from zckpt.errors import CheckpointFormatError
+    from zckpt.core.errors import CheckpointFormatError
     from zckpt.formats.ckpt import CkptReader
 
     with Helper() as h:
@@ -201,7 +201,7 @@ def test_helper_returns_results_and_raises_errors_as_raised() -> None:
 def test_exception_that_cannot_cross_keeps_its_class_name_and_message() -> None:
     import io
 
-    from zckpt.helper import _answer
+    from zckpt.run.helper import _answer
 
     out = io.BytesIO()
     _answer(out, "error", _Unpicklable("lost"))
@@ -230,7 +230,7 @@ def test_no_helper_where_none_can_start(job: GeneratedModel, tmp_path: Path, mon
 
 
 def test_helper_never_used_ends_quietly() -> None:
-    h = Helper(["zckpt.ingest"])
+    h = Helper(["zckpt.jobs.ingest"])
     h.close()
     assert h.proc.returncode is not None
 
@@ -327,8 +327,8 @@ def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: Generated
 
 
 def test_helper_wanted_for_many_source_ranks_and_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zckpt import runner
-    from zckpt.helper import HELPER_BYTES, HELPER_SOURCES, wanted
+    from zckpt.run import engines as runner
+    from zckpt.run.helper import HELPER_BYTES, HELPER_SOURCES, wanted
 
     monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
     big = HELPER_BYTES
@@ -342,7 +342,7 @@ def test_helper_wanted_for_many_source_ranks_and_a_free_core(monkeypatch: pytest
 
 
 def test_share_from_halves_the_bytes_on_step_borders() -> None:
-    from zckpt.helper import share_from
+    from zckpt.run.helper import share_from
 
     assert share_from([1, 1, 1, 1]) == 2
     assert share_from([10, 1, 1, 1]) == 1

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.store import Store
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 

@@ -1,7 +1,7 @@
 """Hostile parameter names: every name round-trips exactly, and nothing escapes the store.
 
 Checkpoint tags are arbitrary UTF-8 chosen by whoever built the network, and the store
-turns each into a directory name (``zckpt.store.encode_key``). A name must never become a
+turns each into a directory name (``zckpt.store.store.encode_key``). A name must never become a
 path outside the store (``../x``, ``/abs``), collide with another name's directory (names
 that differ only by case, or that look like an already-escaped name), or with Zarr's own
 files (``zarr.json``), and it must come back byte for byte in the exported files.
@@ -20,11 +20,11 @@ import oracle
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.store import Store, encode_key
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.store.store import Store, encode_key
 
 ESCAPE_MARK = f"zckpt_escape_{uuid.uuid4().hex}"
 """A file name that must not appear anywhere on the machine after the run."""
@@ -122,7 +122,7 @@ def test_hostile_names_round_trip_and_stay_inside(tmp_path: Path) -> None:
         assert attrs["name"] == t.name
         assert np.array_equal(np.asarray(st.array(t.name)[...]), global_value(t.name, t.shape, t.ms_type))
 
-    layouts = oracle.read_layouts(dst_file)  # the slices from the file's raw fields, not zckpt.layout
+    layouts = oracle.read_layouts(dst_file)  # the slices from the file's raw fields, not zckpt.core.layout
     assert set(layouts) == SHARDED
     for rank in range(4):
         with CkptReader(out / f"rank_{rank}" / f"checkpoint_{rank}.ckpt") as r:

@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt import locks
-from zckpt.cli import main as cli_main
-from zckpt.errors import ZckptError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.ingest import store_lock
+from zckpt.io import locks
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.ingest import store_lock
 
 TENSORS = [
     TensorDef("w", (64, 8), "Float32", make_layout((4,), [[0], []])),  # sharded: one shard file c.0.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.opener import open_indexed
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import zckpt
+from zckpt.core.layout import Box, global_shape, rank_box, resolve
 from zckpt.formats.strategy import (
     StrategyMap,
     encode_strategy_json,
@@ -20,9 +21,8 @@ from zckpt.formats.strategy import (
     make_layout,
     read_strategy,
 )
-from zckpt.layout import Box, global_shape, rank_box, resolve
-from zckpt.plan import with_owner_split
-from zckpt.ranklist import fold_pairs, rank_list_for_transform_maps
+from zckpt.plan.plans import with_owner_split
+from zckpt.plan.ranklist import fold_pairs, rank_list_for_transform_maps
 
 
 def _json_layout(tmp_path: Path, item: dict[str, object]) -> zckpt.ParamLayout:
@@ -142,7 +142,7 @@ def test_rank_list_folds_json_against_protobuf() -> None:
 
 def test_load_distributed_checkpoint_refuses_a_field_reorder() -> None:
     """MindSpore's load_distributed_checkpoint reorders field>1 rows when merging; zckpt names the parameter."""
-    from zckpt.loading import refuse_field_reorder
+    from zckpt.jobs.loading import refuse_field_reorder
 
     plain = make_layout((2, 2), [[1], []])
     train = StrategyMap({"w": {0: dataclasses.replace(plain, field_size=2)}, "b": {0: plain},

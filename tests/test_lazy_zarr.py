@@ -20,10 +20,10 @@ from ckpt_compare import diff_dirs
 from test_roundtrip_generated import _check_output, _dst_strategy, _model
 
 import zckpt
-from zckpt.dtypes import MS_DTYPES
-from zckpt.errors import StoreError
-from zckpt.generate import write_model
-from zckpt.store import Store, _array_json, zarr_type
+from zckpt.core.dtypes import MS_DTYPES
+from zckpt.core.errors import StoreError
+from zckpt.jobs.generate import write_model
+from zckpt.store.store import Store, _array_json, zarr_type
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example"
@@ -44,7 +44,7 @@ def _cli_modules(args: list[str]) -> list[str]:
         "import runpy, sys\n"
         f"sys.argv = ['zckpt', *{args!r}]\n"
         "try:\n"
-        "    runpy.run_module('zckpt.cli', run_name='__main__')\n"
+        "    runpy.run_module('zckpt.cli.main', run_name='__main__')\n"
         "except SystemExit as exit:\n"
         "    assert exit.code in (0, None), exit.code\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
@@ -138,7 +138,7 @@ def test_store_array_registers_bfloat16_before_handing_out_a_zarr_array(tmp_path
     assert bf16
     code = (
         "import sys\n"
-        "from zckpt.store import Store\n"
+        "from zckpt.store.store import Store\n"
         f"s = Store.open({str(store)!r})\n"
         f"e = s.entry({bf16[0].name!r})\n"
         "assert 'zarr' not in sys.modules\n"
@@ -179,7 +179,7 @@ def test_group_and_progress_documents_equal_zarr_pythons_own(tmp_path: Path) -> 
     same), later versions leave it out: the documents are compared without that null."""
     import zarr
 
-    from zckpt import records
+    from zckpt.store import records
 
     ref = zarr.open_group(str(tmp_path / "ref.zarr"), mode="w-", zarr_format=3)
     ref.require_group("tensors")

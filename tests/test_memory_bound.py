@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zckpt
-from zckpt import rank_writer
-from zckpt.cli import parse_size
+from zckpt.cli.main import parse_size
+from zckpt.core.layout import Box, c_order_pieces
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.layout import Box, c_order_pieces
-from zckpt.runner import memory_budget
-from zckpt.source_reader import SourceReader
-from zckpt.store_reader import StoreReader
-from zckpt.transform import TransformOptions, transform
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.transform import TransformOptions, transform
+from zckpt.run.engines import memory_budget
+from zckpt.sources.reader import SourceReader
+from zckpt.store.reader import StoreReader
+from zckpt.write import rank_writer
 
 
 @settings(max_examples=300, deadline=None)

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from mindspore_env import require_ms_python, run_ms_tool
 
 import zckpt
-from zckpt.cli import main
-from zckpt.errors import OutputError, StrategyError, UsageError, ZckptError
+from zckpt.cli.main import main
+from zckpt.core.errors import OutputError, StrategyError, UsageError, ZckptError
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import (
     ParamLayout,
@@ -33,8 +33,8 @@ from zckpt.formats.strategy import (
     make_layout,
     read_strategy,
 )
-from zckpt.generate import random_layout
-from zckpt.merge import (
+from zckpt.jobs.generate import random_layout
+from zckpt.plan.merge import (
     MergeReport,
     NotAStrategyDirError,
     list_strategy_files,

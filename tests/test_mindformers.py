@@ -5,7 +5,7 @@ writer (metadata layouts from MindSpore's ``_layout_process``, chunks as slice n
 ``storage_data``, file names, ``common.json``). The rank files hold what MindSpore puts on each
 rank: generated values cut by ``tests/oracle.py`` (optimizer parallel included), or the
 shards MindSpore itself saved in fixture s22 (a MindFormers Qwen3 with pipeline and
-optimizer parallel). Expected values: :func:`zckpt.generate.global_value`, s22's
+optimizer parallel). Expected values: :func:`zckpt.jobs.generate.global_value`, s22's
 ``reference/global.ckpt`` and the bundled example's ``dst/expected``.
 """
 
@@ -23,9 +23,9 @@ from oracle import read_layouts
 from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_file
 
 import zckpt
-from zckpt.errors import CheckpointFormatError, StrategyError
+from zckpt.core.errors import CheckpointFormatError, StrategyError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import global_value
+from zckpt.jobs.generate import global_value
 
 DP4_MP2 = (4, 2)  # axis 1 = dp (4), axis 0 = mp (2)
 
@@ -236,7 +236,7 @@ def test_a_rank_loads_straight_from_an_iteration(tmp_path: Path) -> None:
     """load_distributed_checkpoint's reader (ShardSlicer): each destination rank's slices read
     straight from the iteration's files (saved with redundancy removed)."""
     from zckpt.formats.strategy import read_strategy
-    from zckpt.loading import ShardSlicer, plan_rank, write_rank_file
+    from zckpt.jobs.loading import ShardSlicer, plan_rank, write_rank_file
 
     it = write_iteration(tmp_path / "checkpoint", _example_job(), 8, shards=_example_shards,
                          extra_opt=_example_extra, step=20, global_step=0, balanced=True)

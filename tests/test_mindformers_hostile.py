@@ -20,11 +20,11 @@ import pytest
 from mindformers_writer import MsParam, write_iteration
 from oracle import expected_shard
 
-from zckpt.cli import main as cli_main
-from zckpt.errors import ZckptError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import global_value
-from zckpt.store import Store
+from zckpt.jobs.generate import global_value
+from zckpt.store.store import Store
 
 ROWS = MsParam("layer.w", (8, 8), (2,), ((0,), (-1,)))
 COLS = MsParam("layer.w", (8, 8), (2,), ((-1,), (0,)))

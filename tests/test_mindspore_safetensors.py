@@ -19,7 +19,7 @@ from sf_models import all_dtypes_tensors
 import zckpt
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.safetensors import SafetensorsReader
-from zckpt.generate import write_model
+from zckpt.jobs.generate import write_model
 
 pytestmark = pytest.mark.mindspore
 

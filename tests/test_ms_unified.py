@@ -23,7 +23,7 @@ from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_fi
 
 import zckpt
 from zckpt.formats.opener import open_shard
-from zckpt.loading import ShardSlicer
+from zckpt.jobs.loading import ShardSlicer
 
 pytestmark = pytest.mark.mindspore
 
@@ -50,7 +50,7 @@ def test_mindspore_loads_zckpts_unified_directory(tmp_path: Path) -> None:
     """One part (unified_safetensors) and five parts (unify_store from a store, small parts)."""
     require_ms_python()
     from zckpt.formats.strategy import read_strategy
-    from zckpt.unified import unify_store
+    from zckpt.jobs.unified import unify_store
 
     unified = tmp_path / "unified"
     zckpt.unified_safetensors(str(SRC), str(SRC_STRATEGY), str(unified))
@@ -106,7 +106,7 @@ def test_zckpt_verifies_mindsporess_own_exports(tmp_path: Path) -> None:
     doc = run_ms_tool("ms_unified.py", "unify", str(SRC), str(SRC_STRATEGY), str(tmp_path / "ms"))
     store = tmp_path / "s.zarr"
     zckpt.ingest(str(SRC), store, str(SRC_STRATEGY))
-    from zckpt.verify import verify
+    from zckpt.jobs.verify import verify
 
     for fmt, src in (("ckpt", str(SRC)), ("safetensors", doc["st"])):
         out = tmp_path / f"ms_{fmt}"
@@ -123,7 +123,7 @@ def test_bf16_loads_into_a_cell_like_mindspore(tmp_path: Path) -> None:
     from sf_models import TWO
 
     from zckpt.formats.strategy import make_layout
-    from zckpt.generate import TensorDef, write_model
+    from zckpt.jobs.generate import TensorDef, write_model
 
     split = make_layout(TWO, [[0], []])
     model = write_model(tmp_path / "src", [TensorDef("w.bf16", (8, 4), "BFloat16", split),
@@ -145,8 +145,8 @@ def test_file_suffix_picks_mindsporess_file(tmp_path: Path) -> None:
     """unified_safetensors' choice of each rank's file, for every form of file_suffix, is
     MindSpore's (its own _collect_safetensor_files asked on the same directory)."""
     require_ms_python()
-    from zckpt.errors import SourceError
-    from zckpt.unified import collect_rank_files
+    from zckpt.core.errors import SourceError
+    from zckpt.jobs.unified import collect_rank_files
 
     names = ["net_rank_0-1_10.safetensors", "net_rank_0-2_20.safetensors", "net_rank_0-12_5.safetensors",
              "net_0-3_30.safetensors", "net_rank_0_3-3_30.safetensors"]

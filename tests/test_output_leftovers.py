@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt import locks, new_files, out_records
-from zckpt.cli import main as cli_main
-from zckpt.errors import OutputError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import OutputError
 from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.io import locks, new_files
+from zckpt.write import out_records
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 EXPECTED = EXAMPLE / "dst" / "expected"
@@ -222,8 +223,8 @@ def test_a_marker_left_by_a_killed_run_is_resumed_then_removed(store: Path, tmp_
 
 def _marker_of(store: Path, out: Path) -> str:
     """The fingerprint a run of this export writes into its marker."""
-    from zckpt.export_job import export_fingerprint, output_jobs, plan_export
-    from zckpt.store import Store
+    from zckpt.jobs.export_job import export_fingerprint, output_jobs, plan_export
+    from zckpt.store.store import Store
 
     st = Store.open(store)
     plan = plan_export(st, str(DST_S))

@@ -14,15 +14,15 @@ import oracle
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.export_job import ExportOptions
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, random_layout, write_model
-from zckpt.ingest import IngestOptions
-from zckpt.runner import cores_to_spare, overlap_for, usable_cpus, wants_overlap
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.run.engines import cores_to_spare, overlap_for, usable_cpus, wants_overlap
 
-export_module = importlib.import_module("zckpt.export")  # the package's ``export`` is the function
+export_module = importlib.import_module("zckpt.jobs.export")  # the package's ``export`` is the function
 
 
 def _chunks(store: Path) -> dict[str, bytes]:
@@ -65,7 +65,7 @@ def test_overlapped_and_serial_runs_write_the_same_bytes(tmp_path: Path, seed: i
                      options=ExportOptions(block_bytes=512, overlap=overlap))
     files = _files(outs[True])
     assert files == _files(outs[False]) and len(files) == dst_n
-    raw = oracle.read_layouts(tmp_path / "dst.ckpt")  # the slices from the file's raw fields, not zckpt.layout
+    raw = oracle.read_layouts(tmp_path / "dst.ckpt")  # the slices from the file's raw fields, not zckpt.core.layout
     for r in range(dst_n):
         with CkptReader(outs[True] / f"rank_{r}" / f"checkpoint_{r}.ckpt") as got:
             for t in tensors:

@@ -1,7 +1,7 @@
 """Packed tiny tensors at scale, judged by readers zckpt does not share.
 
 The shard is written and the exported file read with MindSpore's protobuf classes alone
-(no :mod:`zckpt.formats.ckpt`, no :mod:`zckpt.generate`), the values drawn here with numpy:
+(no :mod:`zckpt.formats.ckpt`, no :mod:`zckpt.jobs.generate`), the values drawn here with numpy:
 a packing, checksum-run or batched-read bug that puts one tensor's bytes under another name
 fails the comparison whatever zckpt believes it wrote.
 """
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt import integrity
-from zckpt.errors import StoreError
+from zckpt.core.errors import StoreError
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
-from zckpt.verify import verify
+from zckpt.jobs.verify import verify
+from zckpt.store import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 20_000

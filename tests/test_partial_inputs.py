@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 from conftest import scenario
 
-from zckpt.cli import main as cli_main
-from zckpt.errors import DiskFullError, LayoutError, SourceError, StoreError
-from zckpt.export import export
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import DiskFullError, LayoutError, SourceError, StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.generate import GeneratedModel, PipelineModel, TensorDef, write_model, write_pipeline_model
-from zckpt.ingest import IngestOptions, ingest
-from zckpt.store import Store
-from zckpt.transform import TransformOptions, transform
+from zckpt.jobs.export import export
+from zckpt.jobs.generate import GeneratedModel, PipelineModel, TensorDef, write_model, write_pipeline_model
+from zckpt.jobs.ingest import IngestOptions, ingest
+from zckpt.jobs.transform import TransformOptions, transform
+from zckpt.store.store import Store
 
 ROWS = make_layout((2,), [[0], []])
 COLS = make_layout((2,), [[], [0]])
@@ -113,7 +113,7 @@ def test_per_stage_parts_of_a_partial_store_stay_allowed(tmp_path: Path) -> None
     by stage, so a store of stage 0 exports ``_part0`` files holding stage 0's tensors."""
     job = _job(tmp_path)
     ingest(job.root, tmp_path / "s.zarr", _stage0_strategy_dir(job, tmp_path))
-    from zckpt.export_job import ExportOptions
+    from zckpt.jobs.export_job import ExportOptions
 
     export(tmp_path / "s.zarr", tmp_path / "out", _dst_strategy(tmp_path), options=ExportOptions(per_stage=True))
     with CkptReader(tmp_path / "out" / "rank_0" / "checkpoint_0_part0.ckpt") as r:
@@ -266,7 +266,7 @@ def test_disk_full_tmpfs_ingest_names_a_store_file_and_resumes(tmp_path: Path, f
         export(store, tmp_path / "out", None)
     subprocess.run(["mount", "-o", "remount,size=64m", str(full_disk)], check=True)
     report = ingest(job.root, store, job.strategy_path)  # space freed: the same ingest runs again
-    # tmpfs reserves a store's blocks when its arrays are defined (zckpt.fileio.allocate): the disk was full
+    # tmpfs reserves a store's blocks when its arrays are defined (zckpt.io.fileio.allocate): the disk was full
     # before any data was written, so the rerun starts anew rather than resuming
     assert report.complete and not report.resumed
     _check_store_values(store, job)
@@ -291,7 +291,7 @@ def _enospc(*args: object, **kwargs: object) -> None:
 
 
 def test_disk_full_patched_ingest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ingest_mod = importlib.import_module("zckpt.ingest")  # the package exports the function under this name
+    ingest_mod = importlib.import_module("zckpt.jobs.ingest")  # the package exports the function under this name
     job = _small_job(tmp_path)
     store = tmp_path / "s.zarr"
     with monkeypatch.context() as m:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import scenario
-from zckpt.cli import main as cli_main
-from zckpt.draw import Panel, plane_box
-from zckpt.errors import LayoutError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import LayoutError
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
-from zckpt.layout import Box
+from zckpt.jobs.draw import Panel, plane_box
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -231,7 +231,7 @@ def test_axes_are_labelled(picture: str, labels: dict[str, str]) -> None:
 
 
 def test_axis_labels_of_other_ranks() -> None:
-    from zckpt.draw import axis_labels
+    from zckpt.jobs.draw import axis_labels
 
     assert axis_labels(()) == ("a scalar (0-d)", None)
     assert axis_labels((48,)) == ("dim 0: 48", None)

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
+from zckpt.core.layout import Box, rank_box, resolve
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, random_layout, write_model, write_pipeline_model
-from zckpt.layout import Box, rank_box, resolve
+from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model, write_pipeline_model
 
 PIPELINE = ["s06", "s07"]
 
@@ -142,7 +142,7 @@ def _expected(name: str, shape: tuple[int, ...], ms_type: str, layouts: dict[str
               rank: int) -> bytes:
     """Stage-local ``rank``'s slice of ``name`` as ``tests/oracle.py`` cuts it from the raw
     fields of the strategy file's item ``key`` (a merged file's ``<stage>-<name>``), not
-    as :mod:`zckpt.layout` does; the whole value where the file lists no ``key``."""
+    as :mod:`zckpt.core.layout` does; the whole value where the file lists no ``key``."""
     return np.ascontiguousarray(oracle.cut(global_value(name, shape, ms_type), layouts, key, rank)).tobytes()
 
 
@@ -292,7 +292,7 @@ def test_bad_param_split_shape_is_refused_and_field_ignored() -> None:
         resolve(make_layout((2, 2), [[1], [0]], param_split_shape=[5, 5, 5]), (10, 4))
     with pytest.raises(zckpt.LayoutError, match="running row offsets"):
         resolve(make_layout((2,), [[0], []], param_split_shape=[6, 4], indices_offset=[0, 5]), (10, 4))
-    # field (MatMul field_size) does not change a slice (fixture s20; see zckpt.layout)
+    # field (MatMul field_size) does not change a slice (fixture s20; see zckpt.core.layout)
     plain = make_layout((2,), [[0], []])
     field = dataclasses.replace(plain, field_size=39)
     assert [rank_box(resolve(field, (10, 4)), r) for r in range(2)] == [Box((0, 0), (5, 4)), Box((5, 0), (10, 4))]
@@ -306,7 +306,7 @@ def _is_subsequence(sub: list[str], seq: list[str]) -> bool:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from("abcdefghijklmnop"), unique=True, max_size=12), st.data())
 def test_merge_orders_keeps_both_orders(universe: list[str], data: st.DataObject) -> None:
-    from zckpt.plan import merge_orders
+    from zckpt.plan.plans import merge_orders
 
     first = [x for x in universe if data.draw(st.booleans())]
     second = [x for x in universe if data.draw(st.booleans())]
@@ -316,7 +316,7 @@ def test_merge_orders_keeps_both_orders(universe: list[str], data: st.DataObject
 
 
 def test_merge_orders_rebuilds_the_network_order() -> None:
-    from zckpt.plan import merge_orders
+    from zckpt.plan.plans import merge_orders
 
     stage0 = ["l1", "l2", "global_step", "lr", "moments.l1", "moments.l2"]
     stage1 = ["l3", "global_step", "lr", "moments.l3"]

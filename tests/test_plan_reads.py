@@ -13,7 +13,7 @@ import numpy as np
 import oracle
 import pytest
 
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -100,9 +100,9 @@ def test_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["plan", "--src-strategy", str(src_s), "--dst-strategy", str(dst_s),
                      "--src", str(EXAMPLE / "src" / "checkpoints"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    from zckpt.plan import RankExport
-    from zckpt.reads import plan_reads
-    from zckpt.transform import plan_transform
+    from zckpt.jobs.reads import plan_reads
+    from zckpt.jobs.transform import plan_transform
+    from zckpt.plan.plans import RankExport
 
     plan = plan_transform(EXAMPLE / "src" / "checkpoints", src_s, dst_s, verify_crc=False)
     for r in plan.export.ranks:

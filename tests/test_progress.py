@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 import zckpt
-import zckpt.progress as progress
-from zckpt.cli import main as cli_main
-from zckpt.errors import UsageError
-from zckpt.export_job import ExportOptions
+import zckpt.run.progress as progress
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import UsageError
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, write_model
-from zckpt.ingest import IngestOptions
-from zckpt.progress import BARS, JSON, OFF, DaskTopic, Ticker, View, mode_of
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import TensorDef, write_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.run.progress import BARS, JSON, OFF, DaskTopic, Ticker, View, mode_of
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -149,7 +149,7 @@ def test_progress_on_a_local_cluster_accounts_for_every_task(tmp_path: Path, mon
         views.append(real(*args, **{**kw, "stream": io.StringIO()}))
         return views[-1]
 
-    monkeypatch.setattr("zckpt.runner.View", spy)
+    monkeypatch.setattr("zckpt.run.engines.View", spy)
     src, dst = _job(tmp_path)
     zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"),
                  IngestOptions(workers=2, progress="json"))

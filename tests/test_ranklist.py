@@ -29,9 +29,9 @@ import pytest
 from mindspore_env import run_ms_tool
 
 import zckpt
-from zckpt.errors import LayoutError, StrategyError, ZckptError
+from zckpt.core.errors import LayoutError, StrategyError, ZckptError
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.ranklist import needed_source_ranks, rank_list_for_transform_maps
+from zckpt.plan.ranklist import needed_source_ranks, rank_list_for_transform_maps
 
 DATA = Path(__file__).resolve().parent / "data" / "ms_rank_lists.json"
 EXPECTED: dict[str, dict[str, Any]] = json.loads(DATA.read_text(encoding="utf-8"))["scenarios"]
@@ -69,7 +69,7 @@ def _assert_minimal_cover(src: dict[str, oracle.Layout], dst: dict[str, oracle.L
                           ranks: Sequence[int]) -> None:
     """Every element of the destination rank's slice is held by a listed source rank, and
     each listed rank holds one of them. The slices are ``tests/oracle.py``'s (raw strategy
-    fields, no :mod:`zckpt.layout`), cut from a tensor of element numbers whose shape every
+    fields, no :mod:`zckpt.core.layout`), cut from a tensor of element numbers whose shape every
     layout divides evenly."""
     used: set[int] = set()
     for name, d_lay in dst.items():

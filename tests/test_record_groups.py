@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt import integrity
-from zckpt import records as rank_records
-from zckpt.errors import StoreError
-from zckpt.generate import GeneratedModel, TensorDef, random_layout, write_model
-from zckpt.verify import verify
+from zckpt.core.errors import StoreError
+from zckpt.jobs.generate import GeneratedModel, TensorDef, random_layout, write_model
+from zckpt.jobs.verify import verify
+from zckpt.store import integrity
+from zckpt.store import records as rank_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 70  # 3 ranks a file (ceil(70 / 32)): 23 range files and rank_69.json
@@ -210,7 +210,7 @@ def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_p
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The check runs where the record is made (the record thread): the rank is never
     recorded, the ingest fails naming the file and leaves no store."""
-    mod = sys.modules["zckpt.ingest"]  # the module (``zckpt.ingest`` is also the function)
+    mod = sys.modules["zckpt.jobs.ingest"]  # the module (``zckpt.ingest`` is also the function)
     src = tmp_path / "src"
     shutil.copytree(job.root, src)
     victim = src / "rank_40" / "checkpoint_40.ckpt"

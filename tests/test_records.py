@@ -14,8 +14,8 @@ import zarr
 from ckpt_compare import diff_dirs
 
 import zckpt
-from zckpt.errors import StoreError
-from zckpt.verify import verify
+from zckpt.core.errors import StoreError
+from zckpt.jobs.verify import verify
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = EXAMPLE / "src" / "checkpoints"

@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.cli import parse_storage_options
-from zckpt.errors import OutputError, SourceError, StoreError, UsageError
+from zckpt.cli.main import main as cli_main
+from zckpt.cli.main import parse_storage_options
+from zckpt.core.errors import OutputError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.rank_files import pick_rank_name
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, random_layout, write_model
-from zckpt.replicas import SAMPLE_BYTES
-from zckpt.store import Store
+from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.sources.replicas import SAMPLE_BYTES
+from zckpt.store.store import Store
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")

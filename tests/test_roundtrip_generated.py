@@ -2,7 +2,7 @@
 
 The expected shards come from ``tests/oracle.py``, an independent re-slicer that reads the
 strategy files' raw fields and cuts the generator's global values with numpy, never from
-:mod:`zckpt.layout` (which generated the inputs: a layout bug would pass a comparison with
+:mod:`zckpt.core.layout` (which generated the inputs: a layout bug would pass a comparison with
 itself). The layouts include every kind MindSpore's compiler writes: multi-axis maps (JSON
 files hold them expanded), optimizer sharding, ``manual_split`` uneven rows with optimizer
 states listed without them, and ``field``.
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import zckpt
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, encode_strategy_json
-from zckpt.generate import TensorDef, global_value, random_layout, strategy_of, with_optimizer_states, write_model
+from zckpt.jobs.generate import TensorDef, global_value, random_layout, strategy_of, with_optimizer_states, write_model
 
 DTYPES = ["Float32", "BFloat16", "Float16", "Int32", "Int8", "UInt64", "Bool", "Float64"]
 KINDS = {"uneven_prob": 0.3, "field_prob": 0.2}

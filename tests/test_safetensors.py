@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from sf_models import STRINGS, entries_by_name, ingest_all_dtypes, save_safetensors_job
 
 import zckpt
-from zckpt.cli import main
-from zckpt.errors import CheckpointFormatError, OutputError, SourceError
+from zckpt.cli.main import main
+from zckpt.core.errors import CheckpointFormatError, OutputError, SourceError
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.opener import open_shard
 from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.safetensors import SF_TO_MS, STRING_PREFIX, SafetensorsReader, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import SafetensorsSetReader
-from zckpt.generate import GeneratedModel
+from zckpt.jobs.generate import GeneratedModel
 
 sn = pytest.importorskip("safetensors.numpy", reason="the safetensors package is needed (pip install safetensors)")
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for bf16 in safetensors.numpy")

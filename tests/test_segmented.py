@@ -27,13 +27,13 @@ from mindspore_env import require_ms_python, run_ms_tool
 from zarr.storage import LocalStore
 
 import zckpt
-from zckpt.cli import main
-from zckpt.errors import LayoutError, SourceError, StoreError, UsageError
+from zckpt.cli.main import main
+from zckpt.core.errors import LayoutError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader, CkptWriter, value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.ingest import IngestOptions
-from zckpt.segmented import (
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.jobs.segmented import (
     LoadedCheckpoint,
     SegmentedCheckpoint,
     list_part_files,
@@ -309,7 +309,7 @@ _GUARD = r"""
 import ctypes, hashlib, json, mmap, os, sys
 import numpy as np
 from zckpt.formats import ckpt as ckpt_module
-from zckpt.segmented import load_segmented_checkpoints, open_segmented
+from zckpt.jobs.segmented import load_segmented_checkpoints, open_segmented
 
 mode, directory, target, guard_json = sys.argv[1:5]
 guard = {os.path.realpath(k): v for k, v in json.loads(guard_json).items()}

@@ -18,14 +18,14 @@ import pytest
 from ckpt_compare import diff_dirs
 
 import zckpt
-from zckpt.export_job import ExportOptions
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model
-from zckpt.ingest import IngestOptions
-from zckpt.layout import Box
-from zckpt.store_reader import StoreReader
-from zckpt.verify import verify
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.jobs.verify import verify
+from zckpt.store.reader import StoreReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 V3_STORE = Path(__file__).resolve().parent / "data" / "store-v3.zarr"
@@ -183,7 +183,7 @@ def test_each_shard_file_is_opened_once_per_ingest_and_closed_after(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """32 source ranks fill one shard file per array: the ingest opens each once (not once per
     rank) and holds none open when it returns."""
-    ingest_module = importlib.import_module("zckpt.ingest")  # the package's ``ingest`` is the function
+    ingest_module = importlib.import_module("zckpt.jobs.ingest")  # the package's ``ingest`` is the function
     opened: list[str] = []
     real = ingest_module._open_chunk_file
 
@@ -223,7 +223,7 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
-    ingest_mod = importlib.import_module("zckpt.ingest")
+    ingest_mod = importlib.import_module("zckpt.jobs.ingest")
     monkeypatch.setattr(ingest_mod.fileio, "read_soon", lambda paths, share=0.25: False)
     _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
     assert len(seen) == RANKS and all(seen)
@@ -276,7 +276,7 @@ def test_define_reserves_shard_blocks_that_still_read_as_not_written(
     if not _reserves_blocks(tmp_path):
         pytest.skip("this filesystem does not reserve blocks (fallocate)")
     src, store = _big_model(tmp_path), tmp_path / "s.zarr"
-    mod = importlib.import_module("zckpt.ingest")
+    mod = importlib.import_module("zckpt.jobs.ingest")
 
     def stop(*args: object, **kwargs: object) -> None:
         raise _Stop
@@ -314,8 +314,8 @@ def test_a_full_disk_at_define_names_the_shard_file(tmp_path: Path, monkeypatch:
         return errno.ENOSPC
 
     with monkeypatch.context() as m:
-        m.setattr(zckpt.fileio, "_fallocate", lambda: no_space)
-        with pytest.raises(zckpt.errors.DiskFullError) as err:
+        m.setattr(zckpt.io.fileio, "_fallocate", lambda: no_space)
+        with pytest.raises(zckpt.core.errors.DiskFullError) as err:
             _ingest(src, store, 1 << 20)
     assert calls
     assert err.value.path == str(store / "tensors" / "big" / "c.0.0")

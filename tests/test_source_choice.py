@@ -20,12 +20,12 @@ import pytest
 from mindspore_env import run_ms_tool
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.errors import SourceError, UsageError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.rank_files import choose_rank_file
-from zckpt.ingest import IngestOptions
-from zckpt.store import Store
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SHARDED = EXAMPLE / "src" / "checkpoints"  # MindSpore's 8 ranks, each a different shard

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from zckpt.formats.strategy import make_layout
-from zckpt.generate import TensorDef, random_layout, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.ingest import IngestOptions, ingest
 
 pytest.importorskip("distributed")
 

@@ -1,12 +1,12 @@
 """Consistent forgeries: a store edited with its digests recomputed (issue 25).
 
-The digests of a store (``zckpt/integrity.py``) are not keyed: whoever edits a store can
+The digests of a store (``zckpt/store/integrity.py``) are not keyed: whoever edits a store can
 recompute them, so ``zckpt verify STORE`` alone cannot tell such an edit from the store its
 ingest wrote, and export then writes wrong or missing data. What can tell is comparing the
 store with the shards it came from: ``zckpt verify STORE --sources SRC_DIR``. Each forgery
 below passes the first and is reported by the second (non-zero exit, the parameter named).
 
-The expected bytes are the generator's global values (``zckpt.generate.global_value``), not
+The expected bytes are the generator's global values (``zckpt.jobs.generate.global_value``), not
 anything zckpt's export computes.
 """
 
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from store_jobs import StoreJob, run_cli
 
-from zckpt import integrity
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, random_layout
-from zckpt.ingest import IngestOptions
+from zckpt.jobs.generate import TensorDef, random_layout
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.store import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 

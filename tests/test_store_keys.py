@@ -1,4 +1,4 @@
-"""Properties of the store's naming and chunking rules (pure functions of zckpt.store)."""
+"""Properties of the store's naming and chunking rules (pure functions of zckpt.store.store)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zckpt.store import chunk_shape, encode_key
+from zckpt.store.store import chunk_shape, encode_key
 
 _names = st.text(st.characters(codec="utf-8"), min_size=0, max_size=60)
 

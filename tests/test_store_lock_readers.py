@@ -1,6 +1,6 @@
 """Several readers of one store and an ingest waiting for them (issue 25).
 
-The store lock (``<store>.lock``, :mod:`zckpt.locks`) is removed by its last holder. A
+The store lock (``<store>.lock``, :mod:`zckpt.io.locks`) is removed by its last holder. A
 reader leaving while another still reads must not remove it: an ingest would then lock a
 new file of the same name and rewrite the store under the remaining reader. Here one reader
 is this process, the other a separate process; the first leaves, an ``ingest --overwrite``
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt import locks
-from zckpt.generate import TensorDef, random_layout, write_model
-from zckpt.ingest import IngestOptions, ingest
+from zckpt.io import locks
+from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.ingest import IngestOptions, ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _READER = """
 import sys, time
 from pathlib import Path
-from zckpt import locks
+from zckpt.io import locks
 store, leave = Path(sys.argv[1]), Path(sys.argv[2])
 with locks.store_reading(store):
     print("reading", flush=True)

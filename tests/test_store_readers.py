@@ -26,13 +26,13 @@ from sf_models import STRINGS, entries_by_name, ingest_all_dtypes
 
 import zckpt
 from zckpt import zarr_bfloat16
-from zckpt.cli import main
-from zckpt.dtypes import ms_dtype
-from zckpt.errors import StoreError
-from zckpt.generate import GeneratedModel, global_value
-from zckpt.store import Store
-from zckpt.store_tools import consolidate
-from zckpt.verify import verify as zckpt_verify
+from zckpt.cli.main import main
+from zckpt.core.dtypes import ms_dtype
+from zckpt.core.errors import StoreError
+from zckpt.jobs.generate import GeneratedModel, global_value
+from zckpt.jobs.verify import verify as zckpt_verify
+from zckpt.store.consolidate import consolidate
+from zckpt.store.store import Store
 
 TOOLS = Path(__file__).resolve().parent / "tools"
 BF16_TYPE = Path(zarr_bfloat16.__file__)

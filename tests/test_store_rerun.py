@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from store_jobs import StoreJob, run_cli
 
-from zckpt import locks
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, global_value, random_layout
+from zckpt.io import locks
+from zckpt.jobs.generate import TensorDef, global_value, random_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4

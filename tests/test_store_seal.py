@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from store_jobs import StoreJob, run_cli
 
-from zckpt import records
-from zckpt.errors import StoreError
+from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.generate import TensorDef, random_layout
-from zckpt.store import Store
+from zckpt.jobs.generate import TensorDef, random_layout
+from zckpt.store import records
+from zckpt.store.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 

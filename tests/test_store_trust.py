@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 from oracle import expected_shard, read_layouts
 
-from zckpt.errors import StoreError
+from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.generate import TensorDef, global_value, random_layout, write_model
+from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DST_RANKS = 4
@@ -152,11 +152,11 @@ def _export(job: Job, store: Path, out: Path, *extra: str) -> list[str]:
 _WARM = """
 import sys, time
 from pathlib import Path
-import zckpt.cli
+import zckpt.cli.main
 trigger = Path(sys.argv[1])
 while not trigger.exists():
     time.sleep(0.001)
-sys.exit(zckpt.cli.main(sys.argv[2:]))
+sys.exit(zckpt.cli.main.main(sys.argv[2:]))
 """
 
 
@@ -395,7 +395,7 @@ def test_damaged_manifest_or_records_are_refused(job: Job, sealed: Path, tmp_pat
 
 
 def test_load_param_checks_checksums(job: Job, sealed: Path, tmp_path: Path) -> None:
-    from zckpt.segmented import load_slice
+    from zckpt.jobs.segmented import load_slice
 
     store = _copy(sealed, tmp_path)
     clean = _run("load", str(store), "--param", "layer1.w", "--rank", "1", "--strategy", str(job.dst))
@@ -409,7 +409,7 @@ def test_load_param_checks_checksums(job: Job, sealed: Path, tmp_path: Path) -> 
 
 
 def test_store_killed_before_its_manifest_is_refused(job: Job, tmp_path: Path) -> None:
-    from zckpt.store import Store
+    from zckpt.store.store import Store
 
     store = tmp_path / "store.zarr"
     Store.create(store)  # what an ingest killed between creating the store and defining its arrays leaves
@@ -428,7 +428,7 @@ def test_lock_files_are_never_followed(job: Job, tmp_path: Path) -> None:
     truncates the file it points to. An output directory is locked through its own
     descriptor: a link planted under the name of its fallback lock file is an entry of
     someone else's, refused as such, and never followed."""
-    from zckpt import locks
+    from zckpt.io import locks
 
     outside = tmp_path / "outside"
     store = tmp_path / "store.zarr"
@@ -451,11 +451,11 @@ def test_cluster_task_refuses_a_store_rewritten_after_planning(job: Job, tmp_pat
     is stopped when the store is no longer the one the export was planned on, instead of
     writing model B's data into a file beside files of model A; the planned store still
     exports."""
-    from zckpt.export import write_file
-    from zckpt.export_job import ExportOptions, PlannedStore, plan_export
-    from zckpt.export_safetensors import write_safetensors_file
-    from zckpt.ingest import IngestOptions, ingest
-    from zckpt.store import Store
+    from zckpt.jobs.export import write_file
+    from zckpt.jobs.export_job import ExportOptions, PlannedStore, plan_export
+    from zckpt.jobs.export_safetensors import write_safetensors_file
+    from zckpt.jobs.ingest import IngestOptions, ingest
+    from zckpt.store.store import Store
 
     store = tmp_path / "store.zarr"
     ingest(job.src("a"), store, job.strategy)

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zckpt.errors import StrategyError
+from zckpt.core.errors import StrategyError
+from zckpt.core.layout import tp_splits
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import (
     ParamLayout,
@@ -24,8 +25,7 @@ from zckpt.formats.strategy import (
     read_strategies,
     read_strategy,
 )
-from zckpt.generate import random_layout, write_model
-from zckpt.layout import tp_splits
+from zckpt.jobs.generate import random_layout, write_model
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

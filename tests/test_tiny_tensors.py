@@ -1,8 +1,8 @@
 """Many tiny tensors: packed into one array per data type, each still its own logical tensor.
 
-Expected values come from :func:`zckpt.generate.global_value` (the generator's own
+Expected values come from :func:`zckpt.jobs.generate.global_value` (the generator's own
 deterministic values) and destination slices from ``tests/oracle.py``, which re-slices them
-from the destination strategy file's raw fields without :mod:`zckpt.layout`, so neither the
+from the destination strategy file's raw fields without :mod:`zckpt.core.layout`, so neither the
 store code nor the layout maths under test computes what they are compared with.
 """
 
@@ -19,14 +19,14 @@ import pytest
 import zarr
 
 import zckpt
-from zckpt.errors import StoreError
+from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, strategy_of, write_model, write_pipeline_model
-from zckpt.ingest import IngestOptions
-from zckpt.segmented import load_slice
-from zckpt.store import Store
-from zckpt.verify import verify
+from zckpt.jobs.generate import TensorDef, global_value, strategy_of, write_model, write_pipeline_model
+from zckpt.jobs.ingest import IngestOptions
+from zckpt.jobs.segmented import load_slice
+from zckpt.jobs.verify import verify
+from zckpt.store.store import Store
 
 KINDS = (((5,), "Float32"), ((4, 6), "BFloat16"), ((3,), "Int8"), ((), "Float64"), ((7,), "Bool"),
          ((2, 2, 2), "Float16"), ((1,), "UInt64"))
@@ -237,9 +237,9 @@ def test_pipeline_stages_write_their_own_ranges_and_resume(tmp_path: Path) -> No
 
 def test_packing_places_tensors_without_crossing_a_chunk_border() -> None:
     """Hand-worked placement: 16-element chunks (a 64-byte limit of float32), tensors of 5."""
-    from zckpt.layout import Box
-    from zckpt.packed import plan_packing
-    from zckpt.plan import TensorSpec
+    from zckpt.core.layout import Box
+    from zckpt.plan.plans import TensorSpec
+    from zckpt.store.packed import plan_packing
 
     tensors = [TensorSpec(f"t{i}", "tensor", "Float32", (5,)) for i in range(7)]
     tensors += [TensorSpec("split", "tensor", "Float32", (4,)), TensorSpec("large", "tensor", "Float32", (17,))]

@@ -15,16 +15,16 @@ from conftest import scenario
 from test_roundtrip_generated import _check_output, _dst_strategy, _model
 
 import zckpt
-from zckpt.cli import main as cli_main
-from zckpt.errors import SourceError, UsageError
+from zckpt.cli.main import main as cli_main
+from zckpt.core.errors import SourceError, UsageError
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.generate import TensorDef, global_value, write_model, write_pipeline_model
-from zckpt.layout import Box
-from zckpt.plan import Write
-from zckpt.source_reader import SourceReader, meeting, segment_spans
-from zckpt.transform import TransformOptions, transform
+from zckpt.jobs.generate import TensorDef, global_value, write_model, write_pipeline_model
+from zckpt.jobs.transform import TransformOptions, transform
+from zckpt.plan.plans import Write
+from zckpt.sources.reader import SourceReader, meeting, segment_spans
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC, SRC_S, DST_S = (EXAMPLE / "src" / "checkpoints", EXAMPLE / "src" / "strategy.ckpt",
@@ -163,7 +163,7 @@ def test_row_pieces_are_copied_by_the_kernel(tmp_path: Path, monkeypatch: pytest
     ranged: list[str] = []
     real = SourceReader.file_ranges
 
-    def spy(self: SourceReader, name: str, box: zckpt.layout.Box) -> object:
+    def spy(self: SourceReader, name: str, box: zckpt.core.layout.Box) -> object:
         got = real(self, name, box)
         if got is not None:
             ranged.append(name)
@@ -335,7 +335,7 @@ def test_direct_path_imports_neither_zarr_nor_dask(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "import zckpt as ms\n"
-        "from zckpt.cli import main\n"
+        "from zckpt.cli.main import main\n"
         f"assert main(['transform', {str(SRC)!r}, '--src-strategy', {str(SRC_S)!r}, '--dst-strategy', "
         f"{str(DST_S)!r}, '--out', {str(tmp_path / 'out')!r}, '--quiet']) == 0\n"
         f"ms.transform_checkpoints({str(SRC)!r}, {str(tmp_path / 'api')!r}, 'checkpoint_', {str(SRC_S)!r}, "
@@ -354,9 +354,9 @@ def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
     """In one process the replica comparisons run as one merged task; the checks that are only
     spot-checked by default stay spot-checked there (not compared in full), and the others
     stay compared in full."""
-    from zckpt.plan import ReplicaCheck
-    from zckpt.replicas import CheckJob
-    from zckpt.transform import merged
+    from zckpt.jobs.transform import merged
+    from zckpt.plan.plans import ReplicaCheck
+    from zckpt.sources.replicas import CheckJob
 
     spot = ReplicaCheck("w", 4, Box((0, 0), (64, 64)), (0,), "replica")
     full = ReplicaCheck("w", 5, Box((0, 0), (64, 64)), (0,), "replica")

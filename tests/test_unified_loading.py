@@ -17,13 +17,13 @@ import pytest
 
 import zckpt
 import zckpt.parallel
-from zckpt.errors import SourceError, UsageError
+from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.opener import open_shard
 from zckpt.formats.strategy import read_strategy
 from zckpt.formats.unified import HYPER_FILE
-from zckpt.loading import ShardSlicer, read_rank
-from zckpt.store import Store
+from zckpt.jobs.loading import ShardSlicer, read_rank
+from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = EXAMPLE / "src" / "checkpoints"
@@ -80,7 +80,7 @@ def test_unified_parts_split_like_mindspore(tmp_path: Path) -> None:
     of n writes its share only (machine 1 also the map and the hyper-parameters)."""
     store = tmp_path / "s.zarr"
     zckpt.ingest(str(SRC), store, str(SRC_STRATEGY))
-    from zckpt.unified import unify_store
+    from zckpt.jobs.unified import unify_store
 
     smap = read_strategy(SRC_STRATEGY)
     unify_store(store, tmp_path / "all", smap, part_bytes=10_000)
@@ -226,7 +226,7 @@ def test_unified_safetensors_refusals(tmp_path: Path) -> None:
 
 
 def test_info_names_the_sources_ingest_reads(unified: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from zckpt.cli import main
+    from zckpt.cli.main import main
 
     assert main(["info", str(unified)]) == 0
     out = capsys.readouterr().out

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import zarr
 
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
-from zckpt.store import Store
-from zckpt.verify import chunk_grid, first_difference, verify
+from zckpt.jobs.verify import chunk_grid, first_difference, verify
+from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = EXAMPLE / "src" / "checkpoints"

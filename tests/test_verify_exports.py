@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli import main as cli_main
+from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader, CkptWriter
 from zckpt.formats.safetensors import SafetensorsReader
-from zckpt.verify import verify
+from zckpt.jobs.verify import verify
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 SRC = EXAMPLE / "src" / "checkpoints"

@@ -2,7 +2,7 @@
 
 Signatures, defaults and the TypeError/ValueError cases follow MindSpore's API reference.
 ``transform_checkpoints`` and ``transform_checkpoint_by_rank`` write each destination file
-straight from the source shards (:mod:`zckpt.transform`, the direct path: no intermediate
+straight from the source shards (:mod:`zckpt.jobs.transform`, the direct path: no intermediate
 copy, bounded memory, any M -> N); ``process_num`` is the number of files written at once
 (local Dask workers).
 
@@ -22,28 +22,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zckpt import remote
-from zckpt.errors import OutputError, SourceError, UsageError
-from zckpt.export import export, export_rank
-from zckpt.export_job import ExportOptions, plan_export
+from zckpt.core.errors import OutputError, SourceError, UsageError
+from zckpt.core.layout import Box
 from zckpt.formats.strategy import StrategyMap
-from zckpt.ingest import IngestOptions, ingest
-from zckpt.layout import Box
-from zckpt.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
-from zckpt.out_dirs import check_out_dir
-from zckpt.strategies import load_strategy
-from zckpt.transform import TransformOptions, transform, transform_rank
-from zckpt.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
+from zckpt.io import remote
+from zckpt.jobs.export import export, export_rank
+from zckpt.jobs.export_job import ExportOptions, plan_export
+from zckpt.jobs.ingest import IngestOptions, ingest
+from zckpt.jobs.transform import TransformOptions, transform, transform_rank
+from zckpt.jobs.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
+from zckpt.plan.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
+from zckpt.sources.strategies import load_strategy
+from zckpt.write.out_dirs import check_out_dir
 
 if TYPE_CHECKING:  # imported where used: the local direct path never loads Zarr
-    from zckpt.store import Store
+    from zckpt.store.store import Store
 
 
 def __getattr__(name: str) -> Any:
     """``load_segmented_checkpoints`` (MindSpore's name), re-exported from
-    :mod:`zckpt.segmented` on first use: that module reads stores through Zarr."""
+    :mod:`zckpt.jobs.segmented` on first use: that module reads stores through Zarr."""
     if name == "load_segmented_checkpoints":
-        from zckpt.segmented import load_segmented_checkpoints
+        from zckpt.jobs.segmented import load_segmented_checkpoints
 
         return load_segmented_checkpoints
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -98,7 +98,7 @@ def transform_checkpoints(
     and ``file_suffix`` (keyword only, as in MindSpore's ``unified_safetensors``) chooses.
     ``process_num`` files are written at once (Dask thread workers); ``output_format``
     ``"safetensors"`` writes ``<ckpt_prefix><r>.safetensors`` from any source. Local paths take
-    the direct path (:mod:`zckpt.transform`), URLs a temporary store.
+    the direct path (:mod:`zckpt.jobs.transform`), URLs a temporary store.
     """
     if not isinstance(ckpt_prefix, str):
         raise TypeError("The ckpt_prefix should be a str.")
@@ -191,7 +191,7 @@ def transform_checkpoint_by_rank(
             raise OutputError("save_checkpoint_file_name is a directory", path=target)
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent)
-    from zckpt.store import Store
+    from zckpt.store.store import Store
 
     with scratch as tmp:
         store = Path(tmp) / "store.zarr"
@@ -234,7 +234,7 @@ def rank_list_for_transform(
 ) -> list[int]:
     """Source ranks whose checkpoints destination ``rank_id`` needs (MindSpore's order: descending).
     Strategy files may be URLs."""
-    from zckpt.ranklist import rank_list_for_transform_maps
+    from zckpt.plan.ranklist import rank_list_for_transform_maps
 
     _check_rank_id(rank_id)
     _check_strategy_arg(src_strategy_file, "src_strategy_file", storage_options)
@@ -249,7 +249,7 @@ def rank_list_for_transform(
 
 def open_store(path: str | os.PathLike[str]) -> Store:
     """Open a zckpt store read-only (its arrays are plain Zarr v3)."""
-    from zckpt.store import Store
+    from zckpt.store.store import Store
 
     return Store.open(path)
 

@@ -16,8 +16,8 @@ from zckpt.api import (
     transform_checkpoint_by_rank,
     transform_checkpoints,
 )
-from zckpt.loading import load_distributed_checkpoint
-from zckpt.unified import unified_safetensors
+from zckpt.jobs.loading import load_distributed_checkpoint
+from zckpt.jobs.unified import unified_safetensors
 
 
 def rank_list_for_convert(

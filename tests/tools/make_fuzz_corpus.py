@@ -259,7 +259,7 @@ def data_cases() -> dict[str, tuple[bytes, dict[str, object]]]:
     protobuf does, before the fixes named. name -> (bytes, manifest entry)."""
     seeds = {"job": dj.strategy_bytes()}
     why = ("found by the data-judging fuzzer (seed {}): {}; converted to wrong data before the fix in "
-           "zckpt/replicas.py (replicas spot-checked along every replicated axis)")
+           "zckpt/sources/replicas.py (replicas spot-checked along every replicated axis)")
     replica = "differs from the one held by"
     out: dict[str, tuple[bytes, dict[str, object]]] = {}
     for seed, what in (

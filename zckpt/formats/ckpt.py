@@ -32,12 +32,12 @@ from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
-from zckpt import fileio
-from zckpt.checksums import RangeCheck, Sink
-from zckpt.dtypes import MS_DTYPES, STRING_TYPE, MsDtype, ms_dtype
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.dtypes import MS_DTYPES, STRING_TYPE, MsDtype, ms_dtype
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats import wire
-from zckpt.new_files import NewFile
+from zckpt.io import fileio
+from zckpt.io.checksums import RangeCheck, Sink
+from zckpt.io.new_files import NewFile
 
 CRC_MAGIC = b"crc_num"
 CRC_TRAILER_LEN = len(CRC_MAGIC) + 10
@@ -682,7 +682,7 @@ def _tensor_prefix(dims: tuple[int, ...], ms_type: str, content_len: int) -> byt
 
 
 class CkptWriter:
-    """Writes a ``.ckpt`` entry by entry to a new file beside it (:class:`~zckpt.new_files.NewFile`:
+    """Writes a ``.ckpt`` entry by entry to a new file beside it (:class:`~zckpt.io.new_files.NewFile`:
     unnamed where the system allows) and gives it its name on :meth:`commit`.
 
     Leaving the context without committing (an exception) drops the new file. A

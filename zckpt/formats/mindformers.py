@@ -59,12 +59,12 @@ from typing import Any
 
 import numpy as np
 
-from zckpt.dtypes import ms_name_for_numpy
-from zckpt.errors import CheckpointFormatError, LayoutError, SourceError, StrategyError
+from zckpt.core.dtypes import ms_name_for_numpy
+from zckpt.core.errors import CheckpointFormatError, LayoutError, SourceError, StrategyError
+from zckpt.core.layout import resolve
 from zckpt.formats.safetensors import MS_METADATA, SafetensorsReader, TensorHeader, header_bytes
 from zckpt.formats.shard_reader import SafetensorsSetReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
-from zckpt.layout import resolve
 
 METADATA = "metadata.json"
 COMMON = "common.json"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from zckpt.errors import SourceError
+from zckpt.core.errors import SourceError
 from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.formats.mindformers import MindFormersRankReader, is_rank_file
 from zckpt.formats.safetensors import SafetensorsReader

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zckpt.errors import SourceError, UsageError
+from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 
 

@@ -10,7 +10,7 @@ whose MindSpore type safetensors cannot name, ``metadata[name] = <MindSpore type
 
 Reading maps the file and validates the whole header before anything is used (every
 offset, size and dtype is checked against the file, so a broken or hostile header gives a
-:class:`~zckpt.errors.CheckpointFormatError` naming the file and tensor instead of a wrong
+:class:`~zckpt.core.errors.CheckpointFormatError` naming the file and tensor instead of a wrong
 view). Tensors come out as zero-copy views of the mapping, through the same access
 methods as :class:`~zckpt.formats.ckpt.CkptReader`, so ingest reads either format alike.
 
@@ -41,10 +41,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from zckpt.dtypes import STRING_TYPE, ms_dtype
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.dtypes import STRING_TYPE, ms_dtype
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
-from zckpt.new_files import NewFile
+from zckpt.io.new_files import NewFile
 
 SF_TO_MS: dict[str, str] = {
     "BOOL": "Bool",
@@ -382,7 +382,7 @@ def header_bytes(
 
 
 class SafetensorsWriter:
-    """Writes one ``.safetensors`` file as a new file beside it (:class:`~zckpt.new_files.NewFile`:
+    """Writes one ``.safetensors`` file as a new file beside it (:class:`~zckpt.io.new_files.NewFile`:
     unnamed where the system allows), named on :meth:`commit`.
 
     The tensors are declared up front; their bytes are then streamed with :meth:`write_tensor`

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt import EntryInfo
 from zckpt.formats.safetensors import SafetensorsReader
 

@@ -29,18 +29,18 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from zckpt.errors import StrategyError
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+from zckpt.core.errors import StrategyError
 
-# The values a strategy holds live in zckpt.strategy_values; their readers still import them from here.
-from zckpt.strategy_values import MAX_DEVICES as MAX_DEVICES
-from zckpt.strategy_values import ParamLayout as ParamLayout
-from zckpt.strategy_values import StrategyMap as StrategyMap
-from zckpt.strategy_values import check_range
-from zckpt.strategy_values import expand_layout as expand_layout
-from zckpt.strategy_values import fold_candidates as fold_candidates
-from zckpt.strategy_values import fold_layout as fold_layout
-from zckpt.strategy_values import make_layout as make_layout
+# The values a strategy holds live in zckpt.core.strategy_values; their readers still import them from here.
+from zckpt.core.strategy_values import MAX_DEVICES as MAX_DEVICES
+from zckpt.core.strategy_values import ParamLayout as ParamLayout
+from zckpt.core.strategy_values import StrategyMap as StrategyMap
+from zckpt.core.strategy_values import check_range
+from zckpt.core.strategy_values import expand_layout as expand_layout
+from zckpt.core.strategy_values import fold_candidates as fold_candidates
+from zckpt.core.strategy_values import fold_layout as fold_layout
+from zckpt.core.strategy_values import make_layout as make_layout
+from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 
 _STAGE_PREFIX = re.compile(r"^([0-9]{1,10})-(.+)$", re.DOTALL)
 """MindSpore writes ``f"{stage}-{name}"`` with a uint32 stage: ASCII digits only and at most

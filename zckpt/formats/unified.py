@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zckpt.errors import CheckpointFormatError
+from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.shard_reader import SafetensorsSetReader
 

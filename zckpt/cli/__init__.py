@@ -1,0 +1,1 @@
+"""The command line: the parser, its shared vocabulary, and the reference page rendered from it."""

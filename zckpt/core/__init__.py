@@ -1,0 +1,3 @@
+"""The pure core: dtypes, layout maths, strategy values and the one exception hierarchy.
+
+Imports nothing else of zckpt."""

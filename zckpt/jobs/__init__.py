@@ -1,0 +1,1 @@
+"""The commands as compositions of a plan, a reader, a writer and an engine: ingest, export, transform, load, ..."""

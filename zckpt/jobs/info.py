@@ -1,0 +1,180 @@
+"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file or a store,
+on a local disk or at a URL (``s3://...``, ``memory://...``: a store is read through zarr, a
+file is copied to a temporary local file first, as ingest does with remote shards)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zckpt.core.errors import CheckpointFormatError, UsageError
+from zckpt.formats.opener import open_shard, shard_format
+from zckpt.formats.strategy import read_strategy
+from zckpt.io import remote
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+Described = tuple[dict[str, Any], list[str]]
+
+
+def describe(path: str | os.PathLike[str], storage_options: remote.StorageOptions = None) -> Described:
+    """A JSON-able description and the aligned text lines that show it."""
+    if isinstance(path, str) and remote.is_remote(path):
+        return _describe_remote(path, storage_options)
+    local = remote.local_path(path)
+    if (local / "zarr.json").is_file():
+        return _describe_store(local)
+    if local.is_dir():
+        return _describe_dir(local)
+    if not local.is_file():
+        raise UsageError("no such file, directory or store", path=local)
+    return _describe_file(local, str(local))
+
+
+def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Described:
+    """A store at a URL is opened where it is; a file is spooled to a temporary copy, and
+    errors about the copy name the URL."""
+    from zckpt.sources.discovery import spool
+
+    loc = remote.locate(url, storage_options, UsageError)
+    if remote.isfile(loc.child("zarr.json"), UsageError):
+        return _describe_store(url, storage_options)
+    if not remote.isfile(loc, UsageError):
+        raise UsageError("no such file or store", path=url)
+    with spool(url, storage_options) as local, remote.named_by_url(local.parent, url):
+        return _describe_file(local, url)
+
+
+KNOWN_SUFFIXES = (".ckpt", ".safetensors", ".json")
+
+
+def _describe_file(path: Path, shown: str) -> Described:
+    if shard_format(path) != "ckpt":  # a .safetensors file or a split checkpoint's index
+        return _describe_ckpt(path, shown)
+    if path.suffix == ".json" or _looks_like_strategy(path):
+        return _describe_strategy(path, shown)
+    try:
+        return _describe_ckpt(path, shown)
+    except CheckpointFormatError:
+        if path.suffix.lower() in KNOWN_SUFFIXES:
+            raise  # a checkpoint by its name: what is wrong with it helps
+        raise UsageError("not a checkpoint (.ckpt, .safetensors), strategy file or zckpt store", path=shown) from None
+
+
+def _describe_dir(path: Path) -> Described:
+    """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
+    ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
+    from zckpt.formats.rank_files import pick_rank_file
+    from zckpt.sources.discovery import discover_sources
+    from zckpt.sources.layouts import discover_other_layout
+
+    ranks = any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir())
+    if ranks or discover_other_layout(path) is not None:
+        found = discover_sources(path)
+        files = found.files
+        rows = [["rank", "file", "bytes"]] + [[str(r), str(f), str(Path(f).stat().st_size)] for r, f in files.items()]
+        doc = {"type": "job", "path": str(path), "ranks": {str(r): str(f) for r, f in files.items()},
+               "file_choices": {str(r): {"file": c.name, "candidates": list(c.candidates), "rule": c.rule}
+                                for r, c in found.several().items()}}
+        chose = [f"rank {r}: chose {c.name} among {len(c.candidates)} files ({c.rule})"
+                 for r, c in found.several().items()]
+        return doc, [f"job {path}: {len(files)} rank(s)", *_table(rows), *chose]
+    chosen = pick_rank_file(path)
+    if chosen is None:
+        raise UsageError("directory holds no store, no rank_<r>/ folders and no checkpoint file", path=path)
+    doc, lines = _describe_file(chosen, str(chosen))
+    return {**doc, "chosen_from": str(path)}, [f"{path}: checkpoint chosen as ingest would: {chosen.name}", *lines]
+
+
+def _looks_like_strategy(path: Path) -> bool:
+    try:
+        smap = read_strategy(path)
+    except Exception:  # any parse failure means "not a strategy file"
+        return False
+    return bool(smap.layouts)
+
+
+def _describe_ckpt(path: Path, shown: str) -> Described:
+    kind = "ckpt" if shard_format(path) == "ckpt" else "safetensors"
+    with open_shard(path) as r:
+        infos = list(r.entries.values())
+        crc = r.has_crc
+    entries: list[dict[str, Any]] = [
+        {"name": e.name, "kind": e.kind, "dtype": e.ms_type, "shape": list(e.shape), "bytes": e.nbytes,
+         "values": len(e.segments)}
+        for e in infos
+    ]
+    rows = [["name", "dtype", "shape", "bytes"]] + [[e.name, e.ms_type, str(e.shape), str(e.nbytes)] for e in infos]
+    total = sum(e.nbytes for e in infos)
+    lines = [f"checkpoint {shown}: {len(entries)} entries, {total} bytes, crc trailer: {crc}", *_table(rows)]
+    return {"type": kind, "path": shown, "crc": crc, "entries": entries}, lines
+
+
+def _describe_strategy(path: Path, shown: str) -> Described:
+    smap = read_strategy(path)
+    params: list[dict[str, Any]] = []
+    for name, per in smap.layouts.items():
+        for stage, lay in sorted(per.items()):
+            params.append({"name": name, "stage": stage, "dev_matrix": list(lay.dev_matrix),
+                           "tensor_map": ms_tensor_map(lay.tensor_map),
+                           "opt_weight_shard_size": lay.opt_shard_size,
+                           "opt_weight_shard_step": lay.opt_shard_step})
+    rows = [["name", "stage", "dev_matrix", "tensor_map", "opt_weight_shard_size"]] + [
+        [str(p["name"]), str(p["stage"]), str(p["dev_matrix"]), str(p["tensor_map"]),
+         str(p["opt_weight_shard_size"])]
+        for p in params
+    ]
+    head = f"strategy {shown}: {len(smap.layouts)} parameters, stages {list(smap.stages)}"
+    doc = {"type": "strategy", "path": shown, "stages": list(smap.stages), "layouts": params}
+    return doc, [head, *_table(rows)]
+
+
+def ms_tensor_map(tensor_map: tuple[tuple[int, ...], ...]) -> list[int | list[int]]:
+    """A tensor map in MindSpore's notation (``Layout``, MindFormers' metadata, docs/layouts.md):
+    per dimension the axis that cuts it, ``-1`` when none does, a list when several do."""
+    return [-1 if not axes else axes[0] if len(axes) == 1 else list(axes) for axes in tensor_map]
+
+
+def _describe_store(path: str | Path, storage_options: remote.StorageOptions = None) -> Described:
+    from zckpt.store.store import Store
+
+    st = Store.open(path, storage_options=storage_options)
+    st.check_links()
+    entries = [e.to_json() for e in st.entries()]
+    rows = [["name", "kind", "dtype", "shape"]] + [
+        [e["name"], e["kind"], e["ms_type"], str(tuple(e["shape"]))] for e in entries
+    ]
+    ranks = sorted(st.ingested_ranks())
+    head = f"store {st.url}: {len(entries)} entries, complete: {st.complete}, ingested ranks {ranks}"
+    return {"type": "store", "path": st.url, "complete": st.complete, "entries": entries}, [head, *_table(rows)]
+
+
+def store_svg(path: str | os.PathLike[str], name: str, dst_strategy: str | None, rank: int | None,
+              storage_options: remote.StorageOptions = None) -> str:
+    """``zckpt info STORE --svg``: a parameter's writers and chunk grid in the store, beside
+    the boxes a destination strategy gives its ranks (real shapes, from the store)."""
+    from zckpt.jobs.draw import Panel, held_boxes, store_picture
+    from zckpt.jobs.export_job import plan_export
+    from zckpt.store.store import Store
+
+    store = Store.open(path, storage_options=storage_options)
+    specs = {s.name: s for s in store.specs()}
+    if name not in specs:
+        raise UsageError("the store holds no such parameter", path=str(path), param=name)
+    spec = specs[name]
+    if spec.kind != "tensor":
+        raise UsageError(f"a {spec.kind} entry has no boxes to draw", path=str(path), param=name)
+    src = Panel("in the store: source boxes and chunks", spec.shape, held_boxes(store.writers(name)),
+                store.chunk_info(name).chunks)
+    plan = plan_export(store, dst_strategy, None, storage_options)
+    held = [(r.rank, s.box) for r in plan.ranks for s in r.slices if s.name == name]
+    if not held:
+        raise UsageError("the destination holds no part of this parameter", param=name)
+    return store_picture(src, held, name, rank)

@@ -1,0 +1,355 @@
+"""The direct path: destination files written straight from the source shards, no store.
+
+``ingest`` + ``export`` write the model twice (into the store, then out of it). Here the
+same two plans are made (the ingest plan picks one source rank per box, the export plan
+gives each destination rank its slices) and the executor (:mod:`zckpt.write.rank_writer`) writes
+each destination file from a :class:`~zckpt.sources.reader.SourceReader`: every needed
+source byte is read once, pieces that are whole rows on both sides are copied by the
+kernel. What ingest refuses is refused here too, before any file is written: regions no
+present shard holds (named with the missing ranks), unlisted tensors that differ across
+the ranks holding them, parameters shared by pipeline stages that disagree. One
+destination file is one task (in this process, on a LocalCluster or on a Dask cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+
+from zckpt.core.dtypes import ms_dtype
+from zckpt.core.errors import OutputError, SourceError, UsageError
+from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.strategy import StrategyMap
+from zckpt.io import remote
+from zckpt.io.fileio import Publisher, disk_full_named
+from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
+from zckpt.jobs.ingest import prepare_ingest
+from zckpt.plan.plans import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
+from zckpt.run.engines import Engine, dask_client, run_all, wants_overlap
+from zckpt.run.helper import hand_over, helper_for, overlap_beside
+from zckpt.run.progress import Report, Ticker
+from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
+from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
+from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
+from zckpt.sources.strategies import StrategyArg, load_strategy
+from zckpt.write import out_dirs, out_records
+from zckpt.write.out_dirs import check_out_dir, finish_output, output_folders, resume_or_refuse
+from zckpt.write.rank_writer import RankResult, write_ckpt_rank
+
+_PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
+
+
+@dataclass(frozen=True)
+class TransformOptions(ExportOptions):
+    """Export's options (prefix, format, crc, workers, ...) plus what ingest checks on the
+    way. ``per_stage`` forces per-stage parts; MindSpore's rule
+    (:func:`is_single_stage_conversion`) turns them on by itself."""
+
+    verify_crc: bool = True
+    """Check each source ``.ckpt``'s ``crc_num`` trailer (safetensors: its ``crc_num``
+    metadata) when planning, as ingest does."""
+    verify_replicas: bool = False
+    """Also compare replicas inside one pipeline stage (unlisted tensors and parameters
+    shared across stages are always compared)."""
+    file_suffix: str | None = None
+    """MindSpore's ``file_suffix``: which checkpoint of each ``rank_<r>`` directory is read
+    (see :class:`zckpt.jobs.ingest.IngestOptions`)."""
+    choice_func: Callable[[str], bool] | None = None
+    """MindSpore's ``choice_func``: ``False`` for an entry name leaves the entry out."""
+
+
+@dataclass(frozen=True)
+class TransformReport(ExportReport):
+    bytes_compared: int = 0
+    """Source bytes compared between replicas before writing."""
+
+
+@dataclass(frozen=True)
+class TransformPlan:
+    source: IngestPlan
+    export: ExportPlan
+    src_strategy: StrategyMap | None
+    dst_strategy: StrategyMap | None
+    indexes: Mapping[int, Mapping[str, EntryInfo]]
+    """Every source file's index, read while planning (where each payload lies)."""
+
+    @cached_property
+    def _writes_by_name(self) -> dict[str, list[Write]]:
+        out: dict[str, list[Write]] = {}
+        for w in self.source.writes:
+            out.setdefault(w.name, []).append(w)
+        return out
+
+    @cached_property
+    def _specs(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.source.tensors}
+
+    @cached_property
+    def _corners(self) -> Corners:
+        return Corners()
+
+    def boxes(self, rank: RankExport) -> SourceBoxes:
+        """Where the slices of one destination file live."""
+        return SourceBoxes.of(self._specs, self._writes_by_name, rank.slices, self.indexes, self.source.rank_files,
+                              self._corners)
+
+
+@dataclass(frozen=True)
+class DirectJob:
+    """One destination file: its slices, its name, where their boxes live."""
+
+    rank: RankExport
+    target: str
+    boxes: SourceBoxes
+
+
+def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None) -> bool:
+    """MindSpore's rule for the per-stage conversion: the source strategy is one pipeline
+    stage's file whose parameters are a strict subset of a single-stage destination's. The
+    output is then ``rank_<r>/<prefix><r>_part<stage>.ckpt``."""
+    if src is None or dst is None or src.stage_num != 1 or dst.stage_num != 1:
+        return False
+    src_keys = {n for n in src.layouts if not n.startswith(_PIPELINE_ONLY)}
+    dst_keys = {n for n in dst.layouts if not n.startswith(_PIPELINE_ONLY)}
+    return src_keys < dst_keys
+
+
+def refuse_remote(src: str | Path | Mapping[int, str | Path], *outputs: str | Path) -> None:
+    """The direct path reads local shards (``pread``, kernel copies of file ranges) and
+    writes local files."""
+    paths = list(src.values()) if isinstance(src, Mapping) else [src]
+    for p in [*paths, *outputs]:
+        if isinstance(p, str) and remote.is_remote(p):
+            raise UsageError("the direct path (transform) reads and writes local files only; for URLs run "
+                             "ingest then export (the MindSpore-named functions do so by themselves)", path=p)
+
+
+def plan_transform(
+    src: str | Path | Mapping[int, str | Path],
+    src_strategy: StrategyArg,
+    dst_strategy: StrategyArg,
+    ranks: Iterable[int] | None = None,
+    *,
+    verify_crc: bool = True,
+    missing: str = "whose files are missing",
+    file_suffix: str | None = None,
+    choice_func: Callable[[str], bool] | None = None,
+) -> TransformPlan:
+    """Both plans, refusing any region a planned destination slice needs that no present
+    source file holds (by parameter, with the source ranks that would hold it)."""
+    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc,
+                              file_suffix=file_suffix, choice_func=choice_func)
+    source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes
+    dmap = load_strategy(dst_strategy)
+    export = build_export_plan(source.tensors, dmap, ranks=ranks)
+    for rank in export.ranks:
+        for s in rank.slices:
+            for box, holders in source.uncovered.get(s.name, ()):
+                if box.intersect(s.box) is not None:
+                    raise SourceError(f"destination rank {rank.rank} needs region {box.to_json()}, held by source "
+                                      f"rank(s) {list(holders)}, {missing}", path=_where(src), param=s.name)
+    return TransformPlan(source, export, smap, dmap, indexes)
+
+
+def _where(src: str | Path | Mapping[int, str | Path]) -> str | None:
+    return None if isinstance(src, Mapping) else str(src)
+
+
+def transform(
+    src: str | Path,
+    out_dir: str | Path,
+    src_strategy: StrategyArg = None,
+    dst_strategy: StrategyArg = None,
+    *,
+    ranks: Iterable[int] | None = None,
+    options: TransformOptions = TransformOptions(),
+) -> TransformReport:
+    """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` (or ``.safetensors``) for every (or each
+    requested) destination rank straight from the source job in ``src``."""
+    t0 = time.perf_counter()
+    if options.format not in ("ckpt", "safetensors"):
+        raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    refuse_remote(src, out_dir)
+    plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
+                          file_suffix=options.file_suffix, choice_func=options.choice_func)
+    options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
+    out = check_out_dir(remote.local_path(out_dir))
+    per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
+    options = replace(options, per_stage=per_stage)
+    if not per_stage:
+        refuse_source_unsupplied(plan, src)
+    with out_dirs.writing(out):
+        return _transform_into(plan, out, options, t0)
+
+
+def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t0: float) -> TransformReport:
+    """:func:`transform` once the output directory ``out`` is held (:func:`zckpt.io.locks.output_writing`)."""
+    stages = {t.name: t.stages for t in plan.source.tensors}
+    jobs = stage_jobs(stages, plan.export, out, options)
+    if options.format == "safetensors":
+        maps = [t.name for t in plan.source.tensors if t.kind == "map"]
+        if maps:
+            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                              "safetensors either); write .ckpt", param=maps[0])
+        from zckpt.jobs.export_safetensors import safetensors_fingerprint
+
+        fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
+        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
+        if not options.overwrite and out_records.finished_as_recorded(out, fingerprint):
+            return TransformReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
+        jobs = _safetensors_jobs(jobs, options.overwrite)
+        output_folders(out, [p for _, p in jobs])
+        report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
+        out_records.remember_all(out, fingerprint)
+        return report
+    fingerprint = _fingerprint(plan, jobs, options)
+    todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
+    report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in todo], str(out), options, t0)
+    finish_output(None, out, jobs, fingerprint, options.fsync)
+    return replace(report, kept=len(jobs) - len(todo))
+
+
+def transform_rank(
+    files: Mapping[int, str | Path],
+    rank: int,
+    target: str | Path,
+    src_strategy: StrategyArg = None,
+    dst_strategy: StrategyArg = None,
+    *,
+    options: TransformOptions = TransformOptions(),
+) -> TransformReport:
+    """Write destination ``rank`` to the file ``target`` from the source files given as
+    ``{source rank: file}`` (``transform_checkpoint_by_rank``): only the ranks it needs."""
+    t0 = time.perf_counter()
+    refuse_remote(files, target)
+    plan = plan_transform(files, src_strategy, dst_strategy, [rank], verify_crc=options.verify_crc,
+                          missing="none of which is in checkpoint_files_map", choice_func=options.choice_func)
+    options = replace(options, choice_func=None)
+    path = remote.local_path(target)
+    if path.is_dir():
+        raise OutputError("the destination file is a directory", path=path)
+    if path.exists() and not options.overwrite:
+        raise OutputError("output file already exists (--overwrite replaces it)", path=path)
+    refuse_source_unsupplied(plan, files)
+    r = plan.export.ranks[0]
+    return _run(plan, [DirectJob(r, str(path), plan.boxes(r))], str(path.parent), options, t0)
+
+
+def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int, str | Path]) -> None:
+    """Fail by name when the destination files need parameters no source file holds (a
+    partial pipeline source), rather than write them without those parameters."""
+    refuse_unsupplied(needed_params(plan.dst_strategy, (r.rank for r in plan.export.ranks)),
+                      (t.name for t in plan.source.tensors), left_out=plan.source.left_out,
+                      behind=plan.source.left_behind,
+                      source="the source files" if isinstance(src, Mapping) else f"source {src}",
+                      dst=plan.dst_strategy)
+
+
+def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
+         t0: float) -> TransformReport:
+    if not units:  # a complete directory of this same transform: nothing to read or write
+        return TransformReport(out, (), time.perf_counter() - t0)
+    checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
+    if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
+        checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
+    sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
+    unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices) for u in units]
+    by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
+    engine = Engine.of(options)
+    options = replace(options, block_bytes=engine.share(options.block_bytes))
+    local = not any(remote.is_remote(u.target) for u in units) and \
+        not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
+    # the helper innermost: when this process fails, it is stopped before the publisher finishes
+    with dask_client(engine) as client, Publisher(options.fsync) as publisher, \
+            helper_for(local and client is None and len(units) > 1, options, sum(unit_bytes),
+                       len(plan.source.rank_files), "zckpt.jobs.transform") as helper:
+        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
+        compared = run_all(compare_replicas, checks, options, client=client, label="verify",
+                           size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
+        aside = hand_over(helper, units, unit_bytes, write_direct_files, options)
+        # In this process, one publisher syncs each file while the next is written.
+        results = run_all(write_direct_file, units, options, publisher if client is None else None,
+                          client=client, label="transform",
+                          name=_task_name, progress=options.progress,
+                          size=lambda u: by_target[u.target], aside=aside)
+    return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
+
+
+def _task_name(job: DirectJob) -> str:
+    return f"rank {job.rank.rank} {Path(job.target).name}"
+
+
+def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> list[tuple[RankExport, Path]]:
+    from zckpt.jobs.export_safetensors import SUFFIX, existing_outputs
+
+    out = [(r, p.with_suffix(SUFFIX)) for r, p in jobs]
+    if not overwrite:
+        clash = [str(p) for _, target in out for p in existing_outputs(target)]
+        if clash:
+            raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
+    return out
+
+
+def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], options: TransformOptions) -> str:
+    """Identity of a transform: the same source files (path, size, time) and the same
+    destination files with the same slices. A rerun after a crash resumes on it."""
+    files = {}
+    for rank, p in sorted(plan.source.rank_files.items()):
+        st = os.stat(p)
+        files[str(rank)] = [str(Path(p).resolve()), st.st_size, st.st_mtime_ns]
+    doc = {
+        "sources": files,
+        "files": [[str(p.name), [[s.name, s.box.to_json()] for s in r.slices]] for r, p in jobs],
+        "crc": options.crc,
+        "format": "ckpt",
+        "path": "direct",
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def write_direct_files(jobs: list[DirectJob], options: TransformOptions) -> list[RankResult]:
+    """:func:`write_direct_file` of several destination files with their own publisher (the
+    helper's share of a transform)."""
+    with Publisher(options.fsync) as publisher:
+        return [write_direct_file(j, options, publisher) for j in jobs]
+
+
+def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publisher | None = None,
+                      report: Report | None = None) -> RankResult:
+    """Write one destination file from the source shards (a Dask task)."""
+    ticker = Ticker(report)
+    with (disk_full_named(job.target),
+          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader):
+        if options.format == "safetensors":
+            from zckpt.jobs.export_safetensors import write_rank
+
+            return write_rank(reader, job.rank, Path(job.target), options, ticker)
+        return write_ckpt_rank(reader, job.rank, Path(job.target), crc=options.crc, fsync=options.fsync,
+                               overlap=options.overlap, ticker=ticker, publisher=publisher)
+
+
+def merged(jobs: list[CheckJob]) -> list[CheckJob]:
+    """The replica comparisons as one task, for a run in this process: each source file is
+    then opened once, not once per rank comparing with it (at 512 ranks, 511 tasks of three
+    scalars each opened the file of rank 0 again)."""
+    if len(jobs) <= 1:
+        return jobs
+    entries: dict[int, dict[str, EntryInfo]] = {}
+    for j in jobs:
+        for r, per in j.entries.items():
+            entries.setdefault(r, {}).update(per)
+    writes = tuple(dict.fromkeys(w for j in jobs for w in j.writes))
+    return [CheckJob(jobs[0].rank, tuple(c for j in jobs for c in j.checks), writes,
+                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs),
+                     frozenset(c for j in jobs for c in j.sampled))]
+
+
+def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:
+    """The replica comparisons to run before writing, for the entries the destination files hold."""
+    return replica_jobs(plan.source, plan.indexes, names, verify_replicas)

@@ -1,0 +1,1 @@
+"""Source shards of a MindSpore job: discovery, strategies, partial inputs, the direct reader, replica checks."""
