@@ -104,7 +104,7 @@ def copy_all(copy: Copy, src: int, dst: int, size: int, run: int, threads: int, 
 
 
 def parse_size(text: str) -> int:
-    from zckpt.cli.main import parse_size as parse
+    from zckpt.cli.args import parse_size as parse
 
     return parse(text)
 

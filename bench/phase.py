@@ -59,7 +59,7 @@ def _max_mem(args: list[str]) -> tuple[list[str], int]:
     """Strip a trailing ``--max-mem SIZE`` (default 1 GiB)."""
     if "--max-mem" in args:
         i = args.index("--max-mem")
-        from zckpt.cli.main import parse_size
+        from zckpt.cli.args import parse_size
 
         return args[:i] + args[i + 2 :], parse_size(args[i + 1])
     return args, 1024**3

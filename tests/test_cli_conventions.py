@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import zckpt
-from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE, rank_ranges
+from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE
 from zckpt.cli.main import main as cli_main
+from zckpt.cli.report import rank_ranges
 from zckpt.formats.ckpt import CkptWriter
 from zckpt.jobs.generate import TensorDef, write_model
 
@@ -226,9 +227,9 @@ def test_one_option_name_with_the_old_spelling_kept_out_of_the_help(cmd: str, ne
                                                                      value: str | None, dest: str) -> None:
     """The help (and so cli.md) shows one name per option; the older spelling still works."""
     from zckpt.cli.doc import subcommands
-    from zckpt.cli.main import _parser
+    from zckpt.cli.parser import build_parser
 
-    p = _parser()
+    p = build_parser()
     given = [value] if value is not None else []
     assert getattr(p.parse_args([cmd, *FIXED[cmd], new, *given]), dest) == \
         getattr(p.parse_args([cmd, *FIXED[cmd], old, *given]), dest) != getattr(p.parse_args([cmd, *FIXED[cmd]]), dest)
@@ -238,9 +239,9 @@ def test_one_option_name_with_the_old_spelling_kept_out_of_the_help(cmd: str, ne
 
 def test_no_verify_checksums_is_one_name_across_commands() -> None:
     from zckpt.cli.doc import options, subcommands
-    from zckpt.cli.main import _parser
+    from zckpt.cli.parser import build_parser
 
-    subs = subcommands(_parser())
+    subs = subcommands(build_parser())
     assert {name for name, sub in subs.items() if "--no-verify-checksums" in options(sub)} == {"export", "transform"}
     assert not any(o.startswith("--no-verify-") and o != "--no-verify-checksums"
                    for sub in subs.values() for o in options(sub))

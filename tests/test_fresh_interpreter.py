@@ -35,7 +35,7 @@ import pytest
 
 import zckpt
 import zckpt.parallel
-from zckpt.cli import main as cli
+from zckpt.cli.parser import build_parser
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import ParamLayout
@@ -223,7 +223,7 @@ def run_py(code: str, **paths: object) -> str:
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
-    for action in cli._parser()._actions:
+    for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     raise AssertionError("the CLI has no subcommands")

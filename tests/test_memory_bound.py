@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zckpt
-from zckpt.cli.main import parse_size
+from zckpt.cli.args import parse_size
 from zckpt.core.layout import Box, c_order_pieces
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import zckpt
+from zckpt.cli.args import parse_storage_options
 from zckpt.cli.main import main as cli_main
-from zckpt.cli.main import parse_storage_options
 from zckpt.core.errors import OutputError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.rank_files import pick_rank_name

@@ -12,7 +12,7 @@ import os
 import sys
 
 from zckpt.cli.args import SIZE_RULE, older_spellings
-from zckpt.cli.main import _parser
+from zckpt.cli.parser import build_parser
 
 INTRO = f"""\
 # zckpt command line reference
@@ -42,7 +42,7 @@ A walk-through of the commands on MindSpore's own example is in [tutorial.md](tu
 
 def subcommands(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.ArgumentParser]:
     """``{name: subparser}`` in the order the parser declares them."""
-    p = parser or _parser()
+    p = parser or build_parser()
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
@@ -72,7 +72,7 @@ def render() -> str:
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal width: fix it
     try:
-        parser = _parser()
+        parser = build_parser()
         helps = {}
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
