@@ -18,7 +18,9 @@ import zarr
 
 from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
-from zckpt.jobs.verify import chunk_grid, first_difference, verify
+from zckpt.jobs.verify import verify
+from zckpt.jobs.verify_files import first_difference
+from zckpt.jobs.verify_store import chunk_grid
 from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"

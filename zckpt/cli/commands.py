@@ -296,7 +296,8 @@ def _cmd_consolidate(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from zckpt.jobs.verify import summary_lines, verify
+    from zckpt.jobs.verify import verify
+    from zckpt.jobs.verify_report import summary_lines
 
     if a.sources and a.src_dir and a.sources != a.src_dir:
         raise CommandLineError("SRC_DIR given twice (positional and --sources) with different values")

@@ -12,12 +12,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zckpt.cli.args import SIZE_RULE, Parser, VersionAction, old_positional, old_spelling, positive_int, size_type
-
-MiB = 1024 * 1024
+from zckpt.cli.args import (
+    SIZE_RULE,
+    MiB,
+    Parser,
+    VersionAction,
+    old_positional,
+    old_spelling,
+    positive_int,
+    size_type,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, built anew at each call (argparse parsers keep state)."""
     p = Parser(prog="zckpt", description="Reshard MindSpore distributed checkpoints.",
                epilog=f"{SIZE_RULE}. 'zckpt COMMAND --help' describes a command.")
     p.add_argument("--version", action=VersionAction)
