@@ -55,7 +55,8 @@ MODES = {
 
 def build(root: Path, params: int) -> Path:
     import zckpt
-    from zckpt.jobs.generate import TensorDef, write_model
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import TensorDef
 
     defs = [TensorDef(f"layers.{i // 10}.p{i % 10}.weight", (4, 8), "Float32") for i in range(params)]
     write_model(root / "src", defs, device_num=1, strategy_format=None)

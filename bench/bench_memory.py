@@ -23,7 +23,8 @@ from benchlib import GiB, MiB, phase_env, run_phase
 from benchlib import tree_bytes as _tree_bytes
 
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.jobs.generate import transformer_like, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import transformer_like
 
 
 def _phase(*args: str) -> dict[str, Any]:

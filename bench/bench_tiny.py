@@ -29,7 +29,8 @@ SHAPES = (((210,), "Float32"), ((26, 16), "BFloat16"), ((13, 16), "Int32"), ((),
 
 def build(src: Path, count: int) -> int:
     """Write the shard; the bytes of its values."""
-    from zckpt.jobs.generate import TensorDef, write_model
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import TensorDef
 
     defs = [TensorDef(f"layers.{i // 16}.p{i % 16}.w", *SHAPES[i % len(SHAPES)]) for i in range(count)]
     write_model(src, defs, device_num=1, strategy_format=None, scalars=False)

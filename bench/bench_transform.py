@@ -37,7 +37,8 @@ from benchlib import run_phase as _run_phase
 from benchlib import tree_bytes as _tree_bytes
 
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.jobs.generate import transformer_like, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import transformer_like
 
 
 def prepare(work: Path, size: int, src_ranks: int, dst_ranks: int, opt: bool, dtype: str,

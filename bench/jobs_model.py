@@ -27,7 +27,8 @@ import numpy as np
 from zckpt.core.layout import Box, rank_box, resolve
 from zckpt.formats.ckpt import MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, write_pipeline_strategies
+from zckpt.jobs.generate import write_pipeline_strategies
+from zckpt.jobs.generate_model import TensorDef
 
 BYTES_PER_STEP = 32 * 1024 * 1024
 """Rows of a shard are computed and written this many bytes at a time."""

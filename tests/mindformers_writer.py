@@ -23,7 +23,7 @@ Each step is a port of the code that does it (mindformers 2.1.0 from PyPI; MindS
 
 The bytes each rank saves are *not* derived from that layout: they are what MindSpore's
 parallel compiler puts on the rank (tensor-parallel slice, then the optimizer-shard part),
-cut by ``tests/oracle.py`` from :func:`zckpt.jobs.generate.global_value`. A reader that applies the
+cut by ``tests/oracle.py`` from :func:`zckpt.jobs.generate_model.global_value`. A reader that applies the
 metadata's layouts therefore agrees with the global values only if the layout port and the
 reader agree with MindSpore's own slicing.
 """
@@ -43,7 +43,7 @@ import numpy as np
 from oracle import expected_shard
 from safetensors.numpy import save_file
 
-from zckpt.jobs.generate import global_value
+from zckpt.jobs.generate_model import global_value
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Models and comparisons shared by the safetensors and standard-store tests.
 
-Values are recomputed from :mod:`zckpt.jobs.generate` (the global value of each tensor), and the
+Values are recomputed from :mod:`zckpt.jobs.generate_model` (the global value of each tensor), and the
 safetensors shards are cut from them by ``tests/oracle.py`` from the strategy file's raw
 fields, not by :mod:`zckpt.core.layout`: a slicing bug that :func:`zckpt.jobs.generate.write_model`'s
 ``.ckpt`` shards and zckpt's reassembly would share does not pass unseen.
@@ -17,7 +17,8 @@ import oracle
 import zckpt
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import make_layout
-from zckpt.jobs.generate import GeneratedModel, TensorDef, write_model
+from zckpt.jobs.generate import GeneratedModel, write_model
+from zckpt.jobs.generate_model import TensorDef
 
 TWO = (2,)
 """Device matrix of the 2-rank source: tensor map ``[[0], ...]`` splits dimension 0 in two."""

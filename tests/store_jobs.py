@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions, ingest
 
 ROOT = Path(__file__).resolve().parents[1]

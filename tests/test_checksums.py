@@ -17,7 +17,8 @@ from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.io.checksums import BLOCK_BYTES, ChunkSums
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.store.reader import StoreReader
 

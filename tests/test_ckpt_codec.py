@@ -30,7 +30,9 @@ from zckpt.formats.pb import ms_checkpoint_pb2
 from zckpt.formats.strategy import fold_layout, make_layout, read_strategy
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch
 from zckpt.jobs import generate
-from zckpt.jobs.generate import TensorDef, encode_string, encode_tensor, global_value, random_layout, write_model
+from zckpt.jobs.generate import encode_string, encode_tensor, write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value, transformer_like
 
 ALL_TYPES = sorted(MS_DTYPES)
 SCENARIOS = ["s01", "s02", "s03", "s03b", "s04", "s05", "s06", "s07", "s08", "s09", "s10", "s11", "s12", "s14", "s15"]
@@ -610,7 +612,7 @@ def test_write_model_refuses_inconsistent_input(tmp_path: Path) -> None:
 
 def test_transformer_like_is_sized_and_shardable() -> None:
     target = 64 * 1024 * 1024
-    tensors = generate.transformer_like(target, device_num=8, opt_parallel=True)
+    tensors = transformer_like(target, device_num=8, opt_parallel=True)
     total = sum(t.nbytes for t in tensors)
     assert 0.5 * target < total <= target * 1.05
     two_d = [t for t in tensors if len(t.shape) == 2]

@@ -23,7 +23,8 @@ from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE
 from zckpt.cli.main import main as cli_main
 from zckpt.cli.report import rank_ranges
 from zckpt.formats.ckpt import CkptWriter
-from zckpt.jobs.generate import TensorDef, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 CLI = [sys.executable, "-m", "zckpt.cli"]

@@ -23,7 +23,9 @@ import pytest
 
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_TRIALS = 12

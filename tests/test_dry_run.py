@@ -18,7 +18,9 @@ from zckpt.cli.main import main as cli_main
 from zckpt.formats.strategy import encode_strategy
 from zckpt.jobs.export import export
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.generate import TensorDef, random_layout, strategy_of, with_optimizer_states, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, strategy_of, with_optimizer_states
 from zckpt.jobs.ingest import IngestOptions, ingest
 from zckpt.jobs.transform import TransformOptions, transform
 

@@ -20,7 +20,9 @@ import pytest
 import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import SourceError, ZckptError
-from zckpt.jobs.generate import GeneratedModel, TensorDef, random_layout, write_model
+from zckpt.jobs.generate import GeneratedModel, write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.run.engines import run_all
 from zckpt.run.helper import Helper
 

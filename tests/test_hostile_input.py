@@ -22,7 +22,8 @@ import pytest
 from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout, read_strategy
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"

@@ -23,7 +23,8 @@ import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.store.store import Store, encode_key
 
 ESCAPE_MARK = f"zckpt_escape_{uuid.uuid4().hex}"

@@ -29,7 +29,8 @@ from zckpt.core.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import make_layout
 from zckpt.io import locks
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import store_lock
 
 TENSORS = [

@@ -1,6 +1,6 @@
 """Sharding maths: property tests on random layouts, an independent slicing oracle, fixtures.
 
-Layouts come from :func:`zckpt.jobs.generate.random_layout`, which draws every kind MindSpore
+Layouts come from :func:`zckpt.jobs.generate_layouts.random_layout`, which draws every kind MindSpore
 produces; the properties must hold for all of them. The oracle re-derives MindSpore's
 slicing with numpy index arithmetic (as the fixtures' ``make/verify_layout.py`` does, but
 extended to several axes per dimension) instead of boxes, so a shared mistake is unlikely.
@@ -31,7 +31,7 @@ from zckpt.core.layout import (
 )
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout, read_strategy
-from zckpt.jobs.generate import random_layout, valid_opt_sizes
+from zckpt.jobs.generate_layouts import random_layout, valid_opt_sizes
 
 DEVICE_NUMS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

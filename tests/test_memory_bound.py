@@ -16,7 +16,8 @@ from zckpt.cli.args import parse_size
 from zckpt.core.layout import Box, c_order_pieces
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.transform import TransformOptions, transform
 from zckpt.run.engines import memory_budget
 from zckpt.sources.reader import SourceReader

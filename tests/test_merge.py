@@ -33,7 +33,7 @@ from zckpt.formats.strategy import (
     make_layout,
     read_strategy,
 )
-from zckpt.jobs.generate import random_layout
+from zckpt.jobs.generate_layouts import random_layout
 from zckpt.plan.merge import (
     MergeReport,
     NotAStrategyDirError,

@@ -5,7 +5,7 @@ writer (metadata layouts from MindSpore's ``_layout_process``, chunks as slice n
 ``storage_data``, file names, ``common.json``). The rank files hold what MindSpore puts on each
 rank: generated values cut by ``tests/oracle.py`` (optimizer parallel included), or the
 shards MindSpore itself saved in fixture s22 (a MindFormers Qwen3 with pipeline and
-optimizer parallel). Expected values: :func:`zckpt.jobs.generate.global_value`, s22's
+optimizer parallel). Expected values: :func:`zckpt.jobs.generate_model.global_value`, s22's
 ``reference/global.ckpt`` and the bundled example's ``dst/expected``.
 """
 
@@ -25,7 +25,7 @@ from test_unified_loading import DST_STRATEGY, SRC, SRC_STRATEGY, assert_rank_fi
 import zckpt
 from zckpt.core.errors import CheckpointFormatError, StrategyError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.jobs.generate import global_value
+from zckpt.jobs.generate_model import global_value
 
 DP4_MP2 = (4, 2)  # axis 1 = dp (4), axis 0 = mp (2)
 

@@ -23,7 +23,7 @@ from oracle import expected_shard
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import ZckptError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.jobs.generate import global_value
+from zckpt.jobs.generate_model import global_value
 from zckpt.store.store import Store
 
 ROWS = MsParam("layer.w", (8, 8), (2,), ((0,), (-1,)))

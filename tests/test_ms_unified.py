@@ -123,7 +123,8 @@ def test_bf16_loads_into_a_cell_like_mindspore(tmp_path: Path) -> None:
     from sf_models import TWO
 
     from zckpt.formats.strategy import make_layout
-    from zckpt.jobs.generate import TensorDef, write_model
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import TensorDef
 
     split = make_layout(TWO, [[0], []])
     model = write_model(tmp_path / "src", [TensorDef("w.bf16", (8, 4), "BFloat16", split),

@@ -18,7 +18,9 @@ from zckpt.cli.main import main as cli_main
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.run.engines import cores_to_spare, overlap_for, usable_cpus, wants_overlap
 

@@ -28,7 +28,8 @@ from zckpt.core.errors import DiskFullError, LayoutError, SourceError, StoreErro
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.jobs.export import export
-from zckpt.jobs.generate import GeneratedModel, PipelineModel, TensorDef, write_model, write_pipeline_model
+from zckpt.jobs.generate import GeneratedModel, PipelineModel, write_model, write_pipeline_model
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions, ingest
 from zckpt.jobs.transform import TransformOptions, transform
 from zckpt.store.store import Store

@@ -23,7 +23,9 @@ from zckpt.cli.main import main as cli_main
 from zckpt.core.layout import Box, rank_box, resolve
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model, write_pipeline_model
+from zckpt.jobs.generate import write_model, write_pipeline_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value
 
 PIPELINE = ["s06", "s07"]
 

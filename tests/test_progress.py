@@ -17,7 +17,8 @@ from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import UsageError
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.generate import TensorDef, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.run.progress import BARS, JSON, OFF, DaskTopic, Ticker, View, mode_of
 

@@ -20,7 +20,9 @@ import pytest
 
 import zckpt
 from zckpt.core.errors import StoreError
-from zckpt.jobs.generate import GeneratedModel, TensorDef, random_layout, write_model
+from zckpt.jobs.generate import GeneratedModel, write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.verify import verify
 from zckpt.store import integrity
 from zckpt.store import records as rank_records

@@ -29,7 +29,9 @@ from zckpt.core.errors import OutputError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.rank_files import pick_rank_name
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.sources.replicas import SAMPLE_BYTES
 from zckpt.store.store import Store
 

@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 import zckpt
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, encode_strategy_json
-from zckpt.jobs.generate import TensorDef, global_value, random_layout, strategy_of, with_optimizer_states, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value, strategy_of, with_optimizer_states
 
 DTYPES = ["Float32", "BFloat16", "Float16", "Int32", "Int8", "UInt64", "Bool", "Float64"]
 KINDS = {"uneven_prob": 0.3, "field_prob": 0.2}

@@ -31,7 +31,8 @@ from zckpt.cli.main import main
 from zckpt.core.errors import LayoutError, SourceError, StoreError, UsageError
 from zckpt.formats.ckpt import CkptReader, CkptWriter, value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.segmented import (
     LoadedCheckpoint,

@@ -22,7 +22,8 @@ from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.generate import TensorDef, global_value, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.verify import verify
 from zckpt.store.reader import StoreReader

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from zckpt.formats.strategy import make_layout
-from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions, ingest
 
 pytest.importorskip("distributed")

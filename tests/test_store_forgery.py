@@ -6,7 +6,7 @@ ingest wrote, and export then writes wrong or missing data. What can tell is com
 store with the shards it came from: ``zckpt verify STORE --sources SRC_DIR``. Each forgery
 below passes the first and is reported by the second (non-zero exit, the parameter named).
 
-The expected bytes are the generator's global values (``zckpt.jobs.generate.global_value``), not
+The expected bytes are the generator's global values (``zckpt.jobs.generate_model.global_value``), not
 anything zckpt's export computes.
 """
 
@@ -23,7 +23,8 @@ import pytest
 from store_jobs import StoreJob, run_cli
 
 from zckpt.formats.ckpt import CkptReader
-from zckpt.jobs.generate import TensorDef, random_layout
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.store import integrity
 

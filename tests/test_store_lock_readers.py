@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from zckpt.io import locks
-from zckpt.jobs.generate import TensorDef, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions, ingest
 
 ROOT = Path(__file__).resolve().parents[1]

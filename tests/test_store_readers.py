@@ -29,7 +29,8 @@ from zckpt import zarr_bfloat16
 from zckpt.cli.main import main
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
-from zckpt.jobs.generate import GeneratedModel, global_value
+from zckpt.jobs.generate import GeneratedModel
+from zckpt.jobs.generate_model import global_value
 from zckpt.jobs.verify import verify as zckpt_verify
 from zckpt.store.consolidate import consolidate
 from zckpt.store.store import Store

@@ -19,7 +19,8 @@ from store_jobs import StoreJob, run_cli
 
 from zckpt.formats.ckpt import CkptReader
 from zckpt.io import locks
-from zckpt.jobs.generate import TensorDef, global_value, random_layout
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4

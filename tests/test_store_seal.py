@@ -23,7 +23,8 @@ from store_jobs import StoreJob, run_cli
 
 from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.jobs.generate import TensorDef, random_layout
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef
 from zckpt.store import records
 from zckpt.store.store import Store
 

@@ -33,7 +33,9 @@ from oracle import expected_shard, read_layouts
 from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy
-from zckpt.jobs.generate import TensorDef, global_value, random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
+from zckpt.jobs.generate_model import TensorDef, global_value
 
 ROOT = Path(__file__).resolve().parents[1]
 DST_RANKS = 4

@@ -25,7 +25,8 @@ from zckpt.formats.strategy import (
     read_strategies,
     read_strategy,
 )
-from zckpt.jobs.generate import random_layout, write_model
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_layouts import random_layout
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,6 +1,6 @@
 """Many tiny tensors: packed into one array per data type, each still its own logical tensor.
 
-Expected values come from :func:`zckpt.jobs.generate.global_value` (the generator's own
+Expected values come from :func:`zckpt.jobs.generate_model.global_value` (the generator's own
 deterministic values) and destination slices from ``tests/oracle.py``, which re-slices them
 from the destination strategy file's raw fields without :mod:`zckpt.core.layout`, so neither the
 store code nor the layout maths under test computes what they are compared with.
@@ -22,7 +22,8 @@ import zckpt
 from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, strategy_of, write_model, write_pipeline_model
+from zckpt.jobs.generate import write_model, write_pipeline_model
+from zckpt.jobs.generate_model import TensorDef, global_value, strategy_of
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.segmented import load_slice
 from zckpt.jobs.verify import verify

@@ -21,7 +21,8 @@ from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.jobs.generate import TensorDef, global_value, write_model, write_pipeline_model
+from zckpt.jobs.generate import write_model, write_pipeline_model
+from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.transform import TransformOptions, transform
 from zckpt.plan.plans import Write
 from zckpt.sources.reader import SourceReader, meeting, segment_spans
