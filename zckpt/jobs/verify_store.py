@@ -249,10 +249,7 @@ def _check_chunks(
             region = f"chunk {key} (elements {box.to_json()})"
             where = store.where(prefix, key)
             if buf is None:
-                if required is None or any(box.intersect(b) is not None for b in required):
-                    report.add("store", "chunk is missing" + (" from a complete store" if required is None else
-                                                              " from an ingested region"),
-                               file=where, param=e.name, region=region)
+                _missing(report, "chunk", box, required, file=where, param=e.name, region=region)
                 continue
             data = buf.to_bytes()
             report.chunks += 1
@@ -295,10 +292,7 @@ def _check_shards(store: Store, e: EntryRecord, info: ChunkInfo, crcs: dict[str,
         where = store.where(e.key, key)
         size = safe_paths.regular_size(path, StoreError, e.name)
         if size is None:
-            if required is None or any(box.intersect(b) is not None for b in required):
-                report.add("store", "shard is missing" + (" from a complete store" if required is None else
-                                                          " from an ingested region"),
-                           file=where, param=e.name, region=region)
+            _missing(report, "shard", box, required, file=where, param=e.name, region=region)
             continue
         data_bytes, index = info.shard_layout(shard)
         report.chunks += data_bytes // max(1, info.inner_bytes)  # inner chunks, as an unsharded store counts them
@@ -319,6 +313,16 @@ def _check_shards(store: Store, e: EntryRecord, info: ChunkInfo, crcs: dict[str,
             if bad is not None:
                 report.add("store", f"fails its checksum ({want.where()}{bad})", file=where, param=e.name,
                            region=region)
+
+
+def _missing(report: VerifyReport, what: str, box: Box, required: list[Box] | None, *, file: str | Path,
+             param: str, region: str) -> None:
+    """A chunk or shard that is not there: a mismatch where a complete store (``required``
+    ``None``) or an ingested region needs it, else a region not written yet."""
+    if required is None or any(box.intersect(b) is not None for b in required):
+        report.add("store", f"{what} is missing" + (" from a complete store" if required is None else
+                                                    " from an ingested region"),
+                   file=file, param=param, region=region)
 
 
 def _is_raw(arr: Any) -> bool:
