@@ -73,7 +73,7 @@ def choices_json(choices: dict[int, Any]) -> dict[str, Any]:
 
 def rank_ranges(ranks: Sequence[int] | np.ndarray) -> str:
     """``[0, 1, 2, 3, 8, 10, 11]`` -> ``"0-3, 8, 10-11"``: a 4 096-rank list stays one short line."""
-    import numpy as np
+    import numpy as np  # after run() has set ONE_THREAD: see zckpt.cli.main
 
     a = np.asarray(ranks, dtype=np.int64)
     if a.size == 0:
