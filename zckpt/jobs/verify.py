@@ -45,9 +45,12 @@ from zckpt.io import remote, safe_paths
 from zckpt.io.checksums import ChunkSums, file_sums
 from zckpt.plan.plans import build_export_plan
 from zckpt.store import packed
+from zckpt.store.chunk_records import Checked
+from zckpt.store.geometry import ChunkInfo
 from zckpt.store.integrity import stored_type_names
+from zckpt.store.manifest import EntryRecord
 from zckpt.store.reader import reading
-from zckpt.store.store import Checked, ChunkInfo, EntryRecord, Store
+from zckpt.store.store import Store
 
 MiB = 1024 * 1024
 
