@@ -11,16 +11,19 @@ zarr-python (:mod:`zckpt.store.zarr_arrays`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from zckpt.core.dtypes import ms_dtype
+from zckpt.core.layout import Box
+from zckpt.formats.strategy import ParamLayout
+from zckpt.plan.plans import TensorSpec
 
 
 def _type_name(ms_type: str, kind: str) -> tuple[str, int]:
     """The Zarr data type of an entry's array as its ``zarr.json`` names it, and its item size
-    (:func:`zarr_type`, without importing zarr-python)."""
+    (:func:`zckpt.store.zarr_arrays.zarr_type`, without importing zarr-python)."""
     if kind != "tensor":
         return "uint8", 1
     if ms_type == "BFloat16":
@@ -90,3 +93,28 @@ def write_array_json(
     (folder / "zarr.json").write_text(array_json(ms_type, kind, shape, chunks, attributes, per_shard),
                                       encoding="utf-8")
 
+
+
+def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
+    return {
+        "dev_matrix": list(lay.dev_matrix),
+        "tensor_map": [list(a) for a in lay.tensor_map],
+        "opt_weight_shard_step": lay.opt_shard_step,
+        "opt_weight_shard_size": lay.opt_shard_size,
+    }
+
+
+def entry_attributes(t: TensorSpec, writers: Iterable[tuple[int, Box]]) -> dict[str, Any]:
+    """The ``zckpt`` attributes of an entry's array: what it is, which source rank writes
+    which box of it ("writers"), and the source layouts and stages it came from."""
+    attrs: dict[str, Any] = {
+        "name": t.name,
+        "ms_dtype": t.ms_type,
+        "kind": t.kind,
+        "writers": [[r, b.to_json()] for r, b in writers],
+        "source_layouts": {str(s): layout_to_json(lay) for s, lay in t.layouts.items()},
+        "source_stages": list(t.stages),
+    }
+    if t.note:
+        attrs["note"] = t.note
+    return attrs

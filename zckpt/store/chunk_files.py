@@ -123,7 +123,7 @@ class ChunkFiles:
         return info.folder / key
 
     def packed_file(self, info: ChunkInfo) -> tuple[str, Path]:
-        """``(chunk key, file)`` of the packed chunk a packed tensor's :class:`ChunkInfo`
+        """``(chunk key, file)`` of the packed chunk a packed tensor's :class:`~zckpt.store.geometry.ChunkInfo`
         places it in (one path per chunk file, not one per tensor)."""
         assert info.at is not None and info.folder is not None
         got = self._pack_files.get((info.folder, info.at[0]))

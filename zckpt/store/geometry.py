@@ -174,6 +174,15 @@ class ChunkInfo:
         body = index.tobytes()
         return data, body + int(crc32c(body)).to_bytes(4, "little")
 
+    def keys_in(self, box: Box) -> list[str]:
+        """Keys of every chunk ``box`` touches when chunks are stored raw (else none)."""
+        if not self.raw:
+            return []
+        if box.ndim == 0:
+            return [self.chunk_key(())]
+        return [self.chunk_key(tuple(a // c for a, c in zip(t.start, self.chunks, strict=True)))
+                for t in tiles(box, self.chunks)]
+
     def shard_count(self) -> tuple[int, ...]:
         assert self.per_shard is not None
         return tuple(-(-n // k) for n, k in zip(self.grid_counts(), self.per_shard, strict=True))

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from zckpt.core.errors import StoreError
-from zckpt.formats.strategy import ParamLayout
 from zckpt.io import safe_paths
 from zckpt.plan.plans import TensorSpec
 
@@ -33,7 +32,8 @@ chunk; 2 and later: BFloat16 arrays are Zarr ``bfloat16``; 1: they were ``uint16
 versions are still read."""
 
 SHARDED_LAYOUTS = (4, 5)
-"""Versions whose arrays ingest defines raw, ``.``-separated, sharded as :func:`shard_grid` says."""
+"""Versions whose arrays ingest defines raw, ``.``-separated, sharded as
+:func:`zckpt.store.geometry.shard_grid` says."""
 
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -60,15 +60,6 @@ def encode_key(name: str) -> str:
         digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
         key = f"{key[:_MAX_KEY - 18]}~{digest}"
     return key
-
-
-def layout_to_json(lay: ParamLayout) -> dict[str, Any]:
-    return {
-        "dev_matrix": list(lay.dev_matrix),
-        "tensor_map": [list(a) for a in lay.tensor_map],
-        "opt_weight_shard_step": lay.opt_shard_step,
-        "opt_weight_shard_size": lay.opt_shard_size,
-    }
 
 
 @dataclass(frozen=True)

@@ -36,18 +36,19 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
-from zckpt.core.layout import Box, tiles
+from zckpt.core.layout import Box
 from zckpt.io import remote
 from zckpt.io.checksums import ChunkSums
 from zckpt.plan.plans import TensorSpec
 from zckpt.store import integrity, packed
 from zckpt.store import records as rank_records
+from zckpt.store.array_documents import entry_attributes
 from zckpt.store.backends import ArrayDefinition, Backend, LocalBackend, create, open_backend
 from zckpt.store.chunk_files import ChunkFiles, misplaced_pack
 from zckpt.store.chunk_records import Checked, ChunkRecords
 from zckpt.store.geometry import ChunkInfo
-from zckpt.store.manifest import SHARDED_LAYOUTS, EntryRecord, encode_key, entry_records, layout_to_json
-from zckpt.store.zarr_arrays import OpenArrays, gather, verify_remote_chunks, zarr_type
+from zckpt.store.manifest import SHARDED_LAYOUTS, EntryRecord, encode_key, entry_records
+from zckpt.store.zarr_arrays import OpenArrays, create_arrays, gather, verify_remote_chunks
 
 if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.io.zarr_local
     import zarr
@@ -205,7 +206,7 @@ class Store:
         if (shards or slots) and (self._files is None or compressors is not None):
             raise StoreError("sharded and packed arrays are written to local uncompressed stores only", path=self.url)
         records: list[EntryRecord] = []
-        pending: list[tuple[str, str, TensorSpec, dict[str, Any]]] = []
+        pending: list[tuple[str, str, TensorSpec, tuple[int, ...], dict[str, Any]]] = []
         fast = compressors is None
         defined: list[ArrayDefinition] = []
         self._backend.define_nodes(fast)
@@ -219,43 +220,19 @@ class Store:
                                            slot.offset, slot.writer))
                 continue
             node = f"{'tensors' if t.kind == 'tensor' else 'maps'}/{encode_key(t.name)}"
-            attrs: dict[str, Any] = {
-                "name": t.name,
-                "ms_dtype": t.ms_type,
-                "kind": t.kind,
-                "writers": [[r, b.to_json()] for r, b in writers.get(t.name, ())],
-                "source_layouts": {str(s): layout_to_json(lay) for s, lay in t.layouts.items()},
-                "source_stages": list(t.stages),
-            }
-            if t.note:
-                attrs["note"] = t.note
+            attrs = entry_attributes(t, writers.get(t.name, ()))
             if fast:
                 defined.append(ArrayDefinition(node, t, chunks[t.name], {"zckpt": attrs}, shards.get(t.name)))
             else:
-                pending.append((t.name, node, t, attrs))
+                pending.append((t.name, node, t, chunks[t.name], attrs))
             records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, node, None, t.stages, t.note))
             self._writers[t.name] = list(writers.get(t.name, ()))
         self._backend.define_arrays(defined, packing.arrays if packing is not None else ())
-        self._create_arrays(pending, chunks, compressors)
+        for name, arr in create_arrays(self.group, pending, compressors):  # compressed: through zarr-python
+            self._arrays.keep(name, arr)
         self._backend.define_records_folder()
         self._seal_manifest(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
         self._entries = {r.name: r for r in records}  # as the manifest now says: not parsed back
-
-    def _create_arrays(self, pending: Sequence[tuple[str, str, TensorSpec, dict[str, Any]]],
-                       chunks: Mapping[str, tuple[int, ...]], compressors: Any) -> None:
-        """Compressed arrays, created through zarr's async API: thousands of them concurrently."""
-        if not pending:
-            return
-        from zckpt.io.zarr_local import zarr  # compressed stores only: zarr-python encodes their chunks
-
-        agroup = self.group._async_group
-        created = gather([agroup.create_array(node, shape=t.shape, chunks=chunks[name],
-                                              dtype=zarr_type(t.ms_type, t.kind), compressors=compressors,
-                                              fill_value=0, attributes={"zckpt": attrs},
-                                              config={"write_empty_chunks": True})
-                          for name, node, t, attrs in pending])
-        for (name, _, _, _), node in zip(pending, created, strict=True):
-            self._arrays.keep(name, zarr.Array(node))
 
     # --- integrity (zckpt.store.integrity) --------------------------------------------------
     def _seal_manifest(self, **changes: Any) -> None:
@@ -425,9 +402,9 @@ class Store:
             return self._arrays.open(self.group, e, self._backend.mode)
         # a packed tensor: its bytes, checked, in an array of its own in memory, for the occasional
         # reader (``load --param``, replica checks); export and verify read them directly (:meth:`chunk_at`)
-        info = self.chunk_info(e.name)
+        info = self.chunk_info(e.name)  # packed tensors are placed in local stores only (packed_place)
         self.verify_chunks(e.name, Box.full(e.shape))
-        return self._arrays.packed(e, self._local_files().read_packed(info, e.name), self.writers(e.name))
+        return self._arrays.packed(e, ChunkFiles.read_packed(info, e.name), self.writers(e.name))
 
     def data_type(self, name: str) -> str:
         """The Zarr data type an array is stored with: ``"bfloat16"`` for BFloat16 (``"uint16"``
@@ -476,10 +453,6 @@ class Store:
             raise misplaced_pack(e, self.url)
         return self._files.packed_place(e, self.url)
 
-    def _local_files(self) -> ChunkFiles:
-        assert self._files is not None  # packed tensors are placed in local stores only (packed_place)
-        return self._files
-
     def assume_layout(self, name: str, chunks: tuple[int, ...], per_shard: tuple[int, ...] | None) -> None:
         """Take an array's chunk layout from the ingest plan instead of its ``zarr.json``
         (an ingest task writes into every array; reading each one's metadata per source
@@ -518,13 +491,7 @@ class Store:
 
     def chunk_keys(self, name: str, box: Box) -> list[str]:
         """Keys of every chunk ``box`` touches when chunks are stored raw (local or remote)."""
-        info = self.chunk_info(name)
-        if not info.raw:
-            return []
-        if box.ndim == 0:
-            return [info.chunk_key(())]
-        return [info.chunk_key(tuple(a // c for a, c in zip(t.start, info.chunks, strict=True)))
-                for t in tiles(box, info.chunks)]
+        return self.chunk_info(name).keys_in(box)
 
     # --- checksum records (zckpt.store.chunk_records) ----------------------------------
     def checksums(self) -> dict[str, dict[str, ChunkSums]]:

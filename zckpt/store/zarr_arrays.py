@@ -22,6 +22,7 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box
 from zckpt.io import remote
 from zckpt.io.checksums import ChunkSums
+from zckpt.plan.plans import TensorSpec
 from zckpt.store import integrity
 from zckpt.store.chunk_records import Checked, all_checked, refuse_mismatch
 from zckpt.store.manifest import EntryRecord
@@ -108,6 +109,22 @@ def writing_empty_chunks(node: zarr.Array[Any]) -> zarr.Array[Any]:
     return zarr.Array(AsyncArray(metadata=a.metadata, store_path=a.store_path,
                                  config={"order": "C", "write_empty_chunks": True}))
 
+
+
+def create_arrays(group: zarr.Group, arrays: Sequence[tuple[str, str, TensorSpec, tuple[int, ...], dict[str, Any]]],
+                  compressors: Any) -> list[tuple[str, zarr.Array[Any]]]:
+    """Create compressed arrays (``(entry name, node, entry, chunk shape, attributes)``)
+    through zarr's async API, thousands of them concurrently; ``(entry name, array)`` each."""
+    if not arrays:
+        return []
+    from zckpt.io.zarr_local import zarr
+
+    agroup = group._async_group
+    created = gather([agroup.create_array(node, shape=t.shape, chunks=chunks, dtype=zarr_type(t.ms_type, t.kind),
+                                          compressors=compressors, fill_value=0, attributes={"zckpt": attrs},
+                                          config={"write_empty_chunks": True})
+                      for _, node, t, chunks, attrs in arrays])
+    return [(a[0], zarr.Array(node)) for a, node in zip(arrays, created, strict=True)]
 
 
 class OpenArrays:
