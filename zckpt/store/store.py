@@ -276,7 +276,9 @@ class Store:
             try:
                 integrity.check_manifest(self.manifest, self.ingested_ranks(), self.url)
             except StoreError as err:
-                named = self._damaged_entry() if "manifest differs" in err.message else None
+                named = None
+                if "manifest differs" in err.message:  # which entry, when its array tells
+                    named = integrity.damaged_entry(self.entries(), self.array, lambda: self.group, self.where)
                 if named is None:
                     raise
                 raise StoreError(f"{err.message}; {named.message}", path=named.path, param=named.param) from None
@@ -292,32 +294,6 @@ class Store:
         for e in self.entries():
             if e.kind != "str" and e.offset is None:
                 self.chunk_info(e.name)
-
-    def _damaged_entry(self) -> StoreError | None:
-        """Which parameter a manifest that fails its digest got wrong, when its arrays tell:
-        an entry whose array disagrees with it, or an array no entry names any more (read
-        only on this error path: every array's metadata)."""
-        known = set()
-        for e in self.entries():
-            if e.kind == "str":
-                continue
-            known.add(e.key)
-            try:
-                self.array(e.name)
-            except StoreError as err:
-                return err
-        for folder in ("tensors", "maps"):
-            try:
-                node: Any = self.group[folder]
-                keys = sorted(node.array_keys())
-            except (KeyError, TypeError, ValueError, AttributeError):
-                continue
-            for k in keys:
-                if f"{folder}/{k}" not in known:
-                    attrs: Any = node[k].attrs.get("zckpt") or {}
-                    return StoreError("its array is in the store but the manifest lost its entry",
-                                      path=self.where(folder, k), param=attrs.get("name"))
-        return None
 
     def progress_records(self) -> dict[int, dict[str, Any]]:
         """Every source rank's progress record (its attributes: bytes, checksum records,
