@@ -1,7 +1,7 @@
 """Hostile parameter names: every name round-trips exactly, and nothing escapes the store.
 
 Checkpoint tags are arbitrary UTF-8 chosen by whoever built the network, and the store
-turns each into a directory name (``zckpt.store.store.encode_key``). A name must never become a
+turns each into a directory name (``zckpt.store.manifest.encode_key``). A name must never become a
 path outside the store (``../x``, ``/abs``), collide with another name's directory (names
 that differ only by case, or that look like an already-escaped name), or with Zarr's own
 files (``zarr.json``), and it must come back byte for byte in the exported files.
@@ -25,7 +25,8 @@ from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
-from zckpt.store.store import Store, encode_key
+from zckpt.store.manifest import encode_key
+from zckpt.store.store import Store
 
 ESCAPE_MARK = f"zckpt_escape_{uuid.uuid4().hex}"
 """A file name that must not appear anywhere on the machine after the run."""

@@ -23,7 +23,9 @@ import zckpt
 from zckpt.core.dtypes import MS_DTYPES
 from zckpt.core.errors import StoreError
 from zckpt.jobs.generate import write_model
-from zckpt.store.store import Store, _array_json, zarr_type
+from zckpt.store.array_documents import array_json
+from zckpt.store.store import Store
+from zckpt.store.zarr_arrays import zarr_type
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example"
@@ -166,7 +168,7 @@ def test_array_documents_equal_zarr_pythons_own(ms_type: str, kind: str, sharded
                             shards=(3, 4) if sharded else None, dtype=zarr_type(ms_type, kind), compressors=None,
                             fill_value=0, attributes=attrs, chunk_key_encoding={"name": "default", "separator": "."})
     want = ref.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-    got = _array_json(ms_type, kind, (6, 4), (1, 2), attrs, (3, 2) if sharded else None)
+    got = array_json(ms_type, kind, (6, 4), (1, 2), attrs, (3, 2) if sharded else None)
     assert json.loads(got) == json.loads(want)
     assert got == json.dumps(json.loads(want))  # the same keys in the same order
 

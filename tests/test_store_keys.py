@@ -1,4 +1,4 @@
-"""Properties of the store's naming and chunking rules (pure functions of zckpt.store.store)."""
+"""Properties of the store's naming and chunking rules (pure functions of store.manifest and store.geometry)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import urllib.parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zckpt.store.store import chunk_shape, encode_key
+from zckpt.store.geometry import chunk_shape
+from zckpt.store.manifest import encode_key
 
 _names = st.text(st.characters(codec="utf-8"), min_size=0, max_size=60)
 

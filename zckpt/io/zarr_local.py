@@ -1,12 +1,12 @@
 """zarr-python for the store paths that need it, imported on first use: zckpt's one door to zarr.
 
 Local reads and writes of a zckpt store go through raw chunk files and ``zarr.json`` documents
-(:mod:`zckpt.store.store`); importing zarr-python (asyncio, numcodecs, ...) would add a few tenths of a
-second to every command's start. Every zarr name zckpt uses at run time is imported from here,
-never from ``zarr`` itself: this module registers Zarr's ``bfloat16`` data type
-(:mod:`zckpt.zarr_bfloat16`) before any of them is used, so a store holding bf16 opens in a fresh
-interpreter whichever command or function opens it first (tests/test_fresh_interpreter.py also
-checks the sources for a stray ``import zarr``).
+(:mod:`zckpt.store.chunk_files`, :mod:`zckpt.store.array_documents`); importing zarr-python
+(asyncio, numcodecs, ...) would add a few tenths of a second to every command's start. Every
+zarr name zckpt uses at run time is imported from here, never from ``zarr`` itself: this module
+registers Zarr's ``bfloat16`` data type (:mod:`zckpt.zarr_bfloat16`) before any of them is used,
+so a store holding bf16 opens in a fresh interpreter whichever command or function opens it
+first (tests/test_fresh_interpreter.py also checks the sources for a stray ``import zarr``).
 """
 
 from __future__ import annotations

@@ -494,7 +494,7 @@ def store_file_bytes(layout: StoreLayout) -> int:
     """Bytes of the chunk, shard and packed files a store of ``layout`` holds (its JSON
     metadata and progress records aside)."""
     from zckpt.store import packed
-    from zckpt.store.store import ChunkInfo
+    from zckpt.store.geometry import ChunkInfo
 
     slots = layout.packing.slots if layout.packing is not None else {}
     total = 0

@@ -54,7 +54,9 @@ from zckpt.store import integrity, packed, rerun
 from zckpt.store.records import GROUP_VERSION, regroup_local
 
 if TYPE_CHECKING:  # imported where used: the direct path plans with this module and never needs Zarr
-    from zckpt.store.store import ChunkInfo, EntryRecord, Run, Store
+    from zckpt.store.geometry import ChunkInfo, Run
+    from zckpt.store.manifest import EntryRecord
+    from zckpt.store.store import Store
 
 MiB = 1024 * 1024
 
@@ -611,7 +613,7 @@ def _resumable_layout(
 def store_layout(
     plan: IngestPlan, smap: StrategyMap | None, options: IngestOptions, *, sharded: bool = False
 ) -> StoreLayout:
-    from zckpt.store.store import chunk_shape, shard_grid
+    from zckpt.store.geometry import chunk_shape, shard_grid
 
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:
@@ -1401,7 +1403,7 @@ class _WriteBatch:
     """
 
     def __init__(self, store: Store, limit: int, reader: ShardReader, copier: _ChunkCopier) -> None:
-        from zckpt.store.store import write_runs
+        from zckpt.store.geometry import write_runs
 
         self.write_runs = write_runs
         """:func:`zckpt.store.store.write_runs`, imported once per rank, not per box: an import

@@ -32,7 +32,8 @@ from zckpt.jobs.export_job import ExportOptions, output_jobs
 from zckpt.jobs.verify_report import MiB, VerifyReport
 from zckpt.plan.plans import build_export_plan
 from zckpt.sources.strategies import load_strategy
-from zckpt.store.store import EntryRecord, Store
+from zckpt.store.manifest import EntryRecord
+from zckpt.store.store import Store
 
 
 def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[int, ...] | None:

@@ -28,8 +28,11 @@ from zckpt.io import safe_paths
 from zckpt.io.checksums import ChunkSums, file_sums
 from zckpt.jobs.verify_report import MiB, VerifyReport
 from zckpt.store import packed
+from zckpt.store.chunk_records import Checked
+from zckpt.store.geometry import ChunkInfo
 from zckpt.store.integrity import stored_type_names
-from zckpt.store.store import Checked, ChunkInfo, EntryRecord, Store
+from zckpt.store.manifest import EntryRecord
+from zckpt.store.store import Store
 
 
 def check_store(store: Store, report: VerifyReport, *, block_bytes: int = 64 * MiB) -> None:

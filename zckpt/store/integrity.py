@@ -33,12 +33,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
 from zckpt.store import records
+from zckpt.store.manifest import EntryRecord
 
 MANIFEST_KEYS = ("format", "version", "entries", "source", "fingerprint")
 """What the manifest digest covers (not ``complete`` nor ``integrity``, which change later)."""
@@ -152,6 +153,35 @@ def check_sealed(manifest: Mapping[str, Any], ranks: Set[int], where: str) -> No
     if set(ranks) - listed:
         raise StoreError(f"progress records of source rank(s) {sorted(set(ranks) - listed)} were not part of the "
                          "completed ingest: the store is damaged", path=where)
+
+
+def damaged_entry(entries: Iterable[EntryRecord], open_array: Callable[[str], object], group: Callable[[], Any],
+                  where: Callable[..., str]) -> StoreError | None:
+    """Which parameter a manifest that fails its digest got wrong, when its arrays tell:
+    an entry whose array disagrees with it (``open_array`` refuses it), or an array of the
+    store's root ``group()`` that no entry names any more (read only on this error path: every array's
+    metadata). ``where`` names a node of the store in messages."""
+    known = set()
+    for e in entries:
+        if e.kind == "str":
+            continue
+        known.add(e.key)
+        try:
+            open_array(e.name)
+        except StoreError as err:
+            return err
+    for folder in ("tensors", "maps"):
+        try:
+            node: Any = group()[folder]
+            keys = sorted(node.array_keys())
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        for k in keys:
+            if f"{folder}/{k}" not in known:
+                attrs: Any = node[k].attrs.get("zckpt") or {}
+                return StoreError("its array is in the store but the manifest lost its entry",
+                                  path=where(folder, k), param=attrs.get("name"))
+    return None
 
 
 def missing_records(ranks: Set[int]) -> str:

@@ -33,7 +33,8 @@ from zckpt.run.progress import Ticker
 from zckpt.write.rank_writer import RankResult, batch_bytes, write_ckpt_rank
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
-    from zckpt.store.store import Checked, Store
+    from zckpt.store.chunk_records import Checked
+    from zckpt.store.store import Store
 
 
 class ReadOptions(Protocol):
