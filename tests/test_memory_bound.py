@@ -22,7 +22,7 @@ from zckpt.jobs.transform import TransformOptions, transform
 from zckpt.run.engines import memory_budget
 from zckpt.sources.reader import SourceReader
 from zckpt.store.reader import StoreReader
-from zckpt.write import rank_writer
+from zckpt.write import boxes
 
 
 @settings(max_examples=300, deadline=None)
@@ -129,7 +129,7 @@ def test_bands_from_local_files_are_read_in_small_batches(tmp_path: Path, monkey
     zckpt.ingest(str(tmp_path / "src"), store, str(model.strategy_path), zckpt.IngestOptions())
     dst = StrategyMap(layouts={"wide": {0: make_layout((3,), [[0], []])}})
     (tmp_path / "d.ckpt").write_bytes(encode_strategy(dst))
-    monkeypatch.setattr(rank_writer, "LOCAL_BATCH_BYTES", 1024)
+    monkeypatch.setattr(boxes, "LOCAL_BATCH_BYTES", 1024)
     batches: list[int] = []
     for cls in (StoreReader, SourceReader):
         def record(self: Any, items: list[tuple[str, Box]], _real: Any = cls.materialise) -> list[np.ndarray]:
@@ -160,11 +160,11 @@ def test_remote_stores_keep_batches_of_half_the_budget(tmp_path: Path) -> None:
     base = f"memory://zckpt-{uuid.uuid4().hex[:8]}"
     zckpt.ingest(str(tmp_path / "src"), f"{base}/s.zarr", str(model.strategy_path))
     try:
-        budget = 64 * rank_writer.LOCAL_BATCH_BYTES
+        budget = 64 * boxes.LOCAL_BATCH_BYTES
         remote = StoreReader(zckpt.open_store(f"{base}/s.zarr"), zckpt.ExportOptions(block_bytes=budget, overlap=True))
         assert remote.band_bytes == budget // 2
-        local = rank_writer.batch_bytes(budget, True)
-        assert local == rank_writer.LOCAL_BATCH_BYTES < remote.band_bytes
+        local = boxes.batch_bytes(budget, True)
+        assert local == boxes.LOCAL_BATCH_BYTES < remote.band_bytes
     finally:
         fs, path = fsspec.core.url_to_fs(base)
         fs.rm(path, recursive=True)

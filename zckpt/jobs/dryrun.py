@@ -34,6 +34,7 @@ from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
 from zckpt.io import remote
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
 from zckpt.plan.plans import RankExport
+from zckpt.write.safetensors_rank import existing_outputs, part_name, remote_outputs, split_parts, stem
 
 if TYPE_CHECKING:
     from zckpt.jobs.export_job import ExportOptions
@@ -144,7 +145,7 @@ class Entries:
 
 
 def ckpt_bytes(rank: RankExport, entries: Entries, crc: bool) -> int:
-    """Size of the ``.ckpt`` file :func:`zckpt.write.rank_writer.write_ckpt_rank` writes for ``rank``."""
+    """Size of the ``.ckpt`` file :class:`zckpt.write.ckpt_rank.CkptRankWriter` writes for ``rank``."""
     total = 0
     for s in rank.slices:
         kind = entries.kinds[s.name]
@@ -167,11 +168,10 @@ def ckpt_bytes(rank: RankExport, entries: Entries, crc: bool) -> int:
 
 def safetensors_files(rank: RankExport, target: Path, entries: Entries, options: ExportOptions) -> list[tuple[Path,
                                                                                                             int]]:
-    """The files :func:`zckpt.jobs.export_safetensors.write_rank` writes for ``rank``, with their
+    """The files :class:`zckpt.write.safetensors_rank.SafetensorsRankWriter` writes for ``rank``, with their
     sizes: one file, or its parts and their index."""
     from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, TensorHeader, header_bytes
     from zckpt.formats.shard_reader import INDEX_SUFFIX
-    from zckpt.jobs.export_safetensors import _stem, part_name, split_parts
 
     tensors = [TensorHeader(s.name, entries.ms_types[s.name], s.box.shape) for s in rank.slices
                if entries.kinds[s.name] == "tensor"]
@@ -185,13 +185,13 @@ def safetensors_files(rank: RankExport, target: Path, entries: Entries, options:
         part_meta = dict(meta if i == 0 else MS_METADATA)
         if options.crc:
             part_meta["crc_num"] = _FILLER
-        path = target if len(parts) == 1 else target.with_name(part_name(_stem(target), i, len(parts)))
+        path = target if len(parts) == 1 else target.with_name(part_name(stem(target), i, len(parts)))
         out.append((path, len(header_bytes(part, part_meta)[0]) + sum(t.nbytes for t in part)))
     if len(parts) > 1:
         doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                "weight_map": {t.name: p.name for (p, _), part in zip(out, parts, strict=True) for t in part}}
         text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-        out.append((target.with_name(_stem(target) + INDEX_SUFFIX), len(text.encode("utf-8"))))
+        out.append((target.with_name(stem(target) + INDEX_SUFFIX), len(text.encode("utf-8"))))
     return out
 
 
@@ -251,11 +251,9 @@ def check_folders(out: Path, paths: Iterable[Path]) -> None:
 def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool,
                          out_loc: remote.Location | None = None) -> None:
     """Export's and transform's refusal of safetensors outputs present already."""
-    from zckpt.jobs.export_safetensors import _remote_outputs, existing_outputs
-
     if not overwrite:
         if out_loc is not None:
-            clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
+            clash = [out_loc.url_of(p) for _, target in jobs for p in remote_outputs(out_loc, target.as_posix())]
         else:
             clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
         if clash:

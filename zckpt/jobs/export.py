@@ -41,8 +41,9 @@ from zckpt.run.helper import hand_over, helper_for, overlap_beside
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader, check_coverage, reading
+from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import finish_output, resume_or_refuse, resume_or_refuse_remote
-from zckpt.write.rank_writer import RankResult
+from zckpt.write.writers import rank_writer
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
     from zckpt.store.store import Store
@@ -136,12 +137,13 @@ def write_file(
     reader = StoreReader(store, options)
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
+    writer = rank_writer(options)
     if not remote.is_remote(target):
         with disk_full_named(target):
-            return reader.write_rank(rank, Path(target), ticker, publisher)
+            return writer.write(reader, rank, Path(target), ticker, publisher)
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
-        result = reader.write_rank(rank, local, ticker)
+        result = writer.write(reader, rank, local, ticker)
         remote.upload(local, remote.locate(target, options.storage_options, OutputError), OutputError)
     return replace(result, path=target)
 
@@ -163,4 +165,4 @@ def export_rank(
         if path.exists() and not options.overwrite:
             raise OutputError("output file already exists (--overwrite replaces it)", path=path)
         with disk_full_named(path):
-            return StoreReader(store, options).write_rank(plan.ranks[0], path)
+            return rank_writer(options).write(StoreReader(store, options), plan.ranks[0], path)

@@ -26,8 +26,8 @@ from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import check_coverage, reading
 from zckpt.write import out_dirs
+from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import output_dir
-from zckpt.write.rank_writer import RankResult
 
 if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
     from zckpt.store.store import Store

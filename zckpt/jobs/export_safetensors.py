@@ -1,43 +1,26 @@
 """Export to safetensors: each destination rank as ``rank_<r>/<prefix><r>.safetensors``.
 
-MindSpore's own safetensors jobs (``save_checkpoint(format="safetensors")``,
-``transform_checkpoints(..., output_format="safetensors")``) use this layout, so the files
-load with ``mindspore.load_checkpoint(f, format="safetensors")`` and with any safetensors
-reader. The export plan gives every tensor's name, type and shape before a byte is read,
-so each file's header is written first and the tensors' bytes are then streamed from the
-store band by band (at most ``block_bytes`` in memory), under a temporary name renamed
-when complete.
-
-* dtypes map one to one (``BFloat16`` -> ``BF16`` with the exact bits the store keeps);
-* metadata is MindSpore's ``{"format": "ms"}`` (plus ``crc_num`` with ``crc``, computed
-  as MindSpore does); string entries go to ``__metadata__`` under ``"zckpt.str:" + name``;
-* MapParameter entries have no safetensors form (MindSpore cannot save them either): refused;
-* with ``max_file_bytes`` a rank larger than that is split HF-style into
-  ``<prefix><r>-00001-of-0000K.safetensors`` parts (tensors whole, in plan order) plus
-  ``<prefix><r>.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``);
-  string entries go to the first part. ``zckpt ingest`` reads such a rank back through
-  its index.
+The export job around the safetensors rank writer (:mod:`zckpt.write.safetensors_rank`, which
+holds the layout: one file, or HF-style parts and an index): the refusals before a file is
+written (MapParameter entries, outputs present already), the job's identity, the tasks, and
+a remote destination, where each rank is written in a local temporary directory and its
+files uploaded (parts before the index) once complete. MindSpore's own safetensors jobs use
+this layout, so the files load with ``mindspore.load_checkpoint(f, format="safetensors")``
+and with any safetensors reader.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import re
 import tempfile
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError
-from zckpt.core.layout import Box
-from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import fileio, remote
 from zckpt.jobs.export_job import (
@@ -51,65 +34,17 @@ from zckpt.jobs.export_job import (
     task_name,
 )
 from zckpt.plan.plans import ExportPlan, RankExport
-from zckpt.run.engines import Engine, dask_client, run_all
+from zckpt.run.engines import Engine, dask_client, overlap_for, run_all
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader
 from zckpt.store.store import Store
 from zckpt.write import out_records
+from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import output_folders
-from zckpt.write.rank_writer import BoxReader, RankResult
-
-SUFFIX = ".safetensors"
-
-
-def part_name(stem: str, index: int, count: int) -> str:
-    """HF's shard file name: ``<stem>-00001-of-00003.safetensors``."""
-    return f"{stem}-{index + 1:05d}-of-{count:05d}{SUFFIX}"
-
-
-def split_parts(tensors: Sequence[TensorHeader], max_bytes: int) -> list[list[TensorHeader]]:
-    """Tensors grouped in order into parts of at most ``max_bytes`` of data (a larger tensor
-    gets a part of its own); one part when ``max_bytes`` is 0."""
-    if max_bytes <= 0 or not tensors:
-        return [list(tensors)]
-    parts: list[list[TensorHeader]] = [[]]
-    size = 0
-    for t in tensors:
-        if parts[-1] and size + t.nbytes > max_bytes:
-            parts.append([])
-            size = 0
-        parts[-1].append(t)
-        size += t.nbytes
-    return parts
-
-
-def _stem(target: Path) -> str:
-    return target.name[: -len(SUFFIX)] if target.name.endswith(SUFFIX) else target.stem
-
-
-def existing_outputs(target: Path) -> list[Path]:
-    """Every file an export of ``target`` may leave: the single file, the index, parts."""
-    stem = _stem(target)
-    found = [target, target.with_name(stem + INDEX_SUFFIX)]
-    if target.parent.is_dir():
-        found += sorted(target.parent.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]{SUFFIX}"))
-    return [p for p in found if p.exists()]
-
-
-def output_names(target_name: str, names: Iterable[str]) -> list[str]:
-    """Which of ``names`` (files beside ``target``) an export of ``target`` may leave: the
-    single file, its index, its parts (what :func:`existing_outputs` finds on a local disk)."""
-    stem = target_name[: -len(SUFFIX)] if target_name.endswith(SUFFIX) else Path(target_name).stem
-    part = re.compile(re.escape(stem) + r"-[0-9]{5}-of-[0-9]{5}" + re.escape(SUFFIX) + "$")
-    return sorted(n for n in names if n in (target_name, stem + INDEX_SUFFIX) or part.match(n))
-
-
-def _remote_outputs(out: remote.Location, target: str) -> list[str]:
-    """Filesystem paths of what an export of ``target`` (a path below ``out``) left there."""
-    folder, name = target.rsplit("/", 1)
-    beside = [n for n, d in remote.listdir(remote.Location(out.url_of(folder), out.fs, folder), OutputError) if not d]
-    return [f"{folder}/{n}" for n in output_names(name, beside)]
+from zckpt.write.safetensors_file import SUFFIX
+from zckpt.write.safetensors_rank import existing_outputs, remote_outputs
+from zckpt.write.writers import rank_writer
 
 
 def export_safetensors(
@@ -145,7 +80,7 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
         if out_loc is None:
             clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
         else:
-            clash = [out_loc.url_of(p) for _, target in jobs for p in _remote_outputs(out_loc, target.as_posix())]
+            clash = [out_loc.url_of(p) for _, target in jobs for p in remote_outputs(out_loc, target.as_posix())]
         if clash and out_loc is None and out_records.finished_as_recorded(out, fingerprint):
             return ExportReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         if clash:
@@ -157,6 +92,7 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
     engine = Engine.of(options)
     options = replace(options, block_bytes=engine.share(options.block_bytes))
     with dask_client(engine) as client:
+        options = replace(options, overlap=overlap_for(options.overlap, client))
         results = run_all(write_safetensors_file, units, PlannedStore.of(store), options, client=client,
                           label="export", progress=options.progress, name=task_name,
                           size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
@@ -182,7 +118,7 @@ def write_safetensors_file(
     ticker = Ticker(report)
     if not remote.is_remote(target):
         with fileio.disk_full_named(target):
-            return write_rank(reader, rank, Path(target), options, ticker)
+            return rank_writer(options).write(reader, rank, Path(target), ticker)
     return _write_remote_rank(reader, rank, target, options, ticker)
 
 
@@ -194,10 +130,10 @@ def _write_remote_rank(
     rank left that this one did not write (e.g. parts of another split)."""
     loc = remote.locate(target, options.storage_options, OutputError)
     folder = loc.sibling("")
-    stale = set(_remote_outputs(loc, loc.path))
+    stale = set(remote_outputs(loc, loc.path))
     with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
         name = target.rstrip("/").rsplit("/", 1)[-1]
-        result = write_rank(reader, rank, Path(tmp) / name, options, ticker)
+        result = rank_writer(options).write(reader, rank, Path(tmp) / name, ticker)
         made = sorted(p.name for p in Path(tmp).iterdir())
         index = Path(result.path).name if Path(result.path).name.endswith(INDEX_SUFFIX) else None
         for n in [m for m in made if m != index] + ([index] if index else []):
@@ -206,115 +142,3 @@ def _write_remote_rank(
     for p in sorted(stale - written):
         remote.remove(remote.Location(loc.url_of(p), loc.fs, p), OutputError)
     return replace(result, path=folder.child(Path(result.path).name).url)
-
-
-def write_rank(
-    reader: BoxReader, rank: RankExport, target: Path, options: ExportOptions, ticker: Ticker | None = None
-) -> RankResult:
-    """One rank's file, or its parts and index when it exceeds ``max_file_bytes``, from any
-    place where boxes live (the store, the source shards)."""
-    for s in rank.slices:
-        if reader.kind(s.name) == "map":
-            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                              "safetensors either); write this rank as .ckpt", param=s.name)
-    tensors = [TensorHeader(s.name, reader.ms_type(s.name), s.box.shape) for s in rank.slices
-               if reader.kind(s.name) == "tensor"]
-    boxes = {s.name: s.box for s in rank.slices}
-    meta = dict(MS_METADATA)
-    for s in rank.slices:
-        if reader.kind(s.name) == "str":
-            meta[STRING_PREFIX + s.name] = reader.string(s.name)
-    parts = split_parts(tensors, options.max_file_bytes)
-    stem = _stem(target)
-    stale = set(existing_outputs(target))
-    if len(parts) == 1:
-        paths = [target]
-    else:
-        paths = [target.with_name(part_name(stem, i, len(parts))) for i in range(len(parts))]
-    index_path = target.with_name(stem + INDEX_SUFFIX)
-    if len(parts) > 1:
-        _retract(index_path, fsync=options.fsync)
-    total = 0
-    published: list[Path] = []
-    try:
-        for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
-            part_meta = meta if i == 0 else dict(MS_METADATA)
-            with SafetensorsWriter(path, part, part_meta, crc=options.crc, fsync=options.fsync) as w:
-                bands = _BandStream(reader, [(t.name, b) for t in w.order
-                                             for b in reader.bands(t.name, boxes[t.name])], options.block_bytes)
-                for t in w.order:
-                    w.write_tensor(t.name, bands.take(t.name))
-                    if ticker is not None:
-                        ticker.add(t.name, t.nbytes)
-            published.append(path)
-            total += path.stat().st_size
-    except BaseException:
-        if len(parts) > 1:  # no index names them any more: parts of this write or of an older one
-            for p in sorted({*published, *stale} - {target, index_path}):
-                _retract(p, fsync=False)
-        raise
-    result_path = paths[0]
-    if len(parts) > 1:
-        result_path = index_path
-        doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-               "weight_map": {t.name: p.name for p, part in zip(paths, parts, strict=True) for t in part}}
-        _write_json(result_path, doc, fsync=options.fsync)
-        total += result_path.stat().st_size
-    for p in stale - {*paths, result_path}:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-    if ticker is not None:
-        ticker.close()
-    return RankResult(rank.rank, str(result_path), len(tensors), total, reader.read_bytes, reader.checked_bytes)
-
-
-def _retract(path: Path, *, fsync: bool) -> None:
-    """Remove an output that must not outlive a failed split write: an old index would name
-    a mix of new and old parts, new parts without their index would look like a short model."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    if fsync:
-        fileio.fsync_dir(path.parent)
-
-
-def _write_json(path: Path, doc: object, *, fsync: bool) -> None:
-    text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-    fileio.write_atomic(path, text.encode("utf-8"), fsync=fsync)
-
-
-class _BandStream:
-    """Band arrays in file order, read from the store batch by batch (at most ``limit``
-    bytes materialised at a time, or one band when a band alone is larger)."""
-
-    def __init__(self, reader: BoxReader, bands: list[tuple[str, Box]], limit: int) -> None:
-        self.reader = reader
-        self.todo = deque(bands)
-        self.ready: deque[tuple[str, np.ndarray]] = deque()
-        self.limit = max(1, limit)
-        self.itemsize = {name: ms_dtype(reader.ms_type(name)).storage.itemsize for name, _ in bands}
-
-    def take(self, name: str) -> Iterator[np.ndarray]:
-        """The bands of ``name`` (the next tensor in order)."""
-        while True:
-            if not self.ready:
-                if not self.todo or self.todo[0][0] != name:
-                    return
-                self._fill()
-            if self.ready[0][0] != name:
-                return
-            yield self.ready.popleft()[1]
-
-    def _fill(self) -> None:
-        batch: list[tuple[str, Box]] = []
-        size = 0
-        while self.todo:
-            name, box = self.todo[0]
-            nbytes = box.size * self.itemsize[name]
-            if batch and size + nbytes > self.limit:
-                break
-            batch.append(self.todo.popleft())
-            size += nbytes
-        for (name, _), arr in zip(batch, self.reader.materialise(batch), strict=True):
-            self.ready.append((name, arr))

@@ -22,25 +22,19 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from zckpt.core.errors import CheckpointFormatError, UsageError
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.core.layout import Box
 from zckpt.formats.opener import open_shard
-from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
-from zckpt.formats.shard_reader import ShardReader
+from zckpt.plan.plans import RankExport, Slice
+from zckpt.write.box_adapters import Renamed, ShardBoxes
+from zckpt.write.writers import file_writer
 
 BLOCK_BYTES = 64 * 1024 * 1024
 """Most bytes of one tensor in memory at a time while copying."""
-
-
-def _blocks(reader: ShardReader, name: str) -> Iterator[np.ndarray]:
-    for _, block in reader.row_blocks(name, BLOCK_BYTES):
-        yield block
 
 
 def convert_file(src: Path, dst: Path, dst_format: str, name_map: Mapping[str, str] | None = None) -> Path:
@@ -53,29 +47,14 @@ def convert_file(src: Path, dst: Path, dst_format: str, name_map: Mapping[str, s
             dup = next(n for n in new_names if new_names.count(n) > 1)
             raise UsageError("name_map gives two entries the same name", path=src, param=dup)
         if dst_format == "safetensors":
-            tensors = []
-            meta = dict(MS_METADATA)
-            for e, new in zip(entries, new_names, strict=True):
+            for e in entries:
                 if e.kind == "map":
                     raise CheckpointFormatError("MapParameter entries have no safetensors form (MindSpore cannot "
                                                 "save them as safetensors either)", path=src, param=e.name)
-                if e.kind == "str":
-                    meta[STRING_PREFIX + new] = reader.string(e.name)
-                else:
-                    tensors.append(TensorHeader(new, e.ms_type, e.shape))
-            old = {new: e.name for e, new in zip(entries, new_names, strict=True)}
-            with SafetensorsWriter(dst, tensors, meta) as w:
-                for t in w.order:
-                    w.write_tensor(t.name, _blocks(reader, old[t.name]))
-            return dst
-        with CkptWriter(dst) as cw:
-            for e, new in zip(entries, new_names, strict=True):
-                if e.kind == "str":
-                    cw.write_string(new, reader.string(e.name))
-                elif e.kind == "map":
-                    cw.write_map(new, reader.map_bytes(e.name))
-                else:
-                    cw.write_blocks(new, e.ms_type, e.shape, _blocks(reader, e.name))
+        pairs = list(zip(entries, new_names, strict=True))
+        boxes = Renamed(ShardBoxes(reader, BLOCK_BYTES), {new: e.name for e, new in pairs})
+        slices = tuple(Slice(new, Box.full(e.shape)) for e, new in pairs)
+        file_writer(dst_format).write(boxes, RankExport(0, slices), dst)
         return dst
 
 

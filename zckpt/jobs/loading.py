@@ -39,9 +39,7 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype, public_array
 from zckpt.core.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptWriter
 from zckpt.formats.opener import open_shard
-from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.io import safe_paths
@@ -52,6 +50,8 @@ from zckpt.plan.plans import ExportPlan, IngestPlan, RankExport, Slice, TensorSp
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store
+from zckpt.write.box_adapters import RegionBoxes, Renamed
+from zckpt.write.writers import file_writer
 
 Value = np.ndarray | str
 
@@ -228,29 +228,9 @@ def write_rank_file(
     ``.safetensors`` file, one tensor read (``read(name, box)``) and written at a time;
     ``rename`` gives an entry another name in the file."""
     out = {n: (rename or {}).get(n, n) for n, _, _, _ in entries}
-    if output_format == "safetensors":
-        meta = dict(MS_METADATA)
-        tensors: list[TensorHeader] = []
-        boxes = {}
-        for n, kind, ms_type, box in entries:
-            if kind == "str":
-                meta[STRING_PREFIX + out[n]] = str(read(n, box))
-            else:
-                tensors.append(TensorHeader(out[n], ms_type, box.shape))
-                boxes[out[n]] = (n, box)
-        with SafetensorsWriter(target, tensors, meta) as w:
-            for t in w.order:
-                arr = read(*boxes[t.name])
-                assert isinstance(arr, np.ndarray)
-                w.write_tensor(t.name, iter([arr.view(ms_dtype(t.ms_type).storage)]))
-        return target
-    with CkptWriter(target) as cw:
-        for n, _kind, ms_type, box in entries:
-            value = read(n, box)
-            if isinstance(value, str):
-                cw.write_string(out[n], value)
-            else:
-                cw.write_array(out[n], ms_type, value.view(ms_dtype(ms_type).storage))
+    reader = Renamed(RegionBoxes(entries, read), {new: n for n, new in out.items()})
+    slices = tuple(Slice(out[n], box) for n, _, _, box in entries)
+    file_writer(output_format).write(reader, RankExport(0, slices), target)
     return target
 
 

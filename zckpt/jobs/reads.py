@@ -19,7 +19,7 @@ from zckpt.core.layout import c_order_pieces
 from zckpt.formats.opener import shard_format
 from zckpt.plan.plans import RankExport
 from zckpt.run.engines import Engine, wants_overlap
-from zckpt.write.rank_writer import batch_bytes
+from zckpt.write.boxes import batch_bytes
 
 if TYPE_CHECKING:
     from zckpt.jobs.transform import TransformPlan

@@ -2,8 +2,8 @@
 
 ``ingest`` + ``export`` write the model twice (into the store, then out of it). Here the
 same two plans are made (the ingest plan picks one source rank per box, the export plan
-gives each destination rank its slices) and the executor (:mod:`zckpt.write.rank_writer`) writes
-each destination file from a :class:`~zckpt.sources.reader.SourceReader`: every needed
+gives each destination rank its slices) and the output format's writer (:mod:`zckpt.write.writers`)
+writes each destination file from a :class:`~zckpt.sources.reader.SourceReader`: every needed
 source byte is read once, pieces that are whole rows on both sides are copied by the
 kernel. What ingest refuses is refused here too, before any file is written: regions no
 present shard holds (named with the missing ranks), unlisted tensors that differ across
@@ -39,8 +39,11 @@ from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
 from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write import out_dirs, out_records
+from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import check_out_dir, finish_output, output_folders, resume_or_refuse
-from zckpt.write.rank_writer import RankResult, write_ckpt_rank
+from zckpt.write.safetensors_file import SUFFIX
+from zckpt.write.safetensors_rank import existing_outputs
+from zckpt.write.writers import OUTPUTS, rank_writer
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 
@@ -173,8 +176,8 @@ def transform(
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` (or ``.safetensors``) for every (or each
     requested) destination rank straight from the source job in ``src``."""
     t0 = time.perf_counter()
-    if options.format not in ("ckpt", "safetensors"):
-        raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    if options.format not in OUTPUTS:
+        raise UsageError(f"unknown output format {options.format!r} ({' or '.join(OUTPUTS)})")
     refuse_remote(src, out_dir)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func)
@@ -286,8 +289,6 @@ def _task_name(job: DirectJob) -> str:
 
 
 def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> list[tuple[RankExport, Path]]:
-    from zckpt.jobs.export_safetensors import SUFFIX, existing_outputs
-
     out = [(r, p.with_suffix(SUFFIX)) for r, p in jobs]
     if not overwrite:
         clash = [str(p) for _, target in out for p in existing_outputs(target)]
@@ -326,12 +327,7 @@ def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publ
     ticker = Ticker(report)
     with (disk_full_named(job.target),
           SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader):
-        if options.format == "safetensors":
-            from zckpt.jobs.export_safetensors import write_rank
-
-            return write_rank(reader, job.rank, Path(job.target), options, ticker)
-        return write_ckpt_rank(reader, job.rank, Path(job.target), crc=options.crc, fsync=options.fsync,
-                               overlap=options.overlap, ticker=ticker, publisher=publisher)
+        return rank_writer(options).write(reader, job.rank, Path(job.target), ticker, publisher)
 
 
 def merged(jobs: list[CheckJob]) -> list[CheckJob]:

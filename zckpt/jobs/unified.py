@@ -39,17 +39,18 @@ from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
 from zckpt.formats.opener import open_shard
 from zckpt.formats.rank_files import choose_by_suffix, latest_by_numbers
-from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
 from zckpt.io.fileio import write_atomic
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.export_safetensors import _BandStream
 from zckpt.jobs.ingest import IngestOptions, ingest
-from zckpt.plan.plans import TensorSpec, state_owner
+from zckpt.plan.plans import RankExport, Slice, TensorSpec, state_owner
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.reader import StoreReader, reading
 from zckpt.store.store import Store
+from zckpt.write.box_adapters import Renamed, ShardBoxes
+from zckpt.write.boxes import WriterSettings
+from zckpt.write.writers import file_writer
 
 PART_BYTES = 3 * 1024**3
 """MindSpore's target size of one part."""
@@ -114,19 +115,10 @@ def write_part(store_path: str, names: Sequence[tuple[str, str]], target: Path, 
                strings: Sequence[tuple[str, str]] = ()) -> Path:
     """One file holding the whole entries ``(store name, file name)``, streamed from the store."""
     store = Store.open(store_path)
-    reader = StoreReader(store, options)
-    entries = {e.name: e for e in store.entries()}
-    tensors = [TensorHeader(out, entries[src].ms_type, entries[src].shape) for src, out in names]
-    source = {out: src for src, out in names}
-    meta = dict(MS_METADATA)
-    for src, out in strings:
-        meta[STRING_PREFIX + out] = entries[src].value or ""
-    with SafetensorsWriter(target, tensors, meta, fsync=options.fsync) as w:
-        full = {t.name: Box.full(t.shape) for t in tensors}
-        bands = _BandStream(reader, [(source[t.name], b) for t in w.order
-                                     for b in reader.bands(source[t.name], full[t.name])], options.block_bytes)
-        for t in w.order:
-            w.write_tensor(t.name, bands.take(source[t.name]))
+    shapes = {e.name: e.shape for e in store.entries()}
+    slices = [Slice(out, Box.full(shapes[src])) for src, out in [*names, *strings]]
+    reader = Renamed(StoreReader(store, options), {out: src for src, out in [*names, *strings]})
+    file_writer("safetensors", WriterSettings.of(options)).write(reader, RankExport(0, tuple(slices)), target)
     return target
 
 
@@ -141,11 +133,9 @@ def copy_hyper(rank0_file: str | os.PathLike[str], in_parts: set[str], target: P
         for n, e in rest.items():
             if e.kind == "map":
                 raise UsageError("MapParameter entries have no safetensors form", path=rank0_file, param=n)
-        tensors = [TensorHeader(n, e.ms_type, e.shape) for n, e in rest.items() if e.kind == "tensor"]
-        meta = dict(MS_METADATA) | {STRING_PREFIX + n: r.string(n) for n, e in rest.items() if e.kind == "str"}
-        with SafetensorsWriter(target, tensors, meta, fsync=options.fsync) as w:
-            for t in w.order:
-                w.write_tensor(t.name, (block for _, block in r.row_blocks(t.name, options.block_bytes)))
+        slices = tuple(Slice(n, Box.full(e.shape)) for n, e in rest.items())
+        file_writer("safetensors", WriterSettings.of(options)).write(ShardBoxes(r, options.block_bytes),
+                                                              RankExport(0, slices), target)
     return target
 
 
@@ -207,7 +197,7 @@ def _unify(store: Store, dst: Path, strategy: StrategyMap | None, choice_func: C
     rename = {p[0]: p[1] for p in params}
     share = machine_share(count, split_dst_file) if split_dst_file else range(count)
     first_machine = not split_dst_file or split_dst_file[0] == 1
-    options = ExportOptions(format="safetensors")
+    options = ExportOptions(format="safetensors", overlap=False)
     jobs = [([(n, rename[n]) for n in groups[i]], dst / part_file(i)) for i in share]
     workers = max(1, min(len(jobs), max_process_num))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-unified") as pool:

@@ -3,7 +3,7 @@
 The ingest plan already says, for every entry, which source rank holds which box, one
 replica per box (its ``Write``s), and planning indexed every shard: where each entry's
 payload bytes lie. A destination slice is the union of its intersections with those boxes,
-so :class:`SourceReader` serves the executor (:mod:`zckpt.write.rank_writer`) from the shards
+so :class:`SourceReader` serves the writers (:mod:`zckpt.write.writers`) from the shards
 themselves, the way :class:`zckpt.store.reader.StoreReader` serves it from a store: pieces that
 are whole rows of both the source shard and the destination slice are handed out as byte
 ranges of the shard files (the writer copies them file to file), anything else is read with ``pread``
@@ -30,7 +30,7 @@ from zckpt.formats.ckpt import EntryInfo, FileRange
 from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.plan.plans import Slice, TensorSpec, Write
-from zckpt.write.rank_writer import batch_bytes
+from zckpt.write.boxes import batch_bytes
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class ShardFiles:
 
 
 class SourceReader:
-    """A :class:`~zckpt.write.rank_writer.BoxReader` over source shards (use as a context manager:
+    """A :class:`~zckpt.write.boxes.BoxReader` over source shards (use as a context manager:
     the files it opens are closed on leaving)."""
 
     def __init__(self, boxes: SourceBoxes, block_bytes: int, *, overlap: bool = False) -> None:

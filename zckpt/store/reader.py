@@ -1,5 +1,5 @@
 """The store's box reader: destination slices read out of a store, checked against the
-checksums recorded for every block they use (the :class:`zckpt.write.rank_writer.BoxReader` of a
+checksums recorded for every block they use (the :class:`zckpt.write.boxes.BoxReader` of a
 store; the source shards' is :class:`zckpt.sources.reader.SourceReader`).
 
 Raw chunk and shard files are read directly, with one call for ranges that follow each
@@ -26,11 +26,9 @@ from zckpt.core.layout import Box, c_order_pieces, tiles
 from zckpt.formats.ckpt import FileRange
 from zckpt.io import locks, remote, safe_paths
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
-from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import ExportPlan, RankExport
+from zckpt.plan.plans import ExportPlan
 from zckpt.run.engines import wants_overlap
-from zckpt.run.progress import Ticker
-from zckpt.write.rank_writer import RankResult, batch_bytes, write_ckpt_rank
+from zckpt.write.boxes import batch_bytes
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
     from zckpt.store.chunk_records import Checked
@@ -454,11 +452,6 @@ class StoreReader:
             out.append(FileRange(sp.path, sp.offset, sp.length, None, checks))
         self.read_bytes += sum(r.length for r in out)
         return out
-
-    def write_rank(self, rank: RankExport, target: Path, ticker: Ticker | None = None,
-                   publisher: Publisher | None = None) -> RankResult:
-        return write_ckpt_rank(self, rank, target, crc=self.options.crc, fsync=self.options.fsync,
-                               overlap=self.options.overlap, ticker=ticker, publisher=publisher)
 
 
 class _Span(NamedTuple):

@@ -1,32 +1,31 @@
-"""The executor: write one destination rank's ``.ckpt`` from any place where boxes live.
+"""Where a writer's bytes come from: the :class:`BoxReader` protocol and the one band batcher.
 
 A destination file is a list of slices (:class:`~zckpt.plan.plans.RankExport`); where their
-bytes come from is a :class:`BoxReader`. The store (:class:`zckpt.store.reader.StoreReader`)
-and the source shards themselves (:class:`zckpt.sources.reader.SourceReader`) are two such
-places, so one executor serves ``export`` and the direct ``transform`` alike: a slice the
-reader can hand out as file ranges is copied file to file (:meth:`CkptWriter.write_blocks`),
-any other is cut into bands read batch by batch (at most ``band_bytes`` in memory, the next batch read on a
-helper thread while the current one is written when ``overlap`` says so).
+bytes come from is a :class:`BoxReader`: the store (:class:`zckpt.store.reader.StoreReader`),
+the source shards (:class:`zckpt.sources.reader.SourceReader`), one shard file or a read
+callable (:mod:`zckpt.write.box_adapters`). Every writer (:mod:`zckpt.write.writers`) cuts the
+slices it copies through memory into bands and reads them batch by batch through
+:class:`BandSource` (at most ``band_bytes`` in memory, the next batch read on a helper thread
+while the current one is written when ``overlap`` says so): a fix to batching is made here
+once. What every writer shares lives here too: its :class:`WriterSettings` and what it
+reports, a :class:`RankResult`. The writers themselves live beside this module, not in it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptWriter, FileRange
-from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport
+from zckpt.formats.ckpt import FileRange
 from zckpt.run.engines import wants_overlap
-from zckpt.run.progress import Ticker
 
 LOCAL_BATCH_BYTES = 8 * 1024 * 1024
 """Largest batch of bands read at once from local files (the store's raw chunks, source
@@ -45,6 +44,40 @@ def batch_bytes(block_bytes: int, overlap: bool, *, local: bool = True) -> int:
     return min(limit, LOCAL_BATCH_BYTES) if local else limit
 
 
+class WriteOptions(Protocol):
+    """What the writers take from a job's options (:class:`zckpt.jobs.export_job.ExportOptions`)."""
+
+    @property
+    def crc(self) -> bool: ...
+
+    @property
+    def fsync(self) -> bool: ...
+
+    @property
+    def overlap(self) -> bool | None: ...
+
+    @property
+    def max_file_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    """How a writer writes, whatever its format (a format ignores what it has no use for)."""
+
+    crc: bool = False
+    """MindSpore's checksum: a ``.ckpt``'s ``crc_num`` trailer, a safetensors file's ``crc_num``."""
+    fsync: bool = True
+    overlap: bool = False
+    """Read the next batch of bands on a second thread while this one is written."""
+    max_file_bytes: int = 0
+    """Split a safetensors rank above this size into parts plus an index (0: never)."""
+
+    @classmethod
+    def of(cls, options: WriteOptions) -> WriterSettings:
+        """A job's options, with auto overlap (``None``) resolved for a task running alone."""
+        return cls(options.crc, options.fsync, wants_overlap(options.overlap), options.max_file_bytes)
+
+
 @dataclass(frozen=True)
 class RankResult:
     rank: int
@@ -61,12 +94,22 @@ class RankResult:
 
 
 class BoxReader(Protocol):
-    """What the executor needs from a place where boxes of global tensors live."""
+    """What a writer needs from a place where boxes of global tensors live."""
 
-    band_bytes: int
-    """Largest batch of bands :meth:`materialise` is asked for at once."""
-    read_bytes: int
-    checked_bytes: int
+    @property
+    def band_bytes(self) -> int:
+        """Largest batch of bands :meth:`materialise` is asked for at once."""
+        ...
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read so far for the data (a :class:`RankResult`'s ``read_bytes``)."""
+        ...
+
+    @property
+    def checked_bytes(self) -> int:
+        """Bytes read so far only to be checked or cut away."""
+        ...
 
     def kind(self, name: str) -> str:
         """``"tensor"``, ``"str"`` or ``"map"``."""
@@ -91,61 +134,22 @@ class BoxReader(Protocol):
         ...
 
 
-def write_ckpt_rank(
-    reader: BoxReader, rank: RankExport, target: Path, *, crc: bool = False, fsync: bool = True,
-    overlap: bool | None = None, ticker: Ticker | None = None, publisher: Publisher | None = None,
-) -> RankResult:
-    """Write ``rank``'s slices from ``reader`` into the ``.ckpt`` file ``target`` (under a
-    temporary name, renamed once complete: here, or by ``publisher`` on its thread while
-    the caller writes the next file)."""
-    tensors = 0
-    direct: dict[str, list[FileRange]] = {}
-    plan: list[tuple[str, list[Box]]] = []
-    for s in rank.slices:
-        if reader.kind(s.name) != "tensor":
-            continue
-        ranges = reader.file_ranges(s.name, s.box)
-        if ranges is not None:
-            direct[s.name] = ranges
-        else:
-            plan.append((s.name, reader.bands(s.name, s.box)))
-    band_counts = {name: len(bands) for name, bands in plan}
-    with contextlib.ExitStack() as stack:
-        helper = (stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="zckpt-read"))
-                  if wants_overlap(overlap) else None)
-        source = BandSource(reader, [(name, b) for name, bands in plan for b in bands], reader.band_bytes, helper)
-        w = stack.enter_context(CkptWriter(target, crc=crc, fsync=fsync, publisher=publisher))
-        for s in rank.slices:
-            kind = reader.kind(s.name)
-            if kind == "str":
-                w.write_string(s.name, reader.string(s.name))
-            elif kind == "map":
-                w.write_map(s.name, reader.map_bytes(s.name))
-            elif s.name in direct:
-                w.write_blocks(s.name, reader.ms_type(s.name), s.box.shape, direct[s.name])
-                tensors += 1
-            else:
-                n = band_counts[s.name]
-                w.write_blocks(s.name, reader.ms_type(s.name), s.box.shape, (source.next(s.name) for _ in range(n)))
-                tensors += 1
-            if ticker is not None and kind == "tensor":
-                ticker.add(s.name, s.box.size * ms_dtype(reader.ms_type(s.name)).storage.itemsize)
-    if ticker is not None:
-        ticker.close()
-    return RankResult(rank.rank, str(target), tensors, w.size, reader.read_bytes,
-                      reader.checked_bytes)
-
-
 class BandSource:
-    """Hands out band arrays in plan order, reading them in batches of at most ``limit``
-    bytes (bounded memory): with a ``helper`` thread, the next batch is read while the
-    current one is written."""
+    """The bands of a file's tensors, handed out in file order and read in batches of at
+    most the reader's ``band_bytes`` (bounded memory): with a ``helper`` thread, the next
+    batch is read while the current one is written. Every writer streams its tensors from
+    one of these, so batching and read-ahead live here only."""
 
-    def __init__(self, reader: BoxReader, bands: list[tuple[str, Box]], limit: int,
-                 helper: Executor | None = None) -> None:
+    def __init__(self, reader: BoxReader, boxes: Iterable[tuple[str, Box]], helper: Executor | None = None) -> None:
         self.reader = reader
         self.helper = helper
-        self.batches = collections.deque(self._batches(bands, limit))
+        self.counts: dict[str, int] = {}
+        bands: list[tuple[str, Box]] = []
+        for name, box in boxes:
+            cut = reader.bands(name, box)
+            self.counts[name] = len(cut)
+            bands += [(name, b) for b in cut]
+        self.batches = collections.deque(self._batches(bands, reader.band_bytes))
         self.ready: collections.deque[tuple[str, np.ndarray]] = collections.deque()
         self.ahead: Future[list[np.ndarray]] | None = None
         self.ahead_batch: list[tuple[str, Box]] = []
@@ -187,3 +191,18 @@ class BandSource:
         got, arr = self.ready.popleft()
         assert got == name, f"band order broken: {got} != {name}"
         return arr
+
+    def take(self, name: str) -> Iterator[np.ndarray]:
+        """The bands of ``name``, the next tensor in file order."""
+        for _ in range(self.counts[name]):
+            yield self.next(name)
+
+
+@contextlib.contextmanager
+def reading_ahead(overlap: bool) -> Iterator[Executor | None]:
+    """The thread a :class:`BandSource` reads the next batch on, when ``overlap`` asks for one."""
+    if not overlap:
+        yield None
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="zckpt-read") as helper:
+        yield helper

@@ -1,0 +1,80 @@
+"""The single-file safetensors writer: slices as exactly one MindSpore-style ``.safetensors`` file.
+
+This is the file without any layout around it: a part of MindSpore's unified directory, the
+``net.safetensors`` of ``load_distributed_checkpoint``, a converted file, and each part of
+an export's split rank (:mod:`zckpt.write.safetensors_rank` builds on it). The slices' names,
+types and shapes give the header before a byte is read; the tensors' bytes are then streamed
+band by band from a :class:`~zckpt.write.boxes.BandSource`, under a temporary name renamed when
+complete.
+
+* dtypes map one to one (``BFloat16`` -> ``BF16`` with the exact bits the reader gives);
+* metadata is MindSpore's ``{"format": "ms"}`` (plus ``crc_num`` with ``crc``, computed as
+  MindSpore does); string entries go to ``__metadata__`` under ``"zckpt.str:" + name``;
+* MapParameter entries have no safetensors form (MindSpore cannot save them either): refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+from zckpt.core.errors import OutputError
+from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
+from zckpt.io.fileio import Publisher
+from zckpt.plan.plans import RankExport, Slice
+from zckpt.run.progress import Ticker
+from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
+
+SUFFIX = ".safetensors"
+
+
+def refuse_maps(reader: BoxReader, slices: Sequence[Slice]) -> None:
+    """Fail by name on a MapParameter entry, before any file is written."""
+    for s in slices:
+        if reader.kind(s.name) == "map":
+            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                              "safetensors either); write this rank as .ckpt", param=s.name)
+
+
+def tensor_headers(reader: BoxReader, slices: Sequence[Slice]) -> list[TensorHeader]:
+    """The tensors among ``slices``, as a safetensors header declares them (in slice order)."""
+    return [TensorHeader(s.name, reader.ms_type(s.name), s.box.shape) for s in slices
+            if reader.kind(s.name) == "tensor"]
+
+
+@dataclass(frozen=True)
+class SafetensorsFileWriter:
+    """Writes a rank's slices as the one file ``target`` (a :class:`~zckpt.write.writers.RankWriter`)."""
+
+    settings: WriterSettings = WriterSettings()
+
+    def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
+              publisher: Publisher | None = None) -> RankResult:
+        """Write ``rank``'s slices from ``reader`` into ``target`` (``publisher`` is not used:
+        the file is synced and renamed here)."""
+        refuse_maps(reader, rank.slices)
+        with reading_ahead(self.settings.overlap) as helper:
+            tensors = self.write_file(reader, rank.slices, target, helper, ticker)
+        if ticker is not None:
+            ticker.close()
+        return RankResult(rank.rank, str(target), tensors, target.stat().st_size, reader.read_bytes,
+                          reader.checked_bytes)
+
+    def write_file(self, reader: BoxReader, slices: Sequence[Slice], target: Path, helper: Executor | None,
+                   ticker: Ticker | None = None) -> int:
+        """Write ``slices`` (tensors and strings; no maps) as ``target``; the number of tensors."""
+        tensors = tensor_headers(reader, slices)
+        boxes = {s.name: s.box for s in slices}
+        meta = dict(MS_METADATA)
+        for s in slices:
+            if reader.kind(s.name) == "str":
+                meta[STRING_PREFIX + s.name] = reader.string(s.name)
+        with SafetensorsWriter(target, tensors, meta, crc=self.settings.crc, fsync=self.settings.fsync) as w:
+            source = BandSource(reader, [(t.name, boxes[t.name]) for t in w.order], helper)
+            for t in w.order:
+                w.write_tensor(t.name, source.take(t.name))
+                if ticker is not None:
+                    ticker.add(t.name, t.nbytes)
+        return len(tensors)

@@ -1,0 +1,83 @@
+"""Which writer writes an output format: the :class:`RankWriter` protocol and the one table.
+
+Every job that writes checkpoint files (export, transform, ``load_distributed_checkpoint``
+saving ranks, the unified directory, file conversion) gives a writer the slices of one
+output and a :class:`~zckpt.write.boxes.BoxReader` for their bytes, and takes the writer's
+class from :data:`OUTPUTS` by format name, so no job branches on the format. Each row names
+two classes: ``rank`` writes a destination rank in the export layout (a safetensors rank may
+become parts and an index), ``file`` writes exactly the one file named (a unified part, a
+loaded rank's ``net.<format>``, a converted file). Adding an output format is one writer
+class beside :mod:`zckpt.write.ckpt_rank` and one row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from zckpt.core.errors import OutputError
+from zckpt.io.fileio import Publisher
+from zckpt.plan.plans import RankExport
+from zckpt.run.progress import Ticker
+from zckpt.write import ckpt_rank, safetensors_file
+from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSettings
+from zckpt.write.ckpt_rank import CkptRankWriter
+from zckpt.write.safetensors_file import SafetensorsFileWriter
+from zckpt.write.safetensors_rank import SafetensorsRankWriter
+
+
+class RankWriter(Protocol):
+    """Writes one output from a destination rank's slices (a class called with its
+    :class:`~zckpt.write.boxes.WriterSettings`)."""
+
+    def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
+              publisher: Publisher | None = None) -> RankResult:
+        """Write ``rank``'s slices, read from ``reader``, as ``target`` (under a temporary name,
+        renamed once complete: here, or by ``publisher`` on its thread where the format allows)."""
+        ...
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One row of :data:`OUTPUTS`."""
+
+    name: str
+    suffix: str
+    rank: Callable[[WriterSettings], RankWriter]
+    """The writer of a destination rank in the export layout."""
+    file: Callable[[WriterSettings], RankWriter]
+    """The writer of exactly the one file named."""
+
+
+OUTPUTS: dict[str, OutputFormat] = {f.name: f for f in (
+    OutputFormat("ckpt", ckpt_rank.SUFFIX, CkptRankWriter, CkptRankWriter),
+    OutputFormat("safetensors", safetensors_file.SUFFIX, SafetensorsRankWriter, SafetensorsFileWriter),
+)}
+
+
+def output_format(name: str) -> OutputFormat:
+    """The row of format ``name``; an :class:`OutputError` naming the known ones otherwise."""
+    try:
+        return OUTPUTS[name]
+    except KeyError:
+        raise OutputError(f"unknown output format {name!r} ({' or '.join(OUTPUTS)})") from None
+
+
+class FormatOptions(WriteOptions, Protocol):
+    """A job's options that name the output format too."""
+
+    @property
+    def format(self) -> str: ...
+
+
+def rank_writer(options: FormatOptions) -> RankWriter:
+    """The writer of a destination rank in ``options.format``, set as ``options`` say."""
+    return output_format(options.format).rank(WriterSettings.of(options))
+
+
+def file_writer(format: str, settings: WriterSettings | None = None) -> RankWriter:
+    """The writer of one file in ``format`` (``"ckpt"`` or ``"safetensors"``); by default
+    without checksum, synced, no read-ahead."""
+    return output_format(format).file(settings if settings is not None else WriterSettings())
