@@ -23,7 +23,7 @@ from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import TensorDef, global_value, write_model, write_pipeline_model
 from zckpt.jobs.transform import TransformOptions, transform
-from zckpt.plan.plans import Write
+from zckpt.plan.values import Write
 from zckpt.sources.reader import SourceReader, meeting, segment_spans
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -355,7 +355,7 @@ def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
     spot-checked by default stay spot-checked there (not compared in full), and the others
     stay compared in full."""
     from zckpt.jobs.transform import merged
-    from zckpt.plan.plans import ReplicaCheck
+    from zckpt.plan.values import ReplicaCheck
     from zckpt.sources.replicas import CheckJob
 
     spot = ReplicaCheck("w", 4, Box((0, 0), (64, 64)), (0,), "replica")

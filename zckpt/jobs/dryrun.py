@@ -33,7 +33,7 @@ from zckpt.formats import wire
 from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
 from zckpt.io import remote
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 
 if TYPE_CHECKING:
     from zckpt.jobs.export_job import ExportOptions

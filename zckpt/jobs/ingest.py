@@ -38,7 +38,8 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.io import fileio, locks, remote, safe_paths
 from zckpt.io.checksums import BLOCK_BYTES, BlockSummer, block_sums, crc32c, file_sums
 from zckpt.io.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, write_at
-from zckpt.plan.plans import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
+from zckpt.plan.ingest_plan import build_ingest_plan
+from zckpt.plan.values import IngestPlan, ReplicaCheck, TensorSpec, Write
 from zckpt.run.collect import fewer_collections
 from zckpt.run.engines import Engine, dask_client, run_all, wants_overlap
 from zckpt.run.helper import Helper, hand_over, overlap_beside

@@ -51,7 +51,8 @@ from zckpt.formats.ckpt import CkptReader, EntryInfo
 from zckpt.io.new_files import NewFile
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network, require_mindspore
-from zckpt.plan.plans import ExportPlan, RankExport, build_export_plan
+from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store

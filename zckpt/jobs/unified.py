@@ -46,7 +46,8 @@ from zckpt.io.fileio import write_atomic
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.export_safetensors import _BandStream
 from zckpt.jobs.ingest import IngestOptions, ingest
-from zckpt.plan.plans import TensorSpec, state_owner
+from zckpt.plan.entry_layouts import state_owner
+from zckpt.plan.values import TensorSpec
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.reader import StoreReader, reading
 from zckpt.store.store import Store

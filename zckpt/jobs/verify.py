@@ -43,7 +43,7 @@ from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote, safe_paths
 from zckpt.io.checksums import ChunkSums, file_sums
-from zckpt.plan.plans import build_export_plan
+from zckpt.plan.export_plan import build_export_plan
 from zckpt.store import packed
 from zckpt.store.integrity import stored_type_names
 from zckpt.store.reader import reading

@@ -29,7 +29,7 @@ from zckpt.core.layout import Box, c_order_pieces
 from zckpt.formats.ckpt import EntryInfo, FileRange
 from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.shard_reader import ShardReader
-from zckpt.plan.plans import Slice, TensorSpec, Write
+from zckpt.plan.values import Slice, TensorSpec, Write
 from zckpt.write.rank_writer import batch_bytes
 
 

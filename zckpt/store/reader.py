@@ -27,7 +27,7 @@ from zckpt.formats.ckpt import FileRange
 from zckpt.io import locks, remote, safe_paths
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import ExportPlan, RankExport
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.engines import wants_overlap
 from zckpt.run.progress import Ticker
 from zckpt.write.rank_writer import RankResult, batch_bytes, write_ckpt_rank

@@ -49,7 +49,7 @@ from zckpt.core.layout import Box, tiles
 from zckpt.formats.strategy import ParamLayout
 from zckpt.io import fileio, remote, safe_paths
 from zckpt.io.checksums import ChunkSums, Mismatch, crc32c, file_sums
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 from zckpt.store import integrity, packed
 from zckpt.store import records as rank_records
 from zckpt.store.records import decode_runs

@@ -1,6 +1,6 @@
 """The executor: write one destination rank's ``.ckpt`` from any place where boxes live.
 
-A destination file is a list of slices (:class:`~zckpt.plan.plans.RankExport`); where their
+A destination file is a list of slices (:class:`~zckpt.plan.values.RankExport`); where their
 bytes come from is a :class:`BoxReader`. The store (:class:`zckpt.store.reader.StoreReader`)
 and the source shards themselves (:class:`zckpt.sources.reader.SourceReader`) are two such
 places, so one executor serves ``export`` and the direct ``transform`` alike: a slice the
@@ -24,7 +24,7 @@ from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptWriter, FileRange
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.run.engines import wants_overlap
 from zckpt.run.progress import Ticker
 
