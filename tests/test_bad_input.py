@@ -16,7 +16,8 @@ import pytest
 import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.io.safe_paths import temp_name
 from zckpt.plan.values import Write

@@ -21,7 +21,7 @@ import pytest
 import zckpt
 from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE, rank_ranges
 from zckpt.cli.main import main as cli_main
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.jobs.generate import TensorDef, write_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"

@@ -18,7 +18,8 @@ import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import TensorDef, global_value, write_model, write_pipeline_model

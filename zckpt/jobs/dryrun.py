@@ -30,7 +30,7 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import DiskFullError, OutputError, StoreError, UsageError
 from zckpt.formats import wire
-from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
 from zckpt.io import remote
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
 from zckpt.plan.values import RankExport

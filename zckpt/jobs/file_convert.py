@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from zckpt.core.errors import CheckpointFormatError, UsageError
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.opener import open_shard
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import ShardReader

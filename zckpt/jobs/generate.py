@@ -10,8 +10,8 @@ weights). This module writes them from first principles:
 * each rank receives the box of that value which :func:`zckpt.core.layout.rank_box` assigns to
   it (tensors without a layout are written whole on every rank, as MindSpore does for
   unlisted parameters);
-* files are encoded here with :func:`zckpt.formats.ckpt.value_header`, not with
-  :class:`~zckpt.formats.ckpt.CkptWriter`, so reader tests do not only read what zckpt's
+* files are encoded here with :func:`zckpt.formats.ckpt_encoding.value_header`, not with
+  :class:`~zckpt.formats.ckpt_writer.CkptWriter`, so reader tests do not only read what zckpt's
   own writer produced; large tensors can be split over several ``Value`` messages either
   by rows (``np.array_split``, MindSpore's ``numpy`` path) or by byte chunks (MindSpore's
   ``Tensor.get_bytes`` path, which may cut a row in two);
@@ -46,7 +46,7 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import UsageError
 from zckpt.core.layout import Sharding, rank_box, resolve
-from zckpt.formats.ckpt import CRC_MAGIC, MS_SLICE_BYTES, value_header
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, encode_strategy_json, make_layout
 
 StrategyFormat = Literal["protobuf", "json"]
@@ -388,7 +388,7 @@ def transformer_like(
 class _RawCkptFile:
     """Minimal ``.ckpt`` writer over :func:`value_header`: temp name, optional CRC, rename.
 
-    Kept separate from :class:`~zckpt.formats.ckpt.CkptWriter` on purpose (see module doc)
+    Kept separate from :class:`~zckpt.formats.ckpt_writer.CkptWriter` on purpose (see module doc)
     and because it must be able to emit several ``Value``s with one tag.
     """
 

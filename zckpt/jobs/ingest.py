@@ -31,7 +31,7 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import DiskFullError, SourceError, StoreError, UsageError, ZckptError
 from zckpt.core.layout import Box, c_order_pieces, tiles
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.rank_files import RankFileChoice
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import StrategyMap

@@ -39,7 +39,7 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype, public_array
 from zckpt.core.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.opener import open_shard
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.formats.shard_reader import ShardReader

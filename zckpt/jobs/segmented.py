@@ -47,7 +47,8 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo
 from zckpt.io.new_files import NewFile
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network, require_mindspore

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError, SourceError, UsageError
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named

@@ -17,7 +17,7 @@ from typing import Literal
 
 from zckpt.core.errors import LayoutError, SourceError
 from zckpt.core.layout import Box, Sharding, global_shape, rank_box, resolve
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import ParamLayout, StrategyMap
 from zckpt.plan.entry_layouts import folded, stage_of, state_owner, with_owner_split, without_opt_shard
 from zckpt.plan.entry_order import merge_orders

@@ -23,7 +23,7 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box, c_order_pieces, tiles
-from zckpt.formats.ckpt import FileRange
+from zckpt.formats.entries import FileRange
 from zckpt.io import locks, remote, safe_paths
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.io.fileio import Publisher

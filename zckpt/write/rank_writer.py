@@ -22,7 +22,8 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptWriter, FileRange
+from zckpt.formats.ckpt_writer import CkptWriter
+from zckpt.formats.entries import FileRange
 from zckpt.io.fileio import Publisher
 from zckpt.plan.values import RankExport
 from zckpt.run.engines import wants_overlap
