@@ -224,26 +224,27 @@ class CkptIndex:
             self._check_size(e)
         return entries
 
-    def _tag_after_key(self, key_at: int, end: int) -> str | None:
-        """Best-effort tag of a top-level Value whose own length runs past the end of the file."""
-        try:
-            key, pos = wire.read_varint(self._buf, key_at, end)
-            if key != (1 << 3) | wire.WIRE_LEN:
-                return None
-            _, pos = wire.read_varint(self._buf, pos, end)
-        except wire.WireError:
-            return None
-        return self._tag_of_value(pos, end)
-
-    def _tag_of_value(self, start: int, end: int) -> str | None:
-        """Best-effort tag of a damaged Value: its first field, when that is a readable tag."""
+    def _field_one(self, start: int, end: int) -> tuple[int, int] | None:
+        """Length and start of the length-delimited field 1 whose key is at ``start``, if it is one."""
         try:
             key, pos = wire.read_varint(self._buf, start, end)
             if key != (1 << 3) | wire.WIRE_LEN:
                 return None
-            n, pos = wire.read_varint(self._buf, pos, end)
+            return wire.read_varint(self._buf, pos, end)
         except wire.WireError:
             return None
+
+    def _tag_after_key(self, key_at: int, end: int) -> str | None:
+        """Best-effort tag of a top-level Value whose own length runs past the end of the file."""
+        got = self._field_one(key_at, end)
+        return None if got is None else self._tag_of_value(got[1], end)
+
+    def _tag_of_value(self, start: int, end: int) -> str | None:
+        """Best-effort tag of a damaged Value: its first field, when that is a readable tag."""
+        got = self._field_one(start, end)
+        if got is None:
+            return None
+        n, pos = got
         if n > min(end - pos, 64 * 1024):
             return None
         try:

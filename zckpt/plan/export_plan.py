@@ -36,7 +36,7 @@ def destination_layouts(
     An optimizer state the destination strategy does not list takes its parameter's layout
     when both have the same global shape (older MindSpore saved strategies without them); a
     listed state of a ``manual_split`` table takes the table's uneven split
-    (:func:`with_owner_split`, fixture s19); ``accu_grads.*`` are laid out without the
+    (:func:`~zckpt.plan.entry_layouts.with_owner_split`, fixture s19); ``accu_grads.*`` are laid out without the
     optimizer split their strategy entries state, because MindSpore does not
     optimizer-shard them (fixture s07); JSON expanded layouts are folded onto the shape.
     """

@@ -137,7 +137,7 @@ def source_layouts(
     saved tensors are not optimizer-sharded (fixture s07): a listed state whose shards do not
     fit its parameter's global shape is re-read without the optimizer split if that fits.
     The states of a ``manual_split`` table are listed without its uneven split and take it
-    (:func:`with_owner_split`). JSON expanded layouts are folded onto the global shape the
+    (:func:`~zckpt.plan.entry_layouts.with_owner_split`). JSON expanded layouts are folded onto the global shape the
     shards imply. Anything else that does not fit is left to the checks that refuse it by name.
     """
     layouts: dict[str, dict[int, ParamLayout]] = {}
