@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from zckpt.core.layout import Box, rank_box, resolve
-from zckpt.formats.ckpt import MS_SLICE_BYTES, value_header
+from zckpt.formats.ckpt_encoding import MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import write_pipeline_strategies
 from zckpt.jobs.generate_model import TensorDef

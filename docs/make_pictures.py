@@ -19,7 +19,7 @@ from zckpt.formats.strategy import read_strategy
 from zckpt.jobs.draw import Panel, flow_svg, held_boxes, layout_panel, panels_by_stage, svg, transfer_svg
 from zckpt.jobs.export_job import plan_export
 from zckpt.jobs.ingest import IngestOptions, ingest
-from zckpt.plan.plans import without_opt_shard
+from zckpt.plan.entry_layouts import without_opt_shard
 from zckpt.store.store import Store
 
 DOCS = Path(__file__).resolve().parent

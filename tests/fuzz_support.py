@@ -34,7 +34,8 @@ import numpy as np
 
 from zckpt.core.errors import ZckptError
 from zckpt.formats import wire
-from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
 from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.formats.strategy import (
     StrategyMap,

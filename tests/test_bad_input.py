@@ -16,10 +16,11 @@ import pytest
 import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import value_header
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.io.safe_paths import temp_name
-from zckpt.plan.plans import Write
+from zckpt.plan.values import Write
 from zckpt.store.store import Store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"

@@ -23,9 +23,11 @@ import pytest
 from zckpt.core.dtypes import MS_DTYPES, ms_dtype
 from zckpt.core.errors import CheckpointFormatError, UsageError
 from zckpt.core.layout import resolve
-from zckpt.formats import ckpt as ckpt_mod
-from zckpt.formats import wire
-from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, CkptWriter, value_header
+from zckpt.formats import ckpt_encoding, ckpt_writer, wire
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
+from zckpt.formats.ckpt_writer import CkptWriter
+from zckpt.formats.entries import FileRange
 from zckpt.formats.pb import ms_checkpoint_pb2
 from zckpt.formats.strategy import fold_layout, make_layout, read_strategy
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch
@@ -189,7 +191,7 @@ def test_string_entries_round_trip(tmp_path: Path, text: str) -> None:
 
 
 def test_writer_splits_large_tensors_like_mindspore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ckpt_mod, "MS_SLICE_BYTES", 64)
+    monkeypatch.setattr(ckpt_encoding, "MS_SLICE_BYTES", 64)
     value = global_value("big", (10, 6), "Float32")  # 240 bytes -> ceil(240 / 64) = 4 Values
     path = tmp_path / "split.ckpt"
     with CkptWriter(path) as w:
@@ -258,7 +260,7 @@ def test_row_blocks_are_views_of_the_mapping_for_one_segment(tmp_path: Path) -> 
 
 
 def test_row_blocks_across_segment_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ckpt_mod, "MS_SLICE_BYTES", 64)
+    monkeypatch.setattr(ckpt_encoding, "MS_SLICE_BYTES", 64)
     value = global_value("big", (10, 6), "Float32")  # segments of 3, 3, 2, 2 rows
     path = tmp_path / "split.ckpt"
     with CkptWriter(path) as w:
@@ -285,7 +287,7 @@ def test_crc_trailer_written_and_verified(tmp_path: Path) -> None:
         w.write_array("w", "Float16", value)
         w.write_string("s", "x")
     data = path.read_bytes()
-    content, trailer = data[: -ckpt_mod.CRC_TRAILER_LEN], data[-ckpt_mod.CRC_TRAILER_LEN :]
+    content, trailer = data[: -ckpt_encoding.CRC_TRAILER_LEN], data[-ckpt_encoding.CRC_TRAILER_LEN :]
     assert trailer == CRC_MAGIC + zlib.crc32(content).to_bytes(10, "big")
     assert [t for t, *_ in pb_entries(content)] == ["w", "s"]
     with CkptReader(path) as r:
@@ -356,7 +358,7 @@ def test_truncated_crc_trailer_is_refused(tmp_path: Path) -> None:
     with CkptWriter(path, crc=True) as w:
         w.write_array("w", "UInt8", np.arange(5, dtype=np.uint8))
     data = path.read_bytes()
-    for k in range(1, ckpt_mod.CRC_TRAILER_LEN):
+    for k in range(1, ckpt_encoding.CRC_TRAILER_LEN):
         path.write_bytes(data[:-k])
         with pytest.raises(CheckpointFormatError) as err:
             CkptReader(path)
@@ -518,7 +520,7 @@ def test_writer_publishes_only_on_commit(tmp_path: Path) -> None:
 
 
 def test_writer_output_matches_generated_protobuf_parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ckpt_mod, "MS_SLICE_BYTES", 40)  # splits the 48- and 96-byte tensors
+    monkeypatch.setattr(ckpt_encoding, "MS_SLICE_BYTES", 40)  # splits the 48- and 96-byte tensors
     path = tmp_path / "all.ckpt"
     expected: list[tuple[str, tuple[int, ...], str, bytes]] = []
     with CkptWriter(path) as w:
@@ -648,7 +650,7 @@ def test_fixture_checkpoints_parse_like_protobuf(fixtures_dir: Path, sid: str) -
     assert files, f"no checkpoints in {root}"
     for path in files:
         data = path.read_bytes()
-        ref = _group_pb_values(data[: -ckpt_mod.CRC_TRAILER_LEN] if data[-17:-10] == CRC_MAGIC else data)
+        ref = _group_pb_values(data[: -ckpt_encoding.CRC_TRAILER_LEN] if data[-17:-10] == CRC_MAGIC else data)
         with CkptReader(path) as r:
             assert r.names() == list(ref), path
             for name, (dims, ms_type, content) in ref.items():
@@ -692,7 +694,7 @@ def test_writer_copies_file_ranges_between_array_blocks(tmp_path: Path, crc: boo
     values = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
     src = tmp_path / "chunk.bin"
     src.write_bytes(b"xx" + values[2:5].tobytes() + b"yy")
-    mixed = [values[:2], ckpt_mod.FileRange(src, 2, 3 * 40), values[5:]]
+    mixed = [values[:2], FileRange(src, 2, 3 * 40), values[5:]]
     with CkptWriter(tmp_path / "a.ckpt", crc=crc) as w:
         w.write_blocks("w", "Float32", (6, 10), iter(mixed))
     with CkptWriter(tmp_path / "b.ckpt", crc=crc) as w:
@@ -706,7 +708,7 @@ def test_writer_refuses_a_file_range_past_the_end(tmp_path: Path) -> None:
     src = tmp_path / "chunk.bin"
     src.write_bytes(b"\0" * 16)
     with pytest.raises(CheckpointFormatError, match="past the end"), CkptWriter(tmp_path / "a.ckpt") as w:
-        w.write_blocks("w", "Float32", (8,), iter([ckpt_mod.FileRange(src, 0, 32)]))
+        w.write_blocks("w", "Float32", (8,), iter([FileRange(src, 0, 32)]))
     assert not list(tmp_path.glob("a.ckpt*"))
 
 
@@ -721,21 +723,21 @@ def test_many_small_file_ranges_open_each_source_once_and_copy_runs_whole(
         p = tmp_path / f"src{i}.bin"
         p.write_bytes(rng.integers(0, 256, 4096 * 4, dtype=np.uint8).tobytes())
         sources.append(p)
-    pieces = [ckpt_mod.FileRange(sources[(k // 100) % 3], (k % 100) * 16 * 4, 16 * 4) for k in range(1200)]
+    pieces = [FileRange(sources[(k // 100) % 3], (k % 100) * 16 * 4, 16 * 4) for k in range(1200)]
     expected = b"".join(p.path.read_bytes()[p.offset:p.offset + p.length] for p in pieces)
     opened: list[str] = []
     copies: list[int] = []
-    real_open, real_copy = ckpt_mod.os.open, CkptWriter._copy_range
+    real_open, real_copy = ckpt_writer.os.open, CkptWriter._copy_range
 
     def counting_open(path: object, *a: object, **k: object) -> int:
         opened.append(str(path))
         return real_open(path, *a, **k)  # type: ignore[arg-type]
 
-    def counting_copy(self: CkptWriter, block: ckpt_mod.FileRange) -> None:
+    def counting_copy(self: CkptWriter, block: FileRange) -> None:
         copies.append(block.length)
         real_copy(self, block)
 
-    monkeypatch.setattr(ckpt_mod.os, "open", counting_open)
+    monkeypatch.setattr(ckpt_writer.os, "open", counting_open)
     monkeypatch.setattr(CkptWriter, "_copy_range", counting_copy)
     out = tmp_path / "out.ckpt"
     with CkptWriter(out, fsync=False) as w:
@@ -762,15 +764,15 @@ def test_a_file_range_is_copied_by_the_kernel_only_where_its_pages_line_up(
     src = tmp_path / "src.bin"
     src.write_bytes(data)
     kernel: list[int] = []
-    real = ckpt_mod.fileio.kernel_copy
+    real = ckpt_writer.fileio.kernel_copy
 
     def spy(src_fd: int, dst_fd: int, at: int, length: int) -> int:
         kernel.append(length)
         return real(src_fd, dst_fd, at, length)
 
-    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", spy)
+    monkeypatch.setattr(ckpt_writer.fileio, "kernel_copy", spy)
     with CkptWriter(tmp_path / "out.ckpt", fsync=False) as w:
-        w.write_blocks("w", "UInt8", (n,), iter([ckpt_mod.FileRange(src, offset, n)]))
+        w.write_blocks("w", "UInt8", (n,), iter([FileRange(src, offset, n)]))
     assert kernel == ([n] if shift == 0 else [])
     with CkptReader(tmp_path / "out.ckpt") as r:
         assert r.array("w").tobytes() == data[offset : offset + n]
@@ -806,18 +808,18 @@ def test_a_verified_range_is_written_from_the_bytes_its_checks_read(
     def write(out: Path) -> None:
         check = BlockCheck(src, ((sums, size, first, stop),), fail)
         with CkptWriter(out, fsync=False) as w:
-            w.write_blocks("w", "UInt8", (length,), iter([ckpt_mod.FileRange(src, offset, length, None, (check,))]))
+            w.write_blocks("w", "UInt8", (length,), iter([FileRange(src, offset, length, None, (check,))]))
 
     read: list[tuple[int, int]] = []
-    real_preadv = ckpt_mod.os.preadv
+    real_preadv = ckpt_writer.os.preadv
 
     def preadv(fd: int, buffers: list[memoryview], at: int) -> int:
         got = real_preadv(fd, buffers, at)
         read.append((at, got))
         return got
 
-    monkeypatch.setattr(ckpt_mod.os, "preadv", preadv)
-    monkeypatch.setattr(ckpt_mod.fileio, "kernel_copy", lambda *a: 0)  # every byte through the buffer
+    monkeypatch.setattr(ckpt_writer.os, "preadv", preadv)
+    monkeypatch.setattr(ckpt_writer.fileio, "kernel_copy", lambda *a: 0)  # every byte through the buffer
     write(tmp_path / "ok.ckpt")
     with CkptReader(tmp_path / "ok.ckpt") as r:
         assert r.array("w").tobytes() == data[offset : offset + length]

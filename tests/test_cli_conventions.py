@@ -22,7 +22,7 @@ import zckpt
 from zckpt.cli.main import EXIT_INTERRUPT, EXIT_PIPE, EXIT_USAGE
 from zckpt.cli.main import main as cli_main
 from zckpt.cli.report import rank_ranges
-from zckpt.formats.ckpt import CkptWriter
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef
 

@@ -93,7 +93,9 @@ def test_a_checked_range_is_checked_in_the_copy_across_parts(
 ) -> None:
     """A range split over two Values (MindSpore's slice size) is still checked once, on the
     blocks it covers; a damaged block it covers stops the writer, one outside does not."""
-    from zckpt.formats import ckpt as ckpt_mod
+    from zckpt.formats.ckpt import CkptReader
+    from zckpt.formats.ckpt_writer import CkptWriter
+    from zckpt.formats.entries import FileRange
 
     data = np.arange(64, dtype=np.float32).tobytes()
     src = tmp_path / "chunk"
@@ -103,14 +105,14 @@ def test_a_checked_range_is_checked_in_the_copy_across_parts(
     def write(record: ChunkSums, tag: str) -> Path:
         check = SpanCheck(src, record, len(data), offset, length, lambda bad: _Damaged(str(bad)))
         cut = length // 2
-        blocks = [ckpt_mod.FileRange(src, offset, cut, check.feed),
-                  ckpt_mod.FileRange(src, offset + cut, length - cut, check.feed)]
+        blocks = [FileRange(src, offset, cut, check.feed),
+                  FileRange(src, offset + cut, length - cut, check.feed)]
         out = tmp_path / f"out-{tag}.ckpt"
-        with ckpt_mod.CkptWriter(out, crc=crc_trailer) as w:
+        with CkptWriter(out, crc=crc_trailer) as w:
             w.write_blocks("w", "UInt8", (length,), iter(blocks))
         return out
 
-    with ckpt_mod.CkptReader(write(sums, "ok")) as r:
+    with CkptReader(write(sums, "ok")) as r:
         assert r.array("w").tobytes() == data[offset : offset + length]
     covered = range(offset // 32, -(-(offset + length) // 32))
     for block in range(len(sums.values)):

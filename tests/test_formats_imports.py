@@ -4,6 +4,7 @@ module knows the opener, and the modules import each other without a circle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +65,13 @@ def test_relative_imports_resolve(tmp_path: Path) -> None:
     assert OPENER in _imported(src, "zckpt.formats")
     src.write_text("from . import opener\n", encoding="utf-8")
     assert OPENER in _imported(src, "zckpt.formats")
+
+
+def test_the_package_lists_its_modules_in_import_order() -> None:
+    """``zckpt/formats/__init__.py`` names every format module, each after those it imports."""
+    doc = (FORMATS / "__init__.py").read_text(encoding="utf-8")
+    graph = _format_modules()
+    listed = [f"zckpt.formats.{m}" for m in re.findall(r"``([a-z_]+)``", doc) if f"zckpt.formats.{m}" in graph]
+    assert sorted(listed) == sorted(graph), "every format module is listed once"
+    for i, m in enumerate(listed):
+        assert graph[m] <= set(listed[:i]), f"{m} imports {sorted(graph[m] - set(listed[:i]))}, listed after it"

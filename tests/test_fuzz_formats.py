@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 
 from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats import wire
-from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
 
 MIN_INPUTS = 10_000
 FUZZ = settings(

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from zckpt.cli.main import main as cli_main
-from zckpt.formats.ckpt import CRC_MAGIC, CkptReader, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout, read_strategy
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value

@@ -21,7 +21,7 @@ from zckpt.formats.strategy import (
     make_layout,
     read_strategy,
 )
-from zckpt.plan.plans import with_owner_split
+from zckpt.plan.entry_layouts import with_owner_split
 from zckpt.plan.ranklist import fold_pairs, rank_list_for_transform_maps
 
 

@@ -95,7 +95,7 @@ def test_opening_a_shard_keeps_none_of_it_mapped(tmp_path: Path) -> None:
     before the reader released what the walk touched. Now the walk releases as it goes."""
     import os
 
-    from zckpt.formats.ckpt import CkptWriter
+    from zckpt.formats.ckpt_writer import CkptWriter
 
     path = tmp_path / "big.ckpt"
     block = np.zeros(512 * 1024, dtype=np.float32)  # 2 MiB per tensor, 96 MiB in all

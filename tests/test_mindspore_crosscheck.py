@@ -14,7 +14,9 @@ import pytest
 from mindspore_env import require_ms_python, run_ms_tool
 
 import zckpt
-from zckpt.formats.ckpt import CkptReader, CkptWriter, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import value_header
+from zckpt.formats.ckpt_writer import CkptWriter
 
 pytestmark = pytest.mark.mindspore
 

@@ -22,7 +22,8 @@ import pytest
 import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import OutputError
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.io import locks, new_files
 from zckpt.write import out_records
 

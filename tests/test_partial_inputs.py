@@ -309,7 +309,7 @@ def test_disk_full_patched_ingest(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("path", ["export", "transform"])
 def test_disk_full_patched_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    from zckpt.formats.ckpt import CkptWriter
+    from zckpt.formats.ckpt_writer import CkptWriter
 
     job = _small_job(tmp_path)
     if path == "export":

@@ -308,7 +308,7 @@ def _is_subsequence(sub: list[str], seq: list[str]) -> bool:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from("abcdefghijklmnop"), unique=True, max_size=12), st.data())
 def test_merge_orders_keeps_both_orders(universe: list[str], data: st.DataObject) -> None:
-    from zckpt.plan.plans import merge_orders
+    from zckpt.plan.entry_order import merge_orders
 
     first = [x for x in universe if data.draw(st.booleans())]
     second = [x for x in universe if data.draw(st.booleans())]
@@ -318,7 +318,7 @@ def test_merge_orders_keeps_both_orders(universe: list[str], data: st.DataObject
 
 
 def test_merge_orders_rebuilds_the_network_order() -> None:
-    from zckpt.plan.plans import merge_orders
+    from zckpt.plan.entry_order import merge_orders
 
     stage0 = ["l1", "l2", "global_step", "lr", "moments.l1", "moments.l2"]
     stage1 = ["l3", "global_step", "lr", "moments.l3"]

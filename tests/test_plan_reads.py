@@ -102,7 +102,7 @@ def test_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     from zckpt.jobs.reads import plan_reads
     from zckpt.jobs.transform import plan_transform
-    from zckpt.plan.plans import RankExport
+    from zckpt.plan.values import RankExport
 
     plan = plan_transform(EXAMPLE / "src" / "checkpoints", src_s, dst_s, verify_crc=False)
     for r in plan.export.ranks:

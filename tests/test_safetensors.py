@@ -23,7 +23,8 @@ from sf_models import STRINGS, entries_by_name, ingest_all_dtypes, save_safetens
 import zckpt
 from zckpt.cli.main import main
 from zckpt.core.errors import CheckpointFormatError, OutputError, SourceError
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.opener import open_shard
 from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.safetensors import SF_TO_MS, STRING_PREFIX, SafetensorsReader, SafetensorsWriter, TensorHeader

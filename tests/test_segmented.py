@@ -29,7 +29,9 @@ from zarr.storage import LocalStore
 import zckpt
 from zckpt.cli.main import main
 from zckpt.core.errors import LayoutError, SourceError, StoreError, UsageError
-from zckpt.formats.ckpt import CkptReader, CkptWriter, value_header
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_encoding import value_header
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
@@ -309,7 +311,7 @@ def test_select_leaves_entries_out(tmp_path: Path) -> None:
 _GUARD = r"""
 import ctypes, hashlib, json, mmap, os, sys
 import numpy as np
-from zckpt.formats import ckpt as ckpt_module
+from zckpt.formats import ckpt_index as ckpt_module
 from zckpt.jobs.segmented import load_segmented_checkpoints, open_segmented
 
 mode, directory, target, guard_json = sys.argv[1:5]

@@ -22,7 +22,8 @@ from mindspore_env import run_ms_tool
 import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import SourceError, UsageError
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.rank_files import choose_rank_file
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.store.store import Store

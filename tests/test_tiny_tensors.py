@@ -239,7 +239,7 @@ def test_pipeline_stages_write_their_own_ranges_and_resume(tmp_path: Path) -> No
 def test_packing_places_tensors_without_crossing_a_chunk_border() -> None:
     """Hand-worked placement: 16-element chunks (a 64-byte limit of float32), tensors of 5."""
     from zckpt.core.layout import Box
-    from zckpt.plan.plans import TensorSpec
+    from zckpt.plan.values import TensorSpec
     from zckpt.store.packed import plan_packing
 
     tensors = [TensorSpec(f"t{i}", "tensor", "Float32", (5,)) for i in range(7)]

@@ -18,13 +18,14 @@ import zckpt
 from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import write_model, write_pipeline_model
 from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.transform import TransformOptions, transform
-from zckpt.plan.plans import Write
+from zckpt.plan.values import Write
 from zckpt.sources.reader import SourceReader, meeting, segment_spans
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -356,7 +357,7 @@ def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
     spot-checked by default stay spot-checked there (not compared in full), and the others
     stay compared in full."""
     from zckpt.jobs.transform import merged
-    from zckpt.plan.plans import ReplicaCheck
+    from zckpt.plan.values import ReplicaCheck
     from zckpt.sources.replicas import CheckJob
 
     spot = ReplicaCheck("w", 4, Box((0, 0), (64, 64)), (0,), "replica")

@@ -144,7 +144,7 @@ def test_export_structure_problems(work: Path, capsys: pytest.CaptureFixture[str
     with CkptReader(f) as r:
         names = r.names()
         values = {n: (r.entries[n], bytes(r.map_bytes(n))) for n in names}
-    from zckpt.formats.ckpt import value_header
+    from zckpt.formats.ckpt_encoding import value_header
 
     swapped = [names[1], names[0], *names[2:]]
     f.write_bytes(b"".join(value_header(n, values[n][0].ms_type, values[n][0].dims, len(values[n][1]))

@@ -12,7 +12,8 @@ import pytest
 
 import zckpt
 from zckpt.cli.main import main as cli_main
-from zckpt.formats.ckpt import CkptReader, CkptWriter
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.jobs.verify import verify
 

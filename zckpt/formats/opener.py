@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from zckpt.core.errors import SourceError
-from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.mindformers import MindFormersRankReader, is_rank_file
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.shard_reader import INDEX_SUFFIX, SafetensorsSetReader, ShardReader

@@ -43,7 +43,8 @@ import numpy as np
 
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import CheckpointFormatError
-from zckpt.formats.ckpt import CkptReader, EntryInfo, Segment
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.io.new_files import NewFile
 
 SF_TO_MS: dict[str, str] = {

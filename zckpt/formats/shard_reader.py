@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from zckpt.core.errors import CheckpointFormatError
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.safetensors import SafetensorsReader
 
 INDEX_SUFFIX = ".safetensors.index.json"

@@ -30,10 +30,10 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import DiskFullError, OutputError, StoreError, UsageError
 from zckpt.formats import wire
-from zckpt.formats.ckpt import CRC_MAGIC, value_header, value_rows
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
 from zckpt.io import remote
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.write.safetensors_rank import existing_outputs, part_name, remote_outputs, split_parts, stem
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from zckpt.jobs.export_job import (
     target_name,
     task_name,
 )
-from zckpt.plan.plans import ExportPlan, RankExport
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.collect import fewer_collections
 from zckpt.run.engines import Engine, dask_client, run_all
 from zckpt.run.helper import hand_over, helper_for, overlap_beside

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from zckpt.core.errors import StoreError, UsageError
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
-from zckpt.plan.plans import ExportPlan, RankExport, build_export_plan
+from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import check_coverage, reading

@@ -33,7 +33,7 @@ from zckpt.jobs.export_job import (
     target_name,
     task_name,
 )
-from zckpt.plan.plans import ExportPlan, RankExport
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.engines import Engine, dask_client, overlap_for, run_all
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg

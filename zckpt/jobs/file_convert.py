@@ -29,7 +29,7 @@ from pathlib import Path
 from zckpt.core.errors import CheckpointFormatError, UsageError
 from zckpt.core.layout import Box
 from zckpt.formats.opener import open_shard
-from zckpt.plan.plans import RankExport, Slice
+from zckpt.plan.values import RankExport, Slice
 from zckpt.write.box_adapters import Renamed, ShardBoxes
 from zckpt.write.writers import file_writer
 

@@ -9,8 +9,8 @@ gigabytes of weights). This module writes the files of a model described by
 * each rank receives the box of each global value which :func:`zckpt.core.layout.rank_box`
   assigns to it (tensors without a layout are written whole on every rank, as MindSpore
   does for unlisted parameters);
-* files are encoded here with :func:`zckpt.formats.ckpt.value_header`, not with
-  :class:`~zckpt.formats.ckpt.CkptWriter`, so reader tests do not only read what zckpt's
+* files are encoded here with :func:`zckpt.formats.ckpt_encoding.value_header`, not with
+  :class:`~zckpt.formats.ckpt_writer.CkptWriter`, so reader tests do not only read what zckpt's
   own writer produced; large tensors can be split over several ``Value`` messages either
   by rows (``np.array_split``, MindSpore's ``numpy`` path) or by byte chunks (MindSpore's
   ``Tensor.get_bytes`` path, which may cut a row in two);
@@ -38,7 +38,7 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE
 from zckpt.core.errors import UsageError
 from zckpt.core.layout import Sharding, rank_box, resolve
-from zckpt.formats.ckpt import CRC_MAGIC, MS_SLICE_BYTES, value_header
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, encode_strategy_json
 from zckpt.jobs.generate_model import TensorDef, default_scalars, global_value, shard_value, strategy_of
 
@@ -79,7 +79,7 @@ class GeneratedModel:
 class _RawCkptFile:
     """Minimal ``.ckpt`` writer over :func:`value_header`: temp name, optional CRC, rename.
 
-    Kept separate from :class:`~zckpt.formats.ckpt.CkptWriter` on purpose (see module doc)
+    Kept separate from :class:`~zckpt.formats.ckpt_writer.CkptWriter` on purpose (see module doc)
     and because it must be able to emit several ``Value``s with one tag.
     """
 

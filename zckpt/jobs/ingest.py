@@ -31,14 +31,15 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import DiskFullError, SourceError, StoreError, UsageError, ZckptError
 from zckpt.core.layout import Box, c_order_pieces, tiles
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.rank_files import RankFileChoice
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import fileio, locks, remote, safe_paths
 from zckpt.io.checksums import BLOCK_BYTES, BlockSummer, block_sums, crc32c, file_sums
 from zckpt.io.fileio import SharedFiles, WriteBehind, as_disk_full, copy_range_at, write_at
-from zckpt.plan.plans import IngestPlan, ReplicaCheck, TensorSpec, Write, build_ingest_plan
+from zckpt.plan.ingest_plan import build_ingest_plan
+from zckpt.plan.values import IngestPlan, ReplicaCheck, TensorSpec, Write
 from zckpt.run.collect import fewer_collections
 from zckpt.run.engines import Engine, dask_client, run_all, wants_overlap
 from zckpt.run.helper import Helper, hand_over, overlap_beside

@@ -46,7 +46,8 @@ from zckpt.io import safe_paths
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.ingest import plan_ingest
 from zckpt.jobs.msnet import load_into_network
-from zckpt.plan.plans import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
+from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store

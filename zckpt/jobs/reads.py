@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import c_order_pieces
 from zckpt.formats.opener import shard_format
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.run.engines import Engine, wants_overlap
 from zckpt.write.boxes import batch_bytes
 

@@ -47,11 +47,13 @@ import numpy as np
 from zckpt.core.dtypes import STRING_TYPE, ms_dtype, public_array
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import CkptReader, EntryInfo
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.entries import EntryInfo
 from zckpt.io.new_files import NewFile
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network, require_mindspore
-from zckpt.plan.plans import ExportPlan, RankExport, build_export_plan
+from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store

@@ -24,13 +24,14 @@ from pathlib import Path
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError, SourceError, UsageError
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.jobs.ingest import prepare_ingest
-from zckpt.plan.plans import ExportPlan, IngestPlan, RankExport, TensorSpec, Write, build_export_plan
+from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, TensorSpec, Write
 from zckpt.run.engines import Engine, dask_client, run_all, wants_overlap
 from zckpt.run.helper import hand_over, helper_for, overlap_beside
 from zckpt.run.progress import Report, Ticker

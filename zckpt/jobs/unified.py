@@ -44,7 +44,8 @@ from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
 from zckpt.io.fileio import write_atomic
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.ingest import IngestOptions, ingest
-from zckpt.plan.plans import RankExport, Slice, TensorSpec, state_owner
+from zckpt.plan.entry_layouts import state_owner
+from zckpt.plan.values import RankExport, Slice, TensorSpec
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.reader import StoreReader, reading
 from zckpt.store.store import Store

@@ -30,7 +30,7 @@ from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
 from zckpt.formats.strategy import StrategyMap
 from zckpt.jobs.export_job import ExportOptions, output_jobs
 from zckpt.jobs.verify_report import MiB, VerifyReport
-from zckpt.plan.plans import build_export_plan
+from zckpt.plan.export_plan import build_export_plan
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.manifest import EntryRecord
 from zckpt.store.store import Store

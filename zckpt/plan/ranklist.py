@@ -47,11 +47,14 @@ rank, preferring (as MindSpore does among replicas) the replica whose coordinate
 replicated axes equal those of ``rank % src_devices``. ``strict=True`` raises MindSpore's
 error instead. MindSpore also cannot parse parameter names containing ``-`` (other than its
 ``"<stage>-"`` prefix); zckpt answers for them unless ``strict=True``.
+
+Steps 1 and 2 are :mod:`zckpt.plan.ms_layout`, steps 3 and 4
+:mod:`zckpt.plan.ms_redistribution`; this module answers the queries (one parameter, one
+destination rank, many at once) and goes beyond MindSpore where MindSpore refuses.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,369 +63,17 @@ import numpy as np
 from zckpt.core.errors import LayoutError, StrategyError
 from zckpt.core.layout import Box, Sharding, coordinate, dev_index, normalized_shape, rank_box, resolve
 from zckpt.formats.strategy import ParamLayout, StrategyMap, fold_candidates
-
-MsDim = int | list[int]
-"""One tensor-map entry as MindSpore's Python sees it: an axis (``-1`` = none) or a list of axes."""
-
-NONE = -1
+from zckpt.plan.ms_redistribution import Gather, gather_array, ms_gather
 
 
-# --------------------------------------------------------------------------- MindSpore's view
-
-
-def _ms_tensor_map(lay: ParamLayout) -> list[MsDim]:
-    """The tensor map MindSpore reads back from the file zckpt writes for ``lay``.
-
-    zckpt writes a nested map only when some dimension has several axes, and MindSpore then
-    sees every entry as a list (``[-1]`` for an unsplit dimension); that choice selects
-    MindSpore's "layout" code path, so it must be reproduced.
-    """
-    if any(len(axes) > 1 for axes in lay.tensor_map):
-        return [list(axes) if axes else [NONE] for axes in lay.tensor_map]
-    return [axes[0] if axes else NONE for axes in lay.tensor_map]
-
-
-def _split_counts(dev: Sequence[int], tmap: Sequence[MsDim]) -> list[int]:
-    """``_get_tensor_strategy``: how many pieces each tensor dimension is cut into."""
-    out = []
-    for d in tmap:
-        axes = d if isinstance(d, list) else [d]
-        out.append(math.prod(dev[len(dev) - 1 - a] for a in axes if a != NONE))
-    return out
-
-
-@dataclass(frozen=True)
-class _MsLayout:
-    """A layout after MindSpore's optimizer-shard expansion: one axis (or none) per dimension."""
-
-    dev: tuple[int, ...]
-    tmap: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def device_num(self) -> int:
-        return math.prod(self.dev)
-
-
-def _expand_nested(dev: Sequence[int], tmap: Sequence[MsDim], shape: Sequence[int]) -> _MsLayout:
-    """``_expand_layout``: a dimension split by axes ``[a, b]`` becomes two dimensions."""
-    new_map: list[int] = []
-    new_shape: list[int] = []
-    for size, d in zip(shape, tmap, strict=True):
-        if isinstance(d, list):
-            acc = 1
-            for a in d[:-1]:
-                n = dev[len(dev) - 1 - a]
-                new_map.append(a)
-                new_shape.append(n)
-                acc *= n
-            new_map.append(d[-1])
-            new_shape.append(size // acc)
-        else:
-            new_map.append(d)
-            new_shape.append(size)
-    return _MsLayout(tuple(dev), tuple(new_map), tuple(new_shape))
-
-
-def _opt_repeated(dev: Sequence[int], flat_axes: Iterable[int]) -> list[int]:
-    """Device-matrix indices of size > 1 that split no tensor dimension (outer first)."""
-    sharded = {len(dev) - 1 - a for a in flat_axes if a != NONE}
-    return [i for i, n in enumerate(dev) if i not in sharded and n > 1]
-
-
-def _opt_helper(
-    dev: Sequence[int], tmap: Sequence[MsDim], size: int, shape: Sequence[int], counts: Sequence[int],
-    repeated: Sequence[int], param: str | None,
-) -> tuple[list[int], list[MsDim], list[int]]:
-    """``_construct_tensor_layout_helper``: split dimension 0 over repeated axes, innermost first."""
-    new_dev = list(dev)
-    renumber = list(range(len(dev)))
-    opt_dims: list[int] = []
-    remaining = size
-    for i in reversed(repeated):
-        take = dev[i]
-        if remaining // take == 0:
-            if take % remaining:
-                raise LayoutError(
-                    f"dev_matrix value {dev[i]} at dim {len(dev) - i - 1} cannot be divided by needed opt "
-                    f"sharding size {remaining}", param=param)
-            take = remaining
-            new_dev[i] = dev[i] // take
-            new_dev.insert(i + 1, take)
-            for k in range(len(dev) - i - 1, len(dev)):
-                renumber[k] += 1
-        if remaining % take:
-            raise LayoutError(
-                f"remained opt_shard_size {remaining} cannot be divided by current sharding size {take}", param=param)
-        remaining //= take
-        opt_dims.insert(0, i)
-        if remaining == 1:
-            break
-    new_map = list(tmap)
-    if len(new_dev) != len(dev):
-        opt_dims = [i + 1 for i in opt_dims]
-        for k, d in enumerate(new_map):
-            if isinstance(d, list):
-                new_map[k] = [renumber[a] if a >= 0 else a for a in d]
-            elif d >= 0:
-                new_map[k] = renumber[d]
-    new_shape = list(shape)
-    new_shape[0] = counts[0]
-    first = shape[0] // counts[0]
-    acc = 1
-    for k in range(len(opt_dims) - 1):
-        n = new_dev[opt_dims[k]]
-        new_shape.insert(k + 1, n)
-        acc *= n
-    new_shape.insert(len(opt_dims), first // acc)
-    for k, i in enumerate(opt_dims):
-        new_map.insert(k + 1, len(new_dev) - i - 1)
-    return new_dev, new_map, new_shape
-
-
-def _ms_layout(
-    dev: Sequence[int], tmap: Sequence[MsDim], step: int, size: int, origin: Sequence[int], param: str | None
-) -> _MsLayout:
-    """``_construct_tensor_layout_for_opt_shard`` (both its flat and its nested-map branch)."""
-    nested = any(isinstance(d, list) for d in tmap)
-    if step == 0 or size == 0:
-        return _expand_nested(dev, tmap, origin)
-    if not origin:
-        raise LayoutError("optimizer sharding of a 0-d tensor", param=param)
-    counts = _split_counts(dev, tmap)
-    if nested:
-        flat = _expand_nested(dev, tmap, origin).tmap
-        repeated = _opt_repeated(dev, flat)
-        if not repeated:
-            raise LayoutError(f"the device_matrix {list(dev)} and tensor_map {list(tmap)} cannot sharding opt_shard",
-                              param=param)
-        return _expand_nested(*_opt_helper(dev, tmap, size, origin, counts, repeated, param))
-    axes = [d for d in tmap if isinstance(d, int)]
-    repeated = _opt_repeated(dev, axes)
-    if not repeated:
-        raise LayoutError(f"the device_matrix {list(dev)} and tensor_map {list(tmap)} cannot sharding opt_shard",
-                          param=param)
-    if len(repeated) == 1 and math.prod(dev[repeated[0] + 1:]) != step:
-        raise LayoutError(
-            f"the optimizer sharding step {step} is not equal to the model parallel sharding size "
-            f"{math.prod(dev[repeated[0] + 1:])}", param=param)
-    if 1 < len(repeated) < len(dev) or repeated[0] > 0:
-        return _expand_nested(*_opt_helper(dev, tmap, size, origin, counts, repeated, param))
-    # Only axis 0 is replicated (or every axis is): MindSpore rebuilds the device matrix from
-    # the split counts in tensor-dimension order, then puts the optimizer axis and what is
-    # left of the repetition in front.
-    new_dev = [*counts]
-    new_map = [NONE if n == 1 else len(counts) - 1 - k for k, n in enumerate(counts)]
-    new_map.insert(1, len(counts))
-    new_dev.insert(0, size)
-    repeat = math.prod(dev) // (step * size)
-    if repeat > 1:
-        new_dev.insert(0, repeat)
-    shape = [counts[0], origin[0] // counts[0], *origin[1:]]
-    return _MsLayout(tuple(new_dev), tuple(new_map), tuple(shape))
-
-
-def _ms_pair(
-    src: ParamLayout, dst: ParamLayout | None, ndim: int, param: str | None
-) -> tuple[_MsLayout, _MsLayout, int]:
-    """Both layouts as MindSpore builds them, before normalization, and the source device count."""
-    for name, lay in (("source", src), ("destination", dst)):
-        if lay is not None and len(lay.tensor_map) != ndim:
-            raise LayoutError(
-                f"the {name} tensor_map has {len(lay.tensor_map)} entries but the tensor has {ndim} dimensions",
-                param=param)
-    f_map = _ms_tensor_map(src)
-    f_size = src.opt_shard_size
-    if f_size == -1:
-        f_size = src.device_num // math.prod(_split_counts(src.dev_matrix, f_map))
-    if dst is None:
-        t_dev: tuple[int, ...] = (1,)
-        t_map: list[MsDim] = [NONE] * ndim
-        t_step = t_size = 0
-    else:
-        t_dev, t_map, t_step, t_size = dst.dev_matrix, _ms_tensor_map(dst), dst.opt_shard_step, dst.opt_shard_size
-        if t_size == -1:
-            t_size = dst.device_num // math.prod(_split_counts(t_dev, t_map))
-    fake = max(src.device_num, math.prod(t_dev))
-    counts = _split_counts(src.dev_matrix, f_map)
-    origin = [fake * n * (f_size if k == 0 and f_size > 0 else 1) for k, n in enumerate(counts)]
-    a = _ms_layout(src.dev_matrix, f_map, src.opt_shard_step, f_size, origin, param)
-    b = _ms_layout(t_dev, t_map, t_step, t_size, origin, param)
-    return a, b, src.device_num
-
-
-def _normalized(a: _MsLayout, b: _MsLayout) -> tuple[_MsLayout, _MsLayout]:
-    """Prepend a repeat axis to the layout with fewer devices (counts must divide)."""
-    na, nb = a.device_num, b.device_num
-    if na > nb:
-        return a, _MsLayout((na // nb, *b.dev), b.tmap, b.shape)
-    if nb > na:
-        return _MsLayout((nb // na, *a.dev), a.tmap, a.shape), b
-    return a, b
-
-
-# --------------------------------------------------------------------------- refinement
-
-
-@dataclass(frozen=True)
-class _Split:
-    """A device axis splitting one tensor dimension, in flat (row-major) coordinates.
-
-    Device digits ``[weight, weight * size)`` of the rank number pick the block: element
-    strides ``[block, top)`` of the flattened tensor, where ``top`` ends the dimension and
-    ``stride`` is the dimension's own element stride.
-    """
-
-    weight: int
-    size: int
-    block: int
-    stride: int
-    top: int
-
-
-def _splits(lay: _MsLayout, param: str | None) -> tuple[_Split, ...]:
-    out = []
-    for j, a in enumerate(lay.tmap):
-        if lay.shape[j] <= 0:
-            raise LayoutError(f"MindSpore's expanded shape {list(lay.shape)} has an empty dimension", param=param)
-        if a == NONE:
-            continue
-        i = len(lay.dev) - 1 - a
-        n = lay.dev[i]
-        if lay.shape[j] % n:
-            raise LayoutError(
-                f"dimension {j} of MindSpore's expanded shape {list(lay.shape)} cannot be split into {n} parts "
-                "(MindSpore fails to infer the redistribution)", param=param)
-        if n == 1:
-            continue
-        stride = math.prod(lay.shape[j + 1:])
-        top = stride * lay.shape[j]
-        out.append(_Split(math.prod(lay.dev[i + 1:]), n, top // n, stride, top))
-    return tuple(out)
-
-
-def _suffix_products(xs: Sequence[int]) -> set[int]:
-    out = {1}
-    p = 1
-    for x in reversed(xs):
-        p *= x
-        out.add(p)
-    return out
-
-
-def _nested(values: set[int]) -> bool:
-    s = sorted(values)
-    return all(b % a == 0 for a, b in zip(s, s[1:], strict=False))
-
-
-def _common_digits(layouts: Sequence[tuple[_MsLayout, tuple[_Split, ...]]]) -> list[tuple[int, int]] | None:
-    """Common refinement of device matrices and tensor shapes, as ``(weight, size)`` device digits.
-
-    Boundaries (digit weights of the rank number, element strides of the flattened tensor)
-    of both layouts are collected; a split axis carries a device boundary inside it to the
-    tensor side (the block is cut in the same proportion) and a tensor boundary inside its
-    block index back to the device side. ``None`` when the boundaries do not nest: MindSpore
-    then finds no common layout and gathers the whole source (its "unexpandable" path).
-    """
-    dev_b: set[int] = set()
-    ten_b: set[int] = set()
-    for lay, _ in layouts:
-        dev_b |= _suffix_products(lay.dev)
-        ten_b |= _suffix_products(lay.shape)
-    while True:
-        if not (_nested(dev_b) and _nested(ten_b)):
-            return None
-        before = (len(dev_b), len(ten_b))
-        for _, splits in layouts:
-            for s in splits:
-                for x in list(dev_b):
-                    if s.weight < x < s.weight * s.size:
-                        if x % s.weight:
-                            return None
-                        ten_b.add(s.block * (x // s.weight))
-                for y in list(ten_b):
-                    if s.block < y < s.top:
-                        if y % s.block:
-                            return None
-                        dev_b.add(s.weight * (y // s.block))
-                    elif s.stride < y < s.block and s.block % y:
-                        return None
-        if (len(dev_b), len(ten_b)) == before:
-            b = sorted(dev_b)
-            return [(lo, hi // lo) for lo, hi in zip(b, b[1:], strict=False)]
-
-
-def _piece(splits: Sequence[_Split], weight: int) -> int | None:
-    """The tensor stride a device digit selects in a layout, or ``None`` when it splits nothing."""
-    for s in splits:
-        if s.weight <= weight < s.weight * s.size:
-            return s.block * (weight // s.weight)
-    return None
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """The rank-independent part of MindSpore's answer for one layout pair: the gathered
-    device digits ``(weight, size)`` of the normalized device matrix, whether the destination
-    slices anything the source does not, and the device counts."""
-
-    gathered: tuple[tuple[int, int], ...]
-    sliced: bool
-    device_num: int
-    src_devices: int
-
-
-def _ms_gather(src: ParamLayout, dst: ParamLayout | None, ndim: int, param: str | None, *,
-               strict: bool) -> _Gather | None:
-    """:class:`_Gather` of a layout pair, or ``None`` when MindSpore refuses the device counts
-    and zckpt answers with :func:`_minimal_overlap` instead."""
-    a, b, src_devices = _ms_pair(src, dst, ndim, param)
-    big, small = max(a.device_num, b.device_num), min(a.device_num, b.device_num)
-    if big % small:
-        if strict or dst is None:
-            raise StrategyError(f"Cannot transform device_num from {a.device_num} to {b.device_num}", param=param)
-        return None
-    a, b = _normalized(a, b)
-    sa, sb = _splits(a, param), _splits(b, param)
-    digits = _common_digits([(a, sa), (b, sb)])
-    if digits is None:
-        digits = [(math.prod(a.dev[i + 1:]), n) for i, n in enumerate(a.dev) if n > 1]
-        gathered = [(w, n) for w, n in digits if _piece(sa, w) is not None]
-        sliced = bool(sb)
-    else:
-        gathered = [(w, n) for w, n in digits if _piece(sa, w) not in (None, _piece(sb, w))]
-        sliced = any(_piece(sb, w) not in (None, _piece(sa, w)) for w, _ in digits)
-    return _Gather(tuple(gathered), sliced, a.device_num, src_devices)
-
-
-def _gather_array(g: _Gather, rank: int, param: str | None) -> np.ndarray:
-    """The stage-local source ranks of ``rank`` for a pair whose gather is ``g`` (sorted, unique):
-    the rank with every gathered digit replaced by each of its values."""
-    if not 0 <= rank < g.device_num:
-        # Only reachable with an opt_weight_shard_step that shrinks MindSpore's device matrix
-        # (or an unsharded destination asked for a rank beyond the source): MindSpore then
-        # answers only when nothing has to move and fails in its communication setup otherwise.
-        if g.gathered or g.sliced:
-            raise LayoutError(
-                f"rank {rank} is outside the {g.device_num} devices MindSpore derives from these layouts "
-                f"(MindSpore fails: 'Rank {rank} is not in the current stage')", param=param)
-        return np.array([rank % g.src_devices], dtype=np.int64)
-    ranks = np.array([rank - sum(((rank // w) % n) * w for w, n in g.gathered)], dtype=np.int64)
-    for w, n in g.gathered:
-        ranks = (ranks[:, None] + np.arange(n, dtype=np.int64) * w).reshape(-1)
-    mask = np.zeros(g.src_devices, dtype=bool)
-    mask[ranks % g.src_devices] = True
-    return np.flatnonzero(mask)
-
-
-def _gather_ranks(g: _Gather, rank: int, param: str | None) -> frozenset[int]:
-    return frozenset(_gather_array(g, rank, param).tolist())
+def _gather_ranks(g: Gather, rank: int, param: str | None) -> frozenset[int]:
+    return frozenset(gather_array(g, rank, param).tolist())
 
 
 def _ms_local_ranks(
     src: ParamLayout, dst: ParamLayout | None, rank: int, ndim: int, param: str | None, *, strict: bool
 ) -> frozenset[int]:
-    g = _ms_gather(src, dst, ndim, param, strict=strict)
+    g = ms_gather(src, dst, ndim, param, strict=strict)
     if g is None:
         assert dst is not None
         return _minimal_overlap(src, dst, rank, ndim, param)
@@ -649,7 +300,7 @@ def rank_arrays_for_transform_maps(
         return {r: np.zeros(1, dtype=np.int64) for r in ranks}
     device_nums = sorted({lay.device_num for per in dst.layouts.values() for lay in per.values()}) if dst else []
     per_stage: dict[tuple[int, ...], _StagePairs] = {}
-    gathers: dict[tuple[ParamLayout, ParamLayout | None], _Gather | None] = {}
+    gathers: dict[tuple[ParamLayout, ParamLayout | None], Gather | None] = {}
     for rank_id in ranks:
         key = _stage_key(rank_id, dst, device_nums)
         sp = per_stage.get(key)
@@ -661,13 +312,13 @@ def rank_arrays_for_transform_maps(
             for lay, to in fold_pairs(listed, listed_to, name):
                 ndim = len(lay.tensor_map)
                 if (lay, to) not in gathers:
-                    gathers[(lay, to)] = _ms_gather(lay, to, ndim, name, strict=strict)
+                    gathers[(lay, to)] = ms_gather(lay, to, ndim, name, strict=strict)
                 g = gathers[(lay, to)]
                 if g is None:
                     assert to is not None
                     needed[sorted(_minimal_overlap(lay, to, local, ndim, name))] = True
                 else:
-                    needed[_gather_array(g, local, name)] = True
+                    needed[gather_array(g, local, name)] = True
         local_desc = np.flatnonzero(needed)[::-1]  # stage-local ranks < src_devices: no two stages collide
         offsets = np.array(sorted(sp.stages, reverse=True), dtype=np.int64) * sp.src_devices
         out[rank_id] = (offsets[:, None] + local_desc[None, :]).reshape(-1)

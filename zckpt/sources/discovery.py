@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zckpt.core.errors import SourceError
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.opener import check_single_format, open_indexed, open_shard
 from zckpt.formats.rank_files import RankFileChoice, choose_rank_file
 from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader

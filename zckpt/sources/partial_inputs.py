@@ -25,7 +25,8 @@ from typing import Any
 from zckpt.core.errors import SourceError
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
-from zckpt.plan.plans import STATE_PREFIXES, IngestPlan
+from zckpt.plan.entry_layouts import STATE_PREFIXES
+from zckpt.plan.values import IngestPlan
 from zckpt.sources.discovery import SourceFile, open_source
 
 SHOWN = 12

@@ -26,10 +26,10 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import SourceError
 from zckpt.core.layout import Box, c_order_pieces
-from zckpt.formats.ckpt import EntryInfo, FileRange
+from zckpt.formats.entries import EntryInfo, FileRange
 from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.shard_reader import ShardReader
-from zckpt.plan.plans import Slice, TensorSpec, Write
+from zckpt.plan.values import Slice, TensorSpec, Write
 from zckpt.write.boxes import batch_bytes
 
 

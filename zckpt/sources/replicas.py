@@ -25,8 +25,8 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import SourceError
 from zckpt.core.layout import Box, c_order_pieces
-from zckpt.formats.ckpt import EntryInfo
-from zckpt.plan.plans import IngestPlan, ReplicaCheck, Write
+from zckpt.formats.entries import EntryInfo
+from zckpt.plan.values import IngestPlan, ReplicaCheck, Write
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.reader import ShardFiles
 

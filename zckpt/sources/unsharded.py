@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zckpt.core.errors import SourceError
-from zckpt.formats.ckpt import EntryInfo
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.io import remote
 from zckpt.sources.discovery import SourceFile, open_source

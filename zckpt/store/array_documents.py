@@ -18,7 +18,7 @@ from typing import Any
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
 from zckpt.formats.strategy import ParamLayout
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 
 
 def _type_name(ms_type: str, kind: str) -> tuple[str, int]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from zckpt.core.errors import StoreError
 from zckpt.io import fileio, remote
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 from zckpt.store import packed
 from zckpt.store import records as rank_records
 from zckpt.store.array_documents import GROUP_DOCUMENT, array_json, write_array_json, write_json

@@ -25,7 +25,7 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box, tiles
 from zckpt.io import fileio, safe_paths
 from zckpt.io.checksums import ChunkSums, file_sums
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 from zckpt.store import integrity, packed
 from zckpt.store.chunk_records import Checked, all_checked, refuse_mismatch
 from zckpt.store.geometry import ChunkInfo

@@ -19,7 +19,7 @@ from typing import Any
 
 from zckpt.core.errors import StoreError
 from zckpt.io import safe_paths
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 
 FORMAT = "zckpt-store"
 VERSION = 7

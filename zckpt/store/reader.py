@@ -23,10 +23,10 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box, c_order_pieces, tiles
-from zckpt.formats.ckpt import FileRange
+from zckpt.formats.entries import FileRange
 from zckpt.io import locks, remote, safe_paths
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
-from zckpt.plan.plans import ExportPlan
+from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
 from zckpt.write.boxes import batch_bytes
 

@@ -39,7 +39,7 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box
 from zckpt.io import remote
 from zckpt.io.checksums import ChunkSums
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 from zckpt.store import integrity, packed
 from zckpt.store import records as rank_records
 from zckpt.store.array_documents import entry_attributes

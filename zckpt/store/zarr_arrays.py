@@ -22,7 +22,7 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box
 from zckpt.io import remote
 from zckpt.io.checksums import ChunkSums
-from zckpt.plan.plans import TensorSpec
+from zckpt.plan.values import TensorSpec
 from zckpt.store import integrity
 from zckpt.store.chunk_records import Checked, all_checked, refuse_mismatch
 from zckpt.store.manifest import EntryRecord

@@ -17,7 +17,7 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import FileRange
+from zckpt.formats.entries import FileRange
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.write.boxes import BoxReader
 

@@ -1,6 +1,6 @@
 """Where a writer's bytes come from: the :class:`BoxReader` protocol and the one band batcher.
 
-A destination file is a list of slices (:class:`~zckpt.plan.plans.RankExport`); where their
+A destination file is a list of slices (:class:`~zckpt.plan.values.RankExport`); where their
 bytes come from is a :class:`BoxReader`: the store (:class:`zckpt.store.reader.StoreReader`),
 the source shards (:class:`zckpt.sources.reader.SourceReader`), one shard file or a read
 callable (:mod:`zckpt.write.box_adapters`). Every writer (:mod:`zckpt.write.writers`) cuts the
@@ -24,7 +24,7 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt import FileRange
+from zckpt.formats.entries import FileRange
 from zckpt.run.engines import wants_overlap
 
 LOCAL_BATCH_BYTES = 8 * 1024 * 1024

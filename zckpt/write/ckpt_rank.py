@@ -2,7 +2,7 @@
 
 Whatever the reader (the store, the source shards, one shard file, a read callable), a slice
 the reader can hand out as file ranges is copied file to file
-(:meth:`~zckpt.formats.ckpt.CkptWriter.write_blocks`), any other is streamed band by band
+(:meth:`~zckpt.formats.ckpt_writer.CkptWriter.write_blocks`), any other is streamed band by band
 from a :class:`~zckpt.write.boxes.BandSource`. String and MapParameter entries are written as
 they are. The file is written under a temporary name and renamed once complete (here, or by a
 publisher on its thread while the caller writes the next file). The byte format itself is
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zckpt.core.dtypes import ms_dtype
-from zckpt.formats.ckpt import CkptWriter, FileRange
+from zckpt.formats.ckpt_writer import CkptWriter
+from zckpt.formats.entries import FileRange
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
 

@@ -24,7 +24,7 @@ from zckpt.core.errors import OutputError, ZckptError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.io import locks, remote, safe_paths
 from zckpt.io.fileio import fsync_dir, write_atomic
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.write import out_records
 
 Jobs = list[tuple[RankExport, Path]]

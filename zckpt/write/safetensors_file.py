@@ -23,7 +23,7 @@ from pathlib import Path
 from zckpt.core.errors import OutputError
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport, Slice
+from zckpt.plan.values import RankExport, Slice
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
 

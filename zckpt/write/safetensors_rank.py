@@ -30,7 +30,7 @@ from zckpt.formats.safetensors import TensorHeader
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import fileio, remote
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport, Slice
+from zckpt.plan.values import RankExport, Slice
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BoxReader, RankResult, WriterSettings, reading_ahead
 from zckpt.write.safetensors_file import SUFFIX, SafetensorsFileWriter, refuse_maps, tensor_headers

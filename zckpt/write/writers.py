@@ -19,7 +19,7 @@ from typing import Protocol
 
 from zckpt.core.errors import OutputError
 from zckpt.io.fileio import Publisher
-from zckpt.plan.plans import RankExport
+from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write import ckpt_rank, safetensors_file
 from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSettings
