@@ -46,9 +46,9 @@ from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.io import safe_paths
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.ingest import plan_ingest
 from zckpt.jobs.msnet import load_into_network
 from zckpt.plan.plans import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, build_export_plan
+from zckpt.sources.prepare import plan_ingest
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store

@@ -44,6 +44,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote, safe_paths
 from zckpt.io.checksums import ChunkSums, file_sums
 from zckpt.plan.plans import build_export_plan
+from zckpt.sources.prepare import prepare_ingest
 from zckpt.store import packed
 from zckpt.store.integrity import stored_type_names
 from zckpt.store.reader import reading
@@ -569,8 +570,6 @@ def check_sources(
 ) -> None:
     """Every source shard (writers and replicas alike) equals its box of the store; the file
     read in a rank directory holding several is recorded in the report."""
-    from zckpt.jobs.ingest import prepare_ingest  # ingest pulls in Dask: only when sources are checked
-
     try:
         prepared = prepare_ingest(src, strategy, file_suffix=file_suffix, choice_func=choice_func,
                                   block_bytes=block_bytes)
