@@ -18,23 +18,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from zckpt.io.fileio import Publisher
-from zckpt.run import helper as helpers
-from zckpt.run.engines import Engine, dask_client, run_all
-from zckpt.run.helper import Helper, hand_over, overlap_beside
+from zckpt.run.engines import Engine, RunOptions, dask_client, run_all
+from zckpt.run.helper import Helper, hand_over, overlap_beside, start, wanted
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-class PlaceOptions(Protocol):
+class PlaceOptions(RunOptions, Protocol):
     """What :func:`placement` reads of a phase's options (``IngestOptions``, ``ExportOptions``)."""
 
-    @property
-    def workers(self) -> int: ...
-    @property
-    def scheduler(self) -> str | None: ...
-    @property
-    def processes(self) -> bool: ...
     @property
     def helper(self) -> bool | None: ...
     @property
@@ -103,9 +96,9 @@ def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: i
     with contextlib.ExitStack() as stack:
         publisher = stack.enter_context(Publisher(fsync)) if fsync is not None else None
         started = None
-        if helper_possible and in_process and helpers.wanted(options.helper, options.workers, options.scheduler,
-                                                             nbytes, sources):
-            started = helpers.start(modules)
+        if helper_possible and in_process and wanted(options.helper, options.workers, options.scheduler, nbytes,
+                                                     sources):
+            started = start(modules)
             if started is not None:
                 stack.enter_context(started)
         yield Placement(engine, started, publisher, options.overlap)

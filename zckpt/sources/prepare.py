@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.ckpt import EntryInfo
@@ -197,36 +197,22 @@ def plan_sources(
     return PreparedIngest(plan, smap, found.sources, found.same_model, indexes)
 
 
-def plan_ingest(
-    src: str | Path | Mapping[int, str | Path],
-    strategy: StrategyArg,
-    *,
-    require_complete: bool = True,
-    verify_crc: bool = True,
-    storage_options: remote.StorageOptions = None,
-    file_suffix: str | None = None,
-    choice_func: Callable[[str], bool] | None = None,
-) -> tuple[IngestPlan, StrategyMap | None]:
-    p = prepare_ingest(src, strategy, require_complete=require_complete, verify_crc=verify_crc,
-                       storage_options=storage_options, file_suffix=file_suffix, choice_func=choice_func)
-    return p.plan, p.strategy
+class FindArgs(TypedDict, total=False):
+    """The keywords of :func:`find_sources`, which :func:`prepare_ingest` passes on."""
+
+    require_complete: bool
+    storage_options: remote.StorageOptions
+    file_suffix: str | None
+    choice_func: Callable[[str], bool] | None
+    block_bytes: int
 
 
 def prepare_ingest(
-    src: str | Path | Mapping[int, str | Path],
-    strategy: StrategyArg,
-    *,
-    require_complete: bool = True,
-    verify_crc: bool = True,
-    storage_options: remote.StorageOptions = None,
-    file_suffix: str | None = None,
-    choice_func: Callable[[str], bool] | None = None,
-    block_bytes: int = 64 * MiB,
+    src: str | Path | Mapping[int, str | Path], strategy: StrategyArg, *, verify_crc: bool = True,
+    **find: Unpack[FindArgs],
 ) -> PreparedIngest:
     """Find the sources and plan the ingest (:func:`find_sources`, then :func:`plan_sources`)."""
-    found = find_sources(src, strategy, require_complete=require_complete, storage_options=storage_options,
-                         file_suffix=file_suffix, choice_func=choice_func, block_bytes=block_bytes)
-    return plan_sources(found, verify_crc=verify_crc)
+    return plan_sources(find_sources(src, strategy, **find), verify_crc=verify_crc)
 
 
 @dataclass(frozen=True)
