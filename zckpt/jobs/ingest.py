@@ -106,7 +106,6 @@ class IngestOptions:
     cores (:func:`zckpt.run.engines.overlap_for`)."""
 
 
-
 @dataclass(frozen=True)
 class IngestReport:
     store: str
@@ -134,7 +133,6 @@ class IngestReport:
     """The store already held this whole ingest: nothing was read or written."""
     store_ranks: tuple[int, ...] = ()
     """The source ranks the store was ingested from (those read, unless already complete)."""
-
 
 
 @fewer_collections()

@@ -57,7 +57,6 @@ class RankSums:
             self.of(name)[key] = sums
 
 
-
 INLINE_BYTES = 1024 * 1024
 """Boxes smaller than this are written on the task's own thread: handing a few KiB to the
 copy thread costs more than copying them (a job on hundreds of ranks has 100 000s of them)."""
@@ -73,8 +72,6 @@ def _thread_buffer() -> bytearray:
     if buf is None:
         buf = _THREAD.buffer = bytearray(fileio.BLOCK)
     return buf
-
-
 
 
 class ChunkCopier:
@@ -293,6 +290,8 @@ def write_box(
     block_bytes: int,
     known: RankSums,
 ) -> int:
+    """Write one box of a source rank into the store: run by run into the chunk and shard
+    files of a local store, else as region writes batched in ``batch``; the bytes written."""
     entry = reader.entries[w.name]
     if entry.kind == "map":
         body = reader.map_bytes(w.name)
@@ -322,7 +321,6 @@ def write_box(
         view = reader.rows(w.name, local.start[0], local.stop[0])[(slice(None), *local.slices()[1:])]
         batch.add(w.name, tile.slices(), view)
     return entry.nbytes
-
 
 
 def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -403,7 +401,6 @@ def whole_chunk_copies(
         key, offset = info.locate([a // c for a, c in zip(box.start, info.chunks, strict=True)])
         whole.append(WholeChunk(w.name, key, info.prefix + key, offset, span[1], span[0]))
     return whole, tuple(left)
-
 
 
 def write_packed(store: Store, reader: ShardReader, writes: tuple[Write, ...], block_bytes: int) -> list[_Written]:
