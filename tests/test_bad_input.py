@@ -62,7 +62,7 @@ def test_source_truncated_after_it_was_indexed(example: Path, tmp_path: Path, ca
 
     ingest_mod = importlib.import_module("zckpt.jobs.ingest")  # the module: zckpt.ingest is also the function
 
-    real = ingest_mod._whole_chunk_copies
+    real = ingest_mod.whole_chunk_copies
     cut: list[tuple[str, str]] = []
 
     def truncating(store: Store, reader: CkptReader, writes: tuple[Write, ...],
@@ -80,7 +80,7 @@ def test_source_truncated_after_it_was_indexed(example: Path, tmp_path: Path, ca
             cut.append((Path(reader.path).name, left[0].name))
         return whole, left
 
-    monkeypatch.setattr(ingest_mod, "_whole_chunk_copies", truncating)
+    monkeypatch.setattr(ingest_mod, "whole_chunk_copies", truncating)
     store = tmp_path / "s.zarr"
     code, err = _run(_ingest_args(example, store), capsys)
     assert cut, "no source was cut: the test missed the copy"

@@ -351,7 +351,7 @@ def test_copied_ranges_are_checked_on_every_block_they_touch(tmp_path: Path, ove
 def test_a_run_of_one_block_is_copied_whole_with_its_crc32c(tmp_path: Path) -> None:
     """The one-read copy of a small run writes exactly the source bytes at its place and sums
     them as the reference CRC-32C does; a source that ends early is left to the general copy."""
-    from zckpt.jobs.ingest import _copy_block
+    from zckpt.store.chunk_writer import _copy_block
 
     payload = bytes(range(256)) * 40 + b"tail"
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"

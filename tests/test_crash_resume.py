@@ -156,7 +156,7 @@ def _check_killed(out: Path, reference: dict[str, bytes], trial: int) -> None:
 
 
 def test_second_ingest_into_the_same_store_is_refused(job: dict[str, Path]) -> None:
-    from zckpt.jobs.ingest import store_lock
+    from zckpt.store.locking import store_lock
 
     store = job["tmp"] / "locked.zarr"
     with store_lock(store):

@@ -31,7 +31,7 @@ from zckpt.formats.strategy import make_layout
 from zckpt.io import locks
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
-from zckpt.jobs.ingest import store_lock
+from zckpt.store.locking import store_lock
 
 TENSORS = [
     TensorDef("w", (64, 8), "Float32", make_layout((4,), [[0], []])),  # sharded: one shard file c.0.0

@@ -24,7 +24,7 @@ from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.run.engines import cores_to_spare, overlap_for, usable_cpus, wants_overlap
 
-export_module = importlib.import_module("zckpt.jobs.export")  # the package's ``export`` is the function
+choose_module = importlib.import_module("zckpt.run.choose")  # where a phase's tasks are run
 
 
 def _chunks(store: Path) -> dict[str, bytes]:
@@ -203,13 +203,13 @@ def test_auto_overlap_on_a_local_cluster_counts_its_workers(tmp_path: Path, monk
         assert overlap_for(None, client) == (usable_cpus() > 1)
     store, dst = _column_split(tmp_path, 48)
     seen: list[Any] = []
-    original = export_module.run_all
+    original = choose_module.run_all
 
     def spy(fn: Any, units: Any, url: Any, options: ExportOptions, *rest: Any, **kw: Any) -> Any:
         seen.append(options.overlap)
         return original(fn, units, url, options, *rest, **kw)
 
-    monkeypatch.setattr(export_module, "run_all", spy)
+    monkeypatch.setattr(choose_module, "run_all", spy)
     workers = max(2, usable_cpus())
     zckpt.export(store, tmp_path / "auto", str(dst), options=ExportOptions(workers=workers))
     zckpt.export(store, tmp_path / "forced", str(dst), options=ExportOptions(workers=workers, overlap=True))

@@ -292,12 +292,12 @@ def _enospc(*args: object, **kwargs: object) -> None:
 
 
 def test_disk_full_patched_ingest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ingest_mod = importlib.import_module("zckpt.jobs.ingest")  # the package exports the function under this name
+    writer = importlib.import_module("zckpt.store.chunk_writer")  # where the ingest copies run
     job = _small_job(tmp_path)
     store = tmp_path / "s.zarr"
     with monkeypatch.context() as m:
-        m.setattr(ingest_mod, "copy_range_at", _enospc)
-        m.setattr(ingest_mod, "write_at", _enospc)
+        m.setattr(writer, "copy_range_at", _enospc)
+        m.setattr(writer, "write_at", _enospc)
         with pytest.raises(DiskFullError) as info:
             ingest(job.root, store, job.strategy_path)
     assert str(store / "tensors") in str(info.value)

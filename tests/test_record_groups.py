@@ -216,7 +216,7 @@ def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_p
     src = tmp_path / "src"
     shutil.copytree(job.root, src)
     victim = src / "rank_40" / "checkpoint_40.ckpt"
-    finish = mod._ChunkCopier.finish
+    finish = mod.ChunkCopier.finish
 
     def finish_then_touch(self: object) -> object:
         if Path(self.reader.path) == victim:  # type: ignore[attr-defined]
@@ -224,7 +224,7 @@ def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_p
             os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         return finish(self)
 
-    monkeypatch.setattr(mod._ChunkCopier, "finish", finish_then_touch)
+    monkeypatch.setattr(mod.ChunkCopier, "finish", finish_then_touch)
     store = tmp_path / "s.zarr"
     with pytest.raises(zckpt.SourceError, match="changed while it was being read") as err:
         _ingest(job, store, src)

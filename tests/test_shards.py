@@ -21,11 +21,13 @@ import zckpt
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.io import fileio
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.verify import verify
+from zckpt.store import chunk_writer, task_files
 from zckpt.store.reader import StoreReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
@@ -184,15 +186,15 @@ def test_each_shard_file_is_opened_once_per_ingest_and_closed_after(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """32 source ranks fill one shard file per array: the ingest opens each once (not once per
     rank) and holds none open when it returns."""
-    ingest_module = importlib.import_module("zckpt.jobs.ingest")  # the package's ``ingest`` is the function
     opened: list[str] = []
-    real = ingest_module._open_chunk_file
+    real = chunk_writer.open_chunk_file
 
     def counting(path: str, create: bool) -> int:
         opened.append(os.path.relpath(path, tmp_path / "s.zarr"))
         return real(path, create)
 
-    monkeypatch.setattr(ingest_module, "_open_chunk_file", counting)
+    monkeypatch.setattr(chunk_writer, "open_chunk_file", counting)
+    monkeypatch.setattr(task_files, "open_chunk_file", counting)
     src, dst = _model(tmp_path)
     _ingest(src, tmp_path / "s.zarr", 1 << 20)
     assert sorted(opened) == ["tensors/v/c.0.0", "tensors/w/c.0.0"]
@@ -224,11 +226,10 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
-    ingest_mod = importlib.import_module("zckpt.jobs.ingest")
-    monkeypatch.setattr(ingest_mod.fileio, "read_soon", lambda paths, share=0.25: False)
+    monkeypatch.setattr(fileio, "read_soon", lambda paths, share=0.25: False)
     _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
     assert len(seen) == RANKS and all(seen)
-    monkeypatch.setattr(ingest_mod.fileio, "read_soon", lambda paths, share=0.25: True)
+    monkeypatch.setattr(fileio, "read_soon", lambda paths, share=0.25: True)
     seen.clear()
     _ingest(src, tmp_path / "whole.zarr", 1 << 20)
     assert len(seen) == RANKS and not any(seen)

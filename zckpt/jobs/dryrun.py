@@ -34,11 +34,14 @@ from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
 from zckpt.io import remote
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
 from zckpt.plan.values import RankExport
+from zckpt.sources.prepare import prepare_ingest, store_source
+from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout
+from zckpt.store.locking import remote_lock_held, remote_store_lock_of
 from zckpt.write.safetensors_rank import existing_outputs, part_name, remote_outputs, split_parts, stem
 
 if TYPE_CHECKING:
     from zckpt.jobs.export_job import ExportOptions
-    from zckpt.jobs.ingest import IngestOptions, StoreLayout
+    from zckpt.jobs.ingest import IngestOptions
     from zckpt.jobs.transform import TransformOptions, TransformPlan
     from zckpt.sources.strategies import StrategyArg
     from zckpt.store.store import Store
@@ -441,7 +444,7 @@ class _IngestState:
 
 def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, required: Set[int],
                   rank_files: Mapping[int, str], storage_options: remote.StorageOptions) -> _IngestState:
-    """What :func:`zckpt.jobs.ingest.open_for_ingest` would find, refusing what it refuses,
+    """What :func:`zckpt.store.locking.open_for_ingest` would find, refusing what it refuses,
     opening the store read-only."""
     from zckpt.store.rerun import to_redo, unsealed
     from zckpt.store.store import Store
@@ -478,7 +481,6 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, require
 def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions, shared: bool) -> None:
     """The ingest's lock on the store: held by another run, the run would stop there."""
     from zckpt.io.locks import probe_store
-    from zckpt.jobs.ingest import remote_lock_held, remote_store_lock_of
 
     if isinstance(target, Path):
         probe_store(target, shared=shared)
@@ -515,7 +517,7 @@ def store_file_bytes(layout: StoreLayout) -> int:
 def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str | Path, strategy: StrategyArg = None,
                    options: IngestOptions | None = None) -> DryRunReport:
     """:func:`zckpt.jobs.ingest.ingest` up to its first write: the store is opened read-only."""
-    from zckpt.jobs.ingest import IngestOptions, _resumable_layout, prepare_ingest, store_layout
+    from zckpt.jobs.ingest import IngestOptions
     from zckpt.sources.replicas import compare_replicas, replica_jobs
 
     options = options if options is not None else IngestOptions()
@@ -528,9 +530,11 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
     options = replace(options, choice_func=None)
     target: str | Path = store_path if isinstance(store_path, str) and remote.is_remote(store_path) else \
         remote.local_path(store_path)
-    layout = store_layout(plan, smap, options, sharded=isinstance(target, Path))
+    values = store_source(plan, smap, so)
+    layout = store_layout(plan, options, values.strings, values.map_sizes, values.record,
+                          sharded=isinstance(target, Path))
     if isinstance(target, Path):
-        layout = _resumable_layout(target, layout, plan, smap, options)
+        layout = resumable_layout(target, layout, options.overwrite)
     required = set(plan.ranks_to_read(verify_replicas=False))
     found = _ingest_state(target, layout.fingerprint(), options.overwrite, required, plan.rank_files, so)
     _probe_store_lock(target, so, shared=found.state == "complete")  # a no-op rerun only reads

@@ -35,9 +35,8 @@ from zckpt.jobs.export_job import (
     task_name,
 )
 from zckpt.plan.values import ExportPlan, RankExport
+from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
-from zckpt.run.engines import Engine, dask_client, run_all
-from zckpt.run.helper import hand_over, helper_for, overlap_beside
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader, check_coverage, reading
@@ -89,28 +88,22 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], out_loc: remo
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
     unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, _ in units]
     by_target = {t: n for (_, t), n in zip(units, unit_bytes, strict=True)}
-    engine = Engine.of(options)
-    options = replace(options, block_bytes=engine.share(options.block_bytes))
     if not jobs:
         return ExportReport(out_loc.url if out_loc is not None else str(out), (), time.perf_counter() - t0)
     local = store.location is None and out_loc is None
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
-    # the helper innermost: when this process fails, it is stopped before the publisher finishes
-    with dask_client(engine) as client, Publisher(options.fsync) as publisher, \
-            helper_for(local and client is None and len(units) > 1, options, sum(unit_bytes), sources,
-                       "zckpt.jobs.export", "zckpt.store.store") as helper:
-        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
-        aside = hand_over(helper, units, unit_bytes, write_files, PlannedStore.of(store), options)
+    with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes), sources=sources,
+                   modules=("zckpt.jobs.export", "zckpt.store.store"), fsync=options.fsync) as place, \
+            place.running() as client:
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        aside = place.hand_over(units, unit_bytes, write_files, PlannedStore.of(store), options)
         # In this process the tasks share the parent's Store: its checksum records and chunk
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
         # They also hand their files to one publisher, which syncs each while the next is written.
-        results = run_all(write_file, units, store if client is None else PlannedStore.of(store), options,
-                          publisher if client is None else None, client=client,
-                          label="export",
-                          name=task_name,
-                          size=lambda u: by_target[u[1]],
-                          progress=options.progress, aside=aside)
+        results = place.run(write_file, units, store if client is None else PlannedStore.of(store), options,
+                            place.publisher if client is None else None, label="export", name=task_name,
+                            size=lambda u: by_target[u[1]], progress=options.progress, aside=aside)
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
 
 

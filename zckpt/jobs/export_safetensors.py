@@ -34,7 +34,7 @@ from zckpt.jobs.export_job import (
     task_name,
 )
 from zckpt.plan.values import ExportPlan, RankExport
-from zckpt.run.engines import Engine, dask_client, overlap_for, run_all
+from zckpt.run.choose import placement
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader
@@ -89,13 +89,11 @@ def _export_safetensors(store: Store, plan: ExportPlan, out_loc: remote.Location
         output_folders(out, [p for _, p in jobs])
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, target_name(out_loc, p)) for r, p in jobs]
-    engine = Engine.of(options)
-    options = replace(options, block_bytes=engine.share(options.block_bytes))
-    with dask_client(engine) as client:
-        options = replace(options, overlap=overlap_for(options.overlap, client))
-        results = run_all(write_safetensors_file, units, PlannedStore.of(store), options, client=client,
-                          label="export", progress=options.progress, name=task_name,
-                          size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
+    with placement(options) as place, place.running():
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        results = place.run(write_safetensors_file, units, PlannedStore.of(store), options, label="export",
+                            progress=options.progress, name=task_name,
+                            size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
     if out_loc is None:
         out_records.remember_all(out, fingerprint)
     return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)

@@ -44,10 +44,10 @@ from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.io import safe_paths
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.ingest import plan_ingest
 from zckpt.jobs.msnet import load_into_network
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec
+from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.store.store import Store
@@ -63,7 +63,7 @@ class ShardSlicer:
     opens (maps) the shards it reads itself."""
 
     def __init__(self, files: Mapping[int, str | Path] | str | Path, strategy: StrategyArg) -> None:
-        plan, _ = plan_ingest(files, strategy)
+        plan = prepare_ingest(files, strategy).plan
         self.plan: IngestPlan = plan
         self._writes: dict[str, list[tuple[int, Box]]] = {}
         for w in plan.writes:

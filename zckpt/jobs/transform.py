@@ -29,13 +29,13 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
-from zckpt.jobs.ingest import prepare_ingest
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, TensorSpec, Write
-from zckpt.run.engines import Engine, dask_client, run_all, wants_overlap
-from zckpt.run.helper import hand_over, helper_for, overlap_beside
+from zckpt.run.choose import placement
+from zckpt.run.engines import wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
+from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
 from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
@@ -265,23 +265,19 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
     unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices) for u in units]
     by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
-    engine = Engine.of(options)
-    options = replace(options, block_bytes=engine.share(options.block_bytes))
     local = not any(remote.is_remote(u.target) for u in units) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
-    # the helper innermost: when this process fails, it is stopped before the publisher finishes
-    with dask_client(engine) as client, Publisher(options.fsync) as publisher, \
-            helper_for(local and client is None and len(units) > 1, options, sum(unit_bytes),
-                       len(plan.source.rank_files), "zckpt.jobs.transform") as helper:
-        options = replace(options, overlap=overlap_beside(options.overlap, client, helper))
-        compared = run_all(compare_replicas, checks, options, client=client, label="verify",
-                           size=lambda j: j.nbytes, name=lambda j: f"rank {j.rank}", progress=options.progress)
-        aside = hand_over(helper, units, unit_bytes, write_direct_files, options)
+    with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes),
+                   sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
+                   fsync=options.fsync) as place, place.running() as client:
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
+                             name=lambda j: f"rank {j.rank}", progress=options.progress)
+        aside = place.hand_over(units, unit_bytes, write_direct_files, options)
         # In this process, one publisher syncs each file while the next is written.
-        results = run_all(write_direct_file, units, options, publisher if client is None else None,
-                          client=client, label="transform",
-                          name=_task_name, progress=options.progress,
-                          size=lambda u: by_target[u.target], aside=aside)
+        results = place.run(write_direct_file, units, options, place.publisher if client is None else None,
+                            label="transform", name=_task_name, progress=options.progress,
+                            size=lambda u: by_target[u.target], aside=aside)
     return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
 
 

@@ -31,6 +31,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.jobs.export_job import ExportOptions, output_jobs
 from zckpt.jobs.verify_report import MiB, VerifyReport
 from zckpt.plan.export_plan import build_export_plan
+from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.manifest import EntryRecord
 from zckpt.store.store import Store
@@ -139,7 +140,6 @@ def check_sources(
 ) -> None:
     """Every source shard (writers and replicas alike) equals its box of the store; the file
     read in a rank directory holding several is recorded in the report."""
-    from zckpt.jobs.ingest import prepare_ingest  # ingest pulls in Dask: only when sources are checked
 
     try:
         prepared = prepare_ingest(src, strategy, file_suffix=file_suffix, choice_func=choice_func,

@@ -21,10 +21,9 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, TypeVar
 
 from zckpt.core.errors import ZckptError
 
@@ -54,32 +53,6 @@ def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, 
 
     return (workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
             and sources >= HELPER_SOURCES)
-
-
-class PhaseOptions(Protocol):
-    """What :func:`helper_for` reads from a phase's options."""
-
-    @property
-    def helper(self) -> bool | None: ...
-    @property
-    def workers(self) -> int: ...
-    @property
-    def scheduler(self) -> str | None: ...
-
-
-@contextmanager
-def helper_for(possible: bool, options: PhaseOptions, nbytes: int, sources: int,
-               *modules: str) -> Iterator[Helper | None]:
-    """The helper process of a phase moving ``nbytes`` from ``sources`` source ranks whose
-    tasks need ``modules`` (started at once, ended on leaving), or ``None`` where it is not
-    ``possible`` or not wanted (:func:`wanted`)."""
-    helper = start(modules) if possible and wanted(options.helper, options.workers, options.scheduler, nbytes,
-                                                    sources) else None
-    if helper is None:
-        yield None
-        return
-    with helper:
-        yield helper
 
 
 def start(modules: Sequence[str]) -> Helper | None:

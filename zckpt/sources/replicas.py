@@ -180,12 +180,12 @@ def _compare(c: ReplicaCheck, shards: ShardFiles, job: CheckJob, block_bytes: in
         else:
             pieces = c_order_pieces(common, max(1, block_bytes // 4 // itemsize))
         for piece in pieces:
-            if not _same_bytes(shards.rows(c.rank, c.name, c.box, piece), shards.rows(w.rank, c.name, w.box, piece)):
+            if not same_bytes(shards.rows(c.rank, c.name, c.box, piece), shards.rows(w.rank, c.name, w.box, piece)):
                 _differ(c, who, job.files[c.rank])
     return entry.nbytes
 
 
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality (NaN payloads and signed zeros included)."""
     return a.shape == b.shape and bool(np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
                                                       np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
