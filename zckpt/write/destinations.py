@@ -108,11 +108,14 @@ class LocalOutputDir:
     """A directory on a local disk, held by a lock while a run writes it."""
 
     path: Path
-    local: bool = True
 
     @property
     def url(self) -> str:
         return str(self.path)
+
+    @property
+    def local(self) -> bool:
+        return True
 
     def check(self) -> None:
         out_dirs.check_out_dir(self.path)
@@ -173,7 +176,10 @@ class RemoteOutputDir:
     to make (object stores have none), files uploaded whole."""
 
     location: remote.Location
-    local: bool = False
+
+    @property
+    def local(self) -> bool:
+        return False
 
     @property
     def path(self) -> Path:
