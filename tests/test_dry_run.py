@@ -211,9 +211,9 @@ def test_refusals_are_the_real_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_not_enough_space(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from zckpt.jobs import dryrun
+    from zckpt.write import destinations
 
-    monkeypatch.setattr(dryrun, "free_space", lambda path: 1000)
+    monkeypatch.setattr(destinations, "free_space", lambda path: 1000)
     code, doc, err = _dry(["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
                            str(tmp_path / "o")], capsys)
     assert code == 1 and doc["error"]["type"] == "DiskFullError" and "not enough free space" in err

@@ -17,7 +17,6 @@ each file is uploaded once complete.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from zckpt.jobs.transform import TransformOptions, transform, transform_rank
 from zckpt.jobs.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
 from zckpt.plan.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
 from zckpt.sources.strategies import load_strategy
-from zckpt.write.out_dirs import check_out_dir
+from zckpt.write.destinations import destination, output_file
 
 if TYPE_CHECKING:  # imported where used: the local direct path never loads Zarr
     from zckpt.store.store import Store
@@ -60,14 +59,6 @@ def _check_strategy_arg(value: object, what: str, storage_options: remote.Storag
         raise TypeError(f"The {what} should be a str, but got {type(value).__name__}.")
     if isinstance(value, (str, os.PathLike)) and not _exists(value, storage_options):
         raise UsageError(f"{what} does not exist", path=str(value))
-
-
-def _scratch(dst: str, storage_options: remote.StorageOptions) -> tempfile.TemporaryDirectory[str]:
-    """Where the temporary store goes: beside a local destination (same filesystem), in the
-    local temporary directory for a URL destination."""
-    if remote.is_remote(dst):
-        return tempfile.TemporaryDirectory(prefix="zckpt-api-")
-    return tempfile.TemporaryDirectory(prefix=".zckpt-", dir=remote.local_path(dst))
 
 
 def _check_rank_id(rank_id: object) -> None:
@@ -110,30 +101,24 @@ def transform_checkpoints(
         raise UsageError(f"output_format must be 'ckpt' or 'safetensors', got {output_format!r}")
     if not isinstance(process_num, int) or isinstance(process_num, bool) or process_num < 1:
         raise UsageError(f"process_num must be a positive int, got {process_num!r}")
-    dst = os.fspath(dst_checkpoints_dir)
-    if remote.is_remote(dst):
-        if remote.isfile(remote.locate(dst, storage_options, OutputError), OutputError):
-            raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
-    else:
-        local = remote.local_path(dst)
-        if local.exists() and not local.is_dir():
-            raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
-        check_out_dir(local).mkdir(parents=True, exist_ok=True)
-        dst = str(local)
+    dest = destination(os.fspath(dst_checkpoints_dir), storage_options)
+    if dest.is_file():
+        raise NotADirectoryError(f"dst_checkpoints_dir {dst_checkpoints_dir} is not a directory.")
+    dest.create()
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    if not _any_remote(src_checkpoints_dir, dst):
-        transform(src_checkpoints_dir, dst, src_map, dst_map,
+    if dest.local and not _any_remote(src_checkpoints_dir):
+        transform(src_checkpoints_dir, dest.url, src_map, dst_map,
                   options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
                                            workers=process_num, file_suffix=file_suffix))
         return
-    with _scratch(dst, storage_options) as tmp:  # URLs: through a temporary store
+    with dest.scratch() as tmp:  # URLs: through a temporary store
         store = Path(tmp) / "store.zarr"
         ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options,
                                                                   file_suffix=file_suffix, workers=process_num))
         opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map),
                              storage_options=storage_options, format=output_format, workers=process_num)
-        export(store, dst if remote.is_remote(dst) else Path(dst), dst_map, options=opts)
+        export(store, dest.url, dst_map, options=opts)
 
 
 def _any_remote(*paths: str | os.PathLike[str]) -> bool:
@@ -180,30 +165,18 @@ def transform_checkpoint_by_rank(
         transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
                        options=TransformOptions(overwrite=True))
         return
-    if remote.is_remote(save_checkpoint_file_name):
-        loc = remote.locate(save_checkpoint_file_name, storage_options, OutputError)
-        if remote.isdir(loc, OutputError):
-            raise OutputError("save_checkpoint_file_name is a directory", path=save_checkpoint_file_name)
-        scratch = tempfile.TemporaryDirectory(prefix="zckpt-api-")
-    else:
-        target = remote.local_path(save_checkpoint_file_name)
-        if target.is_dir():
-            raise OutputError("save_checkpoint_file_name is a directory", path=target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = tempfile.TemporaryDirectory(prefix=".zckpt-", dir=target.parent)
+    target = output_file(save_checkpoint_file_name, storage_options)
+    if target.is_dir():
+        raise OutputError("save_checkpoint_file_name is a directory", path=target.url)
     from zckpt.store.store import Store
 
-    with scratch as tmp:
+    with target.scratch() as tmp:
         store = Path(tmp) / "store.zarr"
         report = ingest(checkpoint_files_map, store, src_map,
                         IngestOptions(require_complete=False, storage_options=storage_options))
         _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_map)
-        if remote.is_remote(save_checkpoint_file_name):
-            local = Path(tmp) / Path(save_checkpoint_file_name.rstrip("/")).name
-            export_rank(Store.open(store), rank_id, local, dst_map, options=ExportOptions(overwrite=True))
-            remote.upload(local, loc, OutputError)
-        else:
-            export_rank(Store.open(store), rank_id, target, dst_map, options=ExportOptions(overwrite=True))
+        target.publish(lambda path, _: export_rank(Store.open(store), rank_id, path, dst_map,
+                                                   options=ExportOptions(overwrite=True)))
 
 
 def _refuse_holes(

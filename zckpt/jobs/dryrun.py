@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,7 +36,8 @@ from zckpt.plan.values import RankExport
 from zckpt.sources.prepare import prepare_ingest, store_source
 from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout
 from zckpt.store.locking import remote_lock_held, remote_store_lock_of
-from zckpt.write.safetensors_rank import existing_outputs, part_name, remote_outputs, split_parts, stem
+from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_present
+from zckpt.write.safetensors_rank import part_name, split_parts, stem
 
 if TYPE_CHECKING:
     from zckpt.jobs.export_job import ExportOptions
@@ -229,53 +229,10 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
 # --- output directories -------------------------------------------------------------------
 
 
-def pending_jobs(out: Path, jobs: list[tuple[RankExport, Path]], fingerprint: str,
-                 overwrite: bool) -> list[tuple[RankExport, Path]]:
-    """What :func:`zckpt.write.out_dirs.resume_or_refuse` would leave to write, refusing what it
-    refuses (:func:`zckpt.write.out_dirs.pending_local`), without touching the directory."""
-    from zckpt.write.out_dirs import check_out_dir, pending_local
-
-    check_out_dir(out)
-    todo = pending_local(out, jobs, fingerprint, overwrite).todo
-    check_folders(out, [p for _, p in jobs])
-    return todo
-
-
-def check_folders(out: Path, paths: Iterable[Path]) -> None:
-    """:func:`zckpt.write.out_dirs.output_folders`' refusals (a rank folder that is a link or not a
-    directory), creating nothing."""
-    from zckpt.io import safe_paths
-
-    for folder in sorted({p.parent for p in paths}):
-        if folder != out:
-            safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError)
-
-
-def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool,
-                         out_loc: remote.Location | None = None) -> None:
+def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool, dest: OutputDir) -> None:
     """Export's and transform's refusal of safetensors outputs present already."""
     if not overwrite:
-        if out_loc is not None:
-            clash = [out_loc.url_of(p) for _, target in jobs for p in remote_outputs(out_loc, target.as_posix())]
-        else:
-            clash = [str(p) for _, target in jobs for p in existing_outputs(target)]
-        if clash:
-            raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
-
-
-def free_space(path: Path) -> int:
-    """Free bytes (for this user) of the filesystem holding ``path`` or, while it does not
-    exist, its nearest existing parent."""
-    at = path.absolute()
-    while not at.exists() and at.parent != at:
-        at = at.parent
-    return shutil.disk_usage(at).free
-
-
-def _output_free(out: Path) -> None:
-    from zckpt.io.locks import probe_output
-
-    probe_output(out)
+        refuse_present(dest.present(jobs))
 
 
 # --- the three commands -------------------------------------------------------------------
@@ -298,7 +255,6 @@ def dry_run_transform(
         refuse_source_unsupplied,
     )
     from zckpt.sources.replicas import compare_replicas
-    from zckpt.write.out_dirs import check_out_dir
 
     options = options if options is not None else TransformOptions()
     if options.format not in ("ckpt", "safetensors"):
@@ -307,24 +263,24 @@ def dry_run_transform(
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func)
     options = replace(options, choice_func=None)
-    out = check_out_dir(remote.local_path(out_dir))
+    dest = output_dir(out_dir, None)  # local (refuse_remote)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
-    _output_free(out)
-    jobs = stage_jobs({t.name: t.stages for t in plan.source.tensors}, plan.export, out, options)
+    dest.probe()
+    jobs = stage_jobs({t.name: t.stages for t in plan.source.tensors}, plan.export, dest.path, options)
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
         if maps:
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        existing_safetensors(jobs, options.overwrite)
-        check_folders(out, [p for _, p in jobs])
+        existing_safetensors(jobs, options.overwrite, dest)
+        dest.check_folders(p for _, p in jobs)
         todo = jobs
     else:
-        todo = pending_jobs(out, jobs, _fingerprint(plan, jobs, options), options.overwrite)
+        todo = dest.would_write(jobs, _fingerprint(plan, jobs, options), options.overwrite)
     checks = check_jobs(plan, {n for r, _ in todo for n in r.names}, options.verify_replicas)
     if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
         checks = merged(checks)
@@ -332,7 +288,7 @@ def dry_run_transform(
     band = band_bytes_of(options.block_bytes, options.overlap, options)
     entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
-    return _report("transform", str(out), files, compared, free_space(out))
+    return _report("transform", dest.url, files, compared, dest.free_space())
 
 
 def _source_entries(plan: TransformPlan, names: set[str]) -> Entries:
@@ -374,7 +330,6 @@ def dry_run_export(
     from zckpt.jobs.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export
     from zckpt.store.reader import check_coverage
     from zckpt.store.store import Store
-    from zckpt.write.out_dirs import output_dir
 
     options = options if options is not None else ExportOptions()
     if options.format not in ("ckpt", "safetensors"):
@@ -387,10 +342,9 @@ def dry_run_export(
     store.check_integrity()
     plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
     check_coverage(store, plan)
-    out_loc, out = output_dir(out_dir, so)
-    if out_loc is None:
-        _output_free(out)
-    jobs = output_jobs(store, plan, out, options)
+    dest = output_dir(out_dir, so)
+    dest.probe()
+    jobs = output_jobs(store, plan, dest.path, options)
     entries = _store_entries(store)
     if options.format == "safetensors":
         maps = [s.name for r in plan.ranks for s in r.slices if entries.kinds[s.name] == "map"]
@@ -398,31 +352,17 @@ def dry_run_export(
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); export this store as .ckpt", param=maps[0])
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        existing_safetensors(jobs, options.overwrite, out_loc)
-        if out_loc is None:
-            check_folders(out, [p for _, p in jobs])
+        existing_safetensors(jobs, options.overwrite, dest)
+        dest.check_folders(p for _, p in jobs)
         todo = jobs
     else:
-        fingerprint = export_fingerprint(store, jobs, options)
-        todo = pending_remote(out_loc, jobs, fingerprint, options.overwrite) if out_loc is not None else \
-            pending_jobs(out, jobs, fingerprint, options.overwrite)
+        todo = dest.would_write(jobs, export_fingerprint(store, jobs, options), options.overwrite)
         if options.reader not in ("zarr", "dask"):
             raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
-    files = planned_files(jobs, todo, entries, options, lambda r: ())
-    if out_loc is not None:
-        files = [replace(f, path=out_loc.url_of(f.path)) for f in files]
-    return _report("export", out_loc.url if out_loc is not None else str(out), files, 0,
-                   None if out_loc is not None else free_space(out),
+    files = [replace(f, path=dest.target(f.path)) for f in planned_files(jobs, todo, entries, options, lambda r: ())]
+    return _report("export", dest.url, files, 0, dest.free_space(),
                    notes=(f"reads from store {store.url}; checksum checks read up to one checksum block more at "
                           "each end of a range",))
-
-
-def pending_remote(out: remote.Location, jobs: list[tuple[RankExport, Path]], fingerprint: str,
-                   overwrite: bool) -> list[tuple[RankExport, Path]]:
-    """:func:`pending_jobs` for a remote directory (:func:`zckpt.write.out_dirs.pending_remote`)."""
-    from zckpt.write.out_dirs import pending_remote as pending
-
-    return pending(out, jobs, fingerprint, overwrite).todo
 
 
 def _store_entries(store: Store) -> Entries:

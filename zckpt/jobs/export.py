@@ -12,7 +12,6 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError
-from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export_job import (
     ExportOptions,
@@ -31,7 +29,6 @@ from zckpt.jobs.export_job import (
     export_session,
     output_jobs,
     plan_export,
-    target_name,
     task_name,
 )
 from zckpt.plan.values import ExportPlan, RankExport
@@ -41,7 +38,7 @@ from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.write.boxes import RankResult
-from zckpt.write.out_dirs import finish_output, resume_or_refuse, resume_or_refuse_remote
+from zckpt.write.destinations import OutputDir, output_file
 from zckpt.write.writers import rank_writer
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
@@ -63,34 +60,30 @@ def export(
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
-    with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, out_loc, out):
-        return _export(store, plan, out_loc, out, options, t0)
+    with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, dest):
+        return _export(store, plan, dest, options, t0)
 
 
-def _export(store: Store, plan: ExportPlan, out_loc: remote.Location | None, out: Path, options: ExportOptions,
-            t0: float) -> ExportReport:
-    jobs = output_jobs(store, plan, out, options)
+def _export(store: Store, plan: ExportPlan, dest: OutputDir, options: ExportOptions, t0: float) -> ExportReport:
+    jobs = output_jobs(store, plan, dest.path, options)
     fingerprint = export_fingerprint(store, jobs, options)
-    if out_loc is not None:
-        todo = resume_or_refuse_remote(out_loc, jobs, fingerprint, options.overwrite)
-    else:
-        todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
-    report = _write_jobs(store, todo, out_loc, out, options, t0)
-    finish_output(out_loc, out, jobs, fingerprint, options.fsync)
+    todo = dest.resume_or_refuse(jobs, fingerprint, options.overwrite)
+    report = _write_jobs(store, todo, dest, options, t0)
+    dest.finish(jobs, fingerprint, options.fsync)
     return replace(report, kept=len(jobs) - len(todo))
 
 
-def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], out_loc: remote.Location | None, out: Path,
-                options: ExportOptions, t0: float) -> ExportReport:
+def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputDir, options: ExportOptions,
+                t0: float) -> ExportReport:
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
-    units = [(r, target_name(out_loc, p)) for r, p in jobs]
+    units = [(r, dest.target(p)) for r, p in jobs]
     unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, _ in units]
     by_target = {t: n for (_, t), n in zip(units, unit_bytes, strict=True)}
     if not jobs:
-        return ExportReport(out_loc.url if out_loc is not None else str(out), (), time.perf_counter() - t0)
-    local = store.location is None and out_loc is None
+        return ExportReport(dest.url, (), time.perf_counter() - t0)
+    local = store.location is None and dest.local
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
     with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes), sources=sources,
                    modules=("zckpt.jobs.export", "zckpt.store.store"), fsync=options.fsync) as place, \
@@ -104,7 +97,7 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], out_loc: remo
         results = place.run(write_file, units, store if client is None else PlannedStore.of(store), options,
                             place.publisher if client is None else None, label="export", name=task_name,
                             size=lambda u: by_target[u[1]], progress=options.progress, aside=aside)
-    return ExportReport(out_loc.url if out_loc is not None else str(out), tuple(results), time.perf_counter() - t0)
+    return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)
 
 
 def write_files(units: list[tuple[RankExport, str]], store: PlannedStore, options: ExportOptions) -> list[RankResult]:
@@ -120,10 +113,8 @@ def write_file(
     publisher: Publisher | None = None, report: Report | None = None,
 ) -> RankResult:
     """Write one destination file from the store (a Dask task opens the planned store
-    itself; in this process it is given the open store).
-
-    A remote destination is written to a local temporary file first and uploaded when
-    complete, so that its final name never holds a partial file."""
+    itself; in this process it is given the open store), published as its destination
+    publishes a file (:func:`zckpt.write.destinations.output_file`)."""
     rank, target = unit
     if isinstance(store, PlannedStore):
         store = store.open(options.storage_options)
@@ -131,14 +122,8 @@ def write_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     writer = rank_writer(options)
-    if not remote.is_remote(target):
-        with disk_full_named(target):
-            return writer.write(reader, rank, Path(target), ticker, publisher)
-    with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
-        local = Path(tmp) / target.rstrip("/").rsplit("/", 1)[-1]
-        result = writer.write(reader, rank, local, ticker)
-        remote.upload(local, remote.locate(target, options.storage_options, OutputError), OutputError)
-    return replace(result, path=target)
+    return output_file(target, options.storage_options).publish(
+        lambda path, pub: writer.write(reader, rank, path, ticker, pub), publisher)
 
 
 def export_rank(

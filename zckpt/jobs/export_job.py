@@ -26,9 +26,8 @@ from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import check_coverage, reading
-from zckpt.write import out_dirs
 from zckpt.write.boxes import RankResult
-from zckpt.write.out_dirs import output_dir
+from zckpt.write.destinations import OutputDir, output_dir
 
 if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
     from zckpt.store.store import Store
@@ -168,9 +167,9 @@ def refuse_store_unsupplied(store: Store, plan: ExportPlan, smap: StrategyMap | 
 def export_session(
     store_or_path: Store | str | Path, out_dir: str | Path, strategy: StrategyArg, ranks: Iterable[int] | None,
     options: ExportOptions,
-) -> Iterator[tuple[Store, ExportPlan, remote.Location | None, Path]]:
+) -> Iterator[tuple[Store, ExportPlan, OutputDir]]:
     """The store (checked, held shared), its plan (covered) and the output directory (held
-    exclusively) for as long as an export of any format writes: ``(store, plan, out_loc, out)``."""
+    while the export writes it) for as long as an export of any format writes: ``(store, plan, dest)``."""
     from zckpt.store.store import Store
 
     so = options.storage_options
@@ -179,19 +178,14 @@ def export_session(
         store.check_integrity()  # before planning: a store with no manifest yet is refused as such
         plan = plan_export(store, strategy, ranks, so, require_supplied=not options.per_stage)
         check_coverage(store, plan)
-        out_loc, out = output_dir(out_dir, so)
-        with contextlib.nullcontext() if out_loc is not None else out_dirs.writing(out):
-            yield store, plan, out_loc, out
+        dest = output_dir(out_dir, so)
+        with dest.holding():
+            yield store, plan, dest
 
 
 def task_name(unit: tuple[RankExport, str]) -> str:
     """How progress names an export task: its rank and file (per-stage parts share a rank)."""
     return f"rank {unit[0].rank} {unit[1].rstrip('/').rsplit('/', 1)[-1]}"
-
-
-def target_name(out_loc: remote.Location | None, path: Path) -> str:
-    """What a task receives: a local path, or the URL of a remote file."""
-    return str(path) if out_loc is None else out_loc.url_of(path.as_posix())
 
 
 def export_fingerprint(store: Store, jobs: list[tuple[RankExport, Path]], options: ExportOptions) -> str:

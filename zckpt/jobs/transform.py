@@ -39,11 +39,9 @@ from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
 from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
-from zckpt.write import out_dirs, out_records
 from zckpt.write.boxes import RankResult
-from zckpt.write.out_dirs import check_out_dir, finish_output, output_folders, resume_or_refuse
+from zckpt.write.destinations import OutputDir, output_dir, refuse_present
 from zckpt.write.safetensors_file import SUFFIX
-from zckpt.write.safetensors_rank import existing_outputs
 from zckpt.write.writers import OUTPUTS, rank_writer
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
@@ -183,19 +181,19 @@ def transform(
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func)
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
-    out = check_out_dir(remote.local_path(out_dir))
+    dest = output_dir(out_dir, None)  # local (refuse_remote)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
-    with out_dirs.writing(out):
-        return _transform_into(plan, out, options, t0)
+    with dest.holding():
+        return _transform_into(plan, dest, options, t0)
 
 
-def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t0: float) -> TransformReport:
-    """:func:`transform` once the output directory ``out`` is held (:func:`zckpt.io.locks.output_writing`)."""
+def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOptions, t0: float) -> TransformReport:
+    """:func:`transform` once the output directory is held (:func:`zckpt.io.locks.output_writing`)."""
     stages = {t.name: t.stages for t in plan.source.tensors}
-    jobs = stage_jobs(stages, plan.export, out, options)
+    jobs = stage_jobs(stages, plan.export, dest.path, options)
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
         if maps:
@@ -205,17 +203,17 @@ def _transform_into(plan: TransformPlan, out: Path, options: TransformOptions, t
 
         fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        if not options.overwrite and out_records.finished_as_recorded(out, fingerprint):
-            return TransformReport(str(out), (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
-        jobs = _safetensors_jobs(jobs, options.overwrite)
-        output_folders(out, [p for _, p in jobs])
-        report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in jobs], str(out), options, t0)
-        out_records.remember_all(out, fingerprint)
+        if not options.overwrite and dest.finished_as_recorded(fingerprint):
+            return TransformReport(dest.url, (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
+        jobs = _safetensors_jobs(dest, jobs, options.overwrite)
+        dest.make_folders(p for _, p in jobs)
+        report = _run(plan, [DirectJob(r, dest.target(p), plan.boxes(r)) for r, p in jobs], dest.url, options, t0)
+        dest.remember_all(fingerprint)
         return report
     fingerprint = _fingerprint(plan, jobs, options)
-    todo = resume_or_refuse(out, jobs, fingerprint, options.overwrite)
-    report = _run(plan, [DirectJob(r, str(p), plan.boxes(r)) for r, p in todo], str(out), options, t0)
-    finish_output(None, out, jobs, fingerprint, options.fsync)
+    todo = dest.resume_or_refuse(jobs, fingerprint, options.overwrite)
+    report = _run(plan, [DirectJob(r, dest.target(p), plan.boxes(r)) for r, p in todo], dest.url, options, t0)
+    dest.finish(jobs, fingerprint, options.fsync)
     return replace(report, kept=len(jobs) - len(todo))
 
 
@@ -285,12 +283,11 @@ def _task_name(job: DirectJob) -> str:
     return f"rank {job.rank.rank} {Path(job.target).name}"
 
 
-def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], overwrite: bool) -> list[tuple[RankExport, Path]]:
+def _safetensors_jobs(dest: OutputDir, jobs: list[tuple[RankExport, Path]],
+                      overwrite: bool) -> list[tuple[RankExport, Path]]:
     out = [(r, p.with_suffix(SUFFIX)) for r, p in jobs]
     if not overwrite:
-        clash = [str(p) for _, target in out for p in existing_outputs(target)]
-        if clash:
-            raise OutputError(f"{len(clash)} output file(s) already exist (--overwrite replaces them)", path=clash[0])
+        refuse_present(dest.present(out))
     return out
 
 

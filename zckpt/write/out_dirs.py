@@ -3,7 +3,9 @@ an interrupted or finished run of the same job left there, and what is still to 
 
 The decisions (:func:`pending_local`, :func:`pending_remote`) only look: the runs act on them
 (:func:`resume_or_refuse`, :func:`resume_or_refuse_remote`), and ``--dry-run``
-(:mod:`zckpt.jobs.dryrun`) reports them, so both refuse and resume the same way.
+(:mod:`zckpt.jobs.dryrun`) reports them, so both refuse and resume the same way. Which of the
+local and remote functions applies is chosen once, by the destination's class
+(:mod:`zckpt.write.destinations`); the jobs never call these directly.
 
 While a job runs, the marker ``<out>/.zckpt-export.json`` says which job the directory belongs
 to, so that a killed run resumes; a finished run removes it and records the directory outside
@@ -28,17 +30,6 @@ from zckpt.plan.values import RankExport
 from zckpt.write import out_records
 
 Jobs = list[tuple[RankExport, Path]]
-
-
-def output_dir(out_dir: str | Path, storage_options: remote.StorageOptions) -> tuple[remote.Location | None, Path]:
-    """The output directory: ``(None, local path)``, or for a URL its location and its path
-    inside the filesystem (file names are planned on that path, then turned back into URLs)."""
-    if isinstance(out_dir, str) and remote.is_remote(out_dir):
-        loc = remote.locate(out_dir, storage_options, OutputError)
-        if remote.isfile(loc, OutputError):
-            raise OutputError("output path exists and is not a directory", path=out_dir)
-        return loc, Path(loc.path)
-    return None, check_out_dir(remote.local_path(out_dir))
 
 
 def check_out_dir(out: Path) -> Path:
@@ -210,28 +201,29 @@ def _lock_file(p: Path) -> bool:
     return p.name == locks.OUTPUT_LOCK and not p.is_symlink() and p.is_file()
 
 
-def _planned(out: Path, jobs: list[tuple[RankExport, Path]]) -> list[str]:
+def _planned(out: Path, jobs: Jobs) -> list[str]:
     return [p.relative_to(out).as_posix() for _, p in jobs]
 
 
-def finish_output(out_loc: remote.Location | None, out: Path, jobs: list[tuple[RankExport, Path]],
-                  fingerprint: str, fsync: bool = True) -> None:
+def finish_local(out: Path, jobs: Jobs, fingerprint: str, fsync: bool = True) -> None:
     """The last step of a successful export or transform: remember the directory as this
     job's (outside it: :mod:`zckpt.write.out_records`), then remove the marker, so that the
     directory holds the rank files and nothing else of zckpt's."""
-    planned = _planned(out, jobs)
-    if out_loc is not None:
-        wanted = set(planned)
-        sizes = {k: [v] for k, v in _remote_files(out_loc).items() if k in wanted}
-        out_records.remember(out_loc.url, fingerprint, sizes)
-        remote.remove(out_loc.child(MARKER), OutputError)
-        return
-    out_records.remember(out_records.local_key(out), fingerprint, out_records.local_files(out, planned))
+    out_records.remember(out_records.local_key(out), fingerprint, out_records.local_files(out, _planned(out, jobs)))
     marker = out / MARKER
     if os.path.lexists(marker):
         marker.unlink()
         if fsync:
             fsync_dir(out)
+
+
+def finish_remote(out: remote.Location, jobs: Jobs, fingerprint: str) -> None:
+    """:func:`finish_local` for a remote directory: its record names the planned files with
+    their sizes as listed there."""
+    wanted = set(_planned(Path(out.path), jobs))
+    sizes = {k: [v] for k, v in _remote_files(out).items() if k in wanted}
+    out_records.remember(out.url, fingerprint, sizes)
+    remote.remove(out.child(MARKER), OutputError)
 
 
 def _remote_files(out: remote.Location) -> dict[str, int]:
@@ -258,6 +250,14 @@ def output_folders(out: Path, paths: Iterable[Path]) -> None:
     for folder in sorted({p.parent for p in paths}):
         if folder != out:
             safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError, create=True)
+
+
+def check_folders(out: Path, paths: Iterable[Path]) -> None:
+    """:func:`output_folders`' refusals (a rank folder that is a link or not a directory),
+    creating nothing (``--dry-run``)."""
+    for folder in sorted({p.parent for p in paths}):
+        if folder != out:
+            safe_paths.real_dirs(out, folder.relative_to(out).as_posix(), OutputError)
 
 
 def _complete_file(path: Path, rank: RankExport) -> bool:
