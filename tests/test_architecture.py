@@ -62,3 +62,12 @@ def test_the_page_lists_each_layer_as_the_contract_does() -> None:
             and not line.startswith("| layer") and "`" in line.rsplit("|", 2)[1]]
     listed = [[m.removesuffix("/") for m in re.findall(r"`([a-z0-9_/]+)`", row.rsplit("|", 2)[1])] for row in rows]
     assert [sorted(x) for x in listed] == [sorted(x) for x in arch.layers()]
+
+
+MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """Modules of one job each: none over ~600 lines (generated protobuf code aside)."""
+    long = {m.name: m.lines for m in arch.modules().values() if m.lines > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
