@@ -16,13 +16,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from zckpt.core.errors import StoreError
 from zckpt.io import locks, remote
-
-if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
-    from zckpt.store.store import Store
+from zckpt.store.store import Store
 
 
 def store_lock(path: Path) -> contextlib.AbstractContextManager[None]:
@@ -70,8 +67,6 @@ def open_for_ingest(
     path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
 ) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
-    from zckpt.store.store import Store  # Zarr: only once a store is opened
-
     if isinstance(path, str):
         return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
     if path.exists() and not overwrite:
@@ -99,8 +94,6 @@ def _open_remote_for_ingest(
 ) -> tuple[Store, str]:
     """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
     files: every object is written whole)."""
-    from zckpt.store.store import Store  # Zarr: only once a store is opened
-
     loc = remote.locate(url, storage_options, StoreError)
     present = remote.listdir(loc, StoreError)
     if present and not overwrite:
