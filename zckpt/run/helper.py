@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from zckpt.core.errors import ZckptError
-from zckpt.run.engines import overlap_for, usable_cpus
+from zckpt.run import engines
 
 R = TypeVar("R")
 
@@ -51,7 +51,7 @@ def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, 
     ranks."""
     if flag is not None:
         return flag
-    return (workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+    return (workers == 1 and scheduler is None and engines.usable_cpus() > 1 and nbytes >= HELPER_BYTES
             and sources >= HELPER_SOURCES)
 
 
@@ -82,7 +82,7 @@ def hand_over(helper: Helper | None, units: Sequence[Any], sizes: Sequence[int],
 def overlap_beside(flag: bool | None, client: Any, helper: Helper | None) -> bool:
     """:func:`zckpt.run.engines.overlap_for`, except that auto (``None``) is off beside a helper:
     each process then has one core, and a second thread per task only contends."""
-    return False if helper is not None and flag is None else overlap_for(flag, client)
+    return False if helper is not None and flag is None else engines.overlap_for(flag, client)
 
 
 def share_from(sizes: Sequence[int], step: int = 1) -> int:
