@@ -13,11 +13,8 @@ from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.strategy import read_strategy
 from zckpt.io import remote
-from zckpt.jobs.draw import Panel, held_boxes, store_picture
-from zckpt.jobs.export_job import plan_export
 from zckpt.sources.discovery import discover_sources, spool
 from zckpt.sources.layouts import discover_other_layout
-from zckpt.store.store import Store
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -143,6 +140,8 @@ def ms_tensor_map(tensor_map: tuple[tuple[int, ...], ...]) -> list[int | list[in
 
 
 def _describe_store(path: str | Path, storage_options: remote.StorageOptions = None) -> Described:
+    from zckpt.store.store import Store  # a store's modules (~40 ms): not for `zckpt info FILE`
+
     st = Store.open(path, storage_options=storage_options)
     st.check_links()
     entries = [e.to_json() for e in st.entries()]
@@ -158,6 +157,11 @@ def store_svg(path: str | os.PathLike[str], name: str, dst_strategy: str | None,
               storage_options: remote.StorageOptions = None) -> str:
     """``zckpt info STORE --svg``: a parameter's writers and chunk grid in the store, beside
     the boxes a destination strategy gives its ranks (real shapes, from the store)."""
+    # a store's modules and the picture's (~50 ms): not for `zckpt info FILE`
+    from zckpt.jobs.draw import Panel, held_boxes, store_picture
+    from zckpt.jobs.export_job import plan_export
+    from zckpt.store.store import Store
+
     store = Store.open(path, storage_options=storage_options)
     specs = {s.name: s for s in store.specs()}
     if name not in specs:

@@ -20,7 +20,6 @@ from zckpt.core.layout import Box
 from zckpt.plan.values import IngestPlan, TensorSpec
 from zckpt.store import packed
 from zckpt.store.geometry import chunk_shape, shard_grid
-from zckpt.store.store import Store
 
 
 class LayoutOptions(Protocol):
@@ -78,6 +77,8 @@ def resumable_layout(path: Path, layout: StoreLayout, overwrite: bool) -> StoreL
     """The layout to ingest with: the unpacked (or also unsharded) one when ``path`` holds
     this same ingest, interrupted, begun without packing (by a zckpt of format 4) or without
     shards (format 3), so that resuming finishes it as it began."""
+    from zckpt.store.store import Store  # the store's modules (~25 ms): transform --dry-run imports this module
+
     if not (layout.shards or layout.packing) or overwrite or not (path / "zarr.json").is_file():
         return layout
     try:

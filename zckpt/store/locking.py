@@ -16,10 +16,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zckpt.core.errors import StoreError
 from zckpt.io import locks, remote
-from zckpt.store.store import Store
+
+if TYPE_CHECKING:
+    from zckpt.store.store import Store
 
 
 def store_lock(path: Path) -> contextlib.AbstractContextManager[None]:
@@ -67,6 +70,8 @@ def open_for_ingest(
     path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
 ) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
+    from zckpt.store.store import Store  # the store's modules (~25 ms): transform --dry-run imports this module
+
     if isinstance(path, str):
         return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
     if path.exists() and not overwrite:
@@ -94,6 +99,8 @@ def _open_remote_for_ingest(
 ) -> tuple[Store, str]:
     """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
     files: every object is written whole)."""
+    from zckpt.store.store import Store  # the store's modules (~25 ms): transform --dry-run imports this module
+
     loc = remote.locate(url, storage_options, StoreError)
     present = remote.listdir(loc, StoreError)
     if present and not overwrite:
