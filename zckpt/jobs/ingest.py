@@ -51,12 +51,12 @@ from zckpt.store.chunk_writer import (
 from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout
 from zckpt.store.locking import drop_temporaries, open_for_ingest, remote_store_lock, store_lock
 from zckpt.store.records import GROUP_VERSION, encode_runs, regroup_local
-from zckpt.store.store import Store
 from zckpt.store.task_files import RECORD_FILES, InProcess, shard_files, task_files
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the store's modules: loaded while the sources are read (ingest below)
     from zckpt.store.geometry import ChunkInfo
     from zckpt.store.manifest import EntryRecord
+    from zckpt.store.store import Store
 
 MiB = 1024 * 1024
 
@@ -164,7 +164,7 @@ def ingest(
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
         prepared = plan_sources(
             found, verify_crc=options.verify_crc,
-            # with a cold cache Zarr's import reads its own files from the disk: while the shards are read, not after
+            # with a cold cache the store's import reads its own files from the disk: while the shards are read
             while_reading=lambda: importlib.import_module("zckpt.store.store"))
         return _ingest(prepared, store_path, is_remote, options, place, t0)
 
@@ -374,6 +374,8 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: I
                 report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task;
     ``shared``: what the tasks run in the ingest's own process share)."""
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
+
     if job.target is not None:
         t = job.target
         store = Store.attach(Path(store_path), t.entries, t.infos, t.version)

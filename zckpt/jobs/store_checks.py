@@ -9,7 +9,7 @@ files needs no store (:mod:`zckpt.sources.replicas`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -22,7 +22,9 @@ from zckpt.plan.values import ReplicaCheck
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import open_source
 from zckpt.sources.replicas import same_bytes, sample_boxes
-from zckpt.store.store import Store
+
+if TYPE_CHECKING:
+    from zckpt.store.store import Store
 
 
 class RankChecks(Protocol):
@@ -49,6 +51,8 @@ def check_rank(
     job: RankChecks, store_path: str, options: CheckOptions, files: Mapping[int, str], report: Report | None = None
 ) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
+
     store = Store.open(store_path, mode="r", storage_options=options.storage_options)
     store.prefetch(c.name for c in job.checks)
     compared = 0

@@ -28,7 +28,6 @@ from zckpt.io.fileio import as_disk_full, copy_range_at, write_at
 from zckpt.plan.values import Write
 from zckpt.run.progress import Ticker
 from zckpt.store import packed
-from zckpt.store.geometry import write_runs
 
 if TYPE_CHECKING:
     from zckpt.store.geometry import Run
@@ -258,6 +257,12 @@ class WriteBatch:
     """
 
     def __init__(self, store: Store, limit: int, reader: ShardReader, copier: ChunkCopier) -> None:
+        # the store's modules: loaded while the sources are read (jobs.ingest)
+        from zckpt.store.geometry import write_runs
+
+        self.write_runs = write_runs
+        """:func:`zckpt.store.geometry.write_runs`, imported once per rank, not per box: an import
+        statement run 28 800 times was the largest Python cost of a 512-rank ingest's writes."""
         self.store = store
         self.reader = reader
         self.copier = copier
@@ -348,7 +353,7 @@ def _write_runs(batch: WriteBatch, reader: ShardReader, w: Write, sum_block: int
     folder = str(info.folder) + os.sep
     todo: list[tuple[Run, str, int | None]] = []
     row0 = w.box.start[0]
-    for run in write_runs(info, w.box):
+    for run in batch.write_runs(info, w.box):
         span = (reader.row_bytes_range(w.name, run.tiles[0].start[0] - row0, run.tiles[-1].stop[0] - row0)
                 if whole_rows else None)
         todo.append((run, folder + run.key, span[0] if span is not None and span[1] == run.length else None))

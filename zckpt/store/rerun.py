@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Set
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zckpt.core.errors import StoreError
 from zckpt.io import locks
 from zckpt.store import integrity
-from zckpt.store.store import Store
+
+if TYPE_CHECKING:
+    from zckpt.store.store import Store
 
 
 def to_redo(store: Store, required: Set[int], rank_files: Mapping[int, str]) -> dict[int, str]:
@@ -70,6 +73,8 @@ def complete_already(path: Path, fingerprint: str, required: Set[int], rank_file
     with nothing to redo (:func:`to_redo`), checked under the shared lock of its readers;
     ``None`` when there is work (or no such store), which the caller then does under the
     exclusive lock, checking again."""
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
+
     if not (path / "zarr.json").is_file():
         return None
     with locks.store_reading(path):
