@@ -77,7 +77,7 @@ DOORS = frozenset({"zckpt.io.zarr_local", "zckpt.zarr_bfloat16", "zckpt.jobs.msn
 as heavy as the package behind them."""
 
 PENDING = frozenset({
-    # Being rewritten on another branch at the time of writing: their inner imports are sorted out
+    # Being rewritten on another branch on 2026-11-27: their inner imports are sorted out
     # (moved up or given their reason) once it is merged, and this list is then emptied.
     "zckpt/api.py",
     "zckpt/jobs/dryrun.py",
