@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
+import zckpt
 from zckpt.core.errors import CommandLineError, UsageError
 
 MiB = 1024 * 1024
@@ -63,7 +64,7 @@ def check_values(args: argparse.Namespace) -> None:
     """Checks of option values that need zckpt's own rules, made before any file is read: a
     wrong value is a :class:`CommandLineError` (exit 2), as argparse's are."""
     if getattr(args, "command", None) in ("export", "transform"):
-        from zckpt.jobs.export_job import check_prefix
+        from zckpt.jobs.export_job import check_prefix  # export's modules (numpy): only for export, transform
 
         try:
             check_prefix(args.prefix)
@@ -164,13 +165,11 @@ class VersionAction(argparse.Action):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # ~0.1 s to import: only for --version
 
     try:
         return version("zckpt")
     except PackageNotFoundError:
-        import zckpt
-
         return zckpt.__version__
 
 

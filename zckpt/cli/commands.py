@@ -42,6 +42,7 @@ def _choice_func(a: argparse.Namespace) -> Callable[[str], bool] | None:
     """``--specify-prefix`` / ``--filter-prefix`` as MindSpore's ``choice_func`` (None: every entry)."""
     if not a.specify_prefix and not a.filter_prefix:
         return None
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.segmented import check_prefix, name_filter
 
     try:
@@ -63,6 +64,7 @@ def _progress(a: argparse.Namespace) -> str:
 
 
 def _cmd_ingest(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.ingest import IngestOptions, ingest
     from zckpt.sources.partial_inputs import partial_line
 
@@ -79,7 +81,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
     if a.pack_count is not None:
         opts = replace(opts, pack_count=a.pack_count)
     if a.dry_run:
-        from zckpt.jobs.dryrun import dry_run_ingest
+        from zckpt.jobs.dryrun import dry_run_ingest  # --dry-run's modules: only when asked
 
         return _dry_run(dry_run_ingest(a.src_dir, a.store, a.strategy, opts), a.json)
     r = ingest(a.src_dir, a.store, a.strategy, opts)
@@ -108,6 +110,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.export import export
     from zckpt.jobs.export_job import ExportOptions
 
@@ -119,7 +122,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     opts = replace(opts, format=a.format, max_file_bytes=a.max_file_bytes,
                    storage_options=parse_storage_options(a.storage_option) or None)
     if a.dry_run:
-        from zckpt.jobs.dryrun import dry_run_export
+        from zckpt.jobs.dryrun import dry_run_export  # --dry-run's modules: only when asked
 
         return _dry_run(dry_run_export(a.store, a.out, a.strategy, ranks=a.rank, options=opts), a.json)
     r = export(a.store, a.out, a.strategy, ranks=a.rank, options=opts)
@@ -130,6 +133,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 
 def _cmd_transform(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.transform import TransformOptions, transform
 
     budget = _budget(a)
@@ -140,7 +144,7 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
                             choice_func=_choice_func(a), helper=a.helper)
     if a.dry_run:
-        from zckpt.jobs.dryrun import dry_run_transform
+        from zckpt.jobs.dryrun import dry_run_transform  # --dry-run's modules: only when asked
 
         return _dry_run(dry_run_transform(a.src_dir, a.out, a.src_strategy, a.dst_strategy, ranks=a.rank,
                                           options=opts), a.json)
@@ -166,6 +170,7 @@ def _dry_run(report: DryRunReport, as_json: bool) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.plan.ranklist import rank_arrays_for_transform_maps
     from zckpt.sources.strategies import load_strategy
 
@@ -177,7 +182,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     n = dst.device_num() if dst is not None else 1
     ranks = a.rank if a.rank else list(range(n))
     if a.svg:
-        from zckpt.jobs.draw import plan_picture
+        from zckpt.jobs.draw import plan_picture  # --svg's modules: only when asked
 
         if not a.param:
             raise CommandLineError("--svg needs --param NAME")
@@ -208,6 +213,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _plan_reads(a: argparse.Namespace, src: StrategyMap | None, dst: StrategyMap | None,
                 ranks: Sequence[int] | None) -> PlanReads:
     """``plan --src``: what each destination rank reads from the source files (:mod:`zckpt.jobs.reads`)."""
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.reads import plan_reads
     from zckpt.jobs.transform import plan_transform
 
@@ -216,12 +222,11 @@ def _plan_reads(a: argparse.Namespace, src: StrategyMap | None, dst: StrategyMap
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
-    from zckpt.jobs.info import describe
+    # per command, after ONE_THREAD (module docstring)
+    from zckpt.jobs.info import describe, store_svg
 
     opts = parse_storage_options(a.storage_option) or None
     if a.svg:
-        from zckpt.jobs.info import store_svg
-
         if not a.param:
             raise CommandLineError("--svg needs --param NAME")
         _write_svg(a.svg, store_svg(a.path, a.param, a.dst_strategy, a.rank, opts))
@@ -243,6 +248,7 @@ def _shape_arg(text: str) -> tuple[int, ...]:
 
 
 def _write_svg(path: str, text: str) -> None:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.io.fileio import write_atomic
 
     target = Path(path)
@@ -253,6 +259,7 @@ def _write_svg(path: str, text: str) -> None:
 
 
 def _cmd_merge_strategies(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.plan.merge import merge_strategies
 
     if a.out and a.out_file:
@@ -274,6 +281,7 @@ def _cmd_merge_strategies(a: argparse.Namespace) -> int:
 
 
 def _cmd_load(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.segmented import describe_slice, read_slice, save_npy
 
     s = read_slice(a.store, a.rank, a.strategy, a.param)
@@ -286,6 +294,7 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.store.consolidate import consolidate
 
     r = consolidate(a.store, parse_storage_options(a.storage_option) or None)
@@ -296,6 +305,7 @@ def _cmd_consolidate(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
+    # per command, after ONE_THREAD (module docstring)
     from zckpt.jobs.verify import verify
     from zckpt.jobs.verify_report import summary_lines
 

@@ -6,6 +6,7 @@ pass)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import os
@@ -86,8 +87,6 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
     Not ``os.posix_fallocate``: where the filesystem cannot reserve blocks, glibc's
     ``posix_fallocate`` writes a byte into every block instead, a slow second write of the
     whole file (over NFS, of the network)."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         func = getattr(libc, "fallocate64", None)

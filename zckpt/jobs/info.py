@@ -10,8 +10,11 @@ from typing import Any
 
 from zckpt.core.errors import CheckpointFormatError, UsageError
 from zckpt.formats.opener import open_shard, shard_format
+from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.strategy import read_strategy
 from zckpt.io import remote
+from zckpt.sources.discovery import discover_sources, spool
+from zckpt.sources.layouts import discover_other_layout
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -41,8 +44,6 @@ def describe(path: str | os.PathLike[str], storage_options: remote.StorageOption
 def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Described:
     """A store at a URL is opened where it is; a file is spooled to a temporary copy, and
     errors about the copy name the URL."""
-    from zckpt.sources.discovery import spool
-
     loc = remote.locate(url, storage_options, UsageError)
     if remote.isfile(loc.child("zarr.json"), UsageError):
         return _describe_store(url, storage_options)
@@ -71,10 +72,6 @@ def _describe_file(path: Path, shown: str) -> Described:
 def _describe_dir(path: Path) -> Described:
     """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
     ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
-    from zckpt.formats.rank_files import pick_rank_file
-    from zckpt.sources.discovery import discover_sources
-    from zckpt.sources.layouts import discover_other_layout
-
     ranks = any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir())
     if ranks or discover_other_layout(path) is not None:
         found = discover_sources(path)
@@ -143,7 +140,7 @@ def ms_tensor_map(tensor_map: tuple[tuple[int, ...], ...]) -> list[int | list[in
 
 
 def _describe_store(path: str | Path, storage_options: remote.StorageOptions = None) -> Described:
-    from zckpt.store.store import Store
+    from zckpt.store.store import Store  # a store's modules (~40 ms): not for `zckpt info FILE`
 
     st = Store.open(path, storage_options=storage_options)
     st.check_links()
@@ -160,6 +157,7 @@ def store_svg(path: str | os.PathLike[str], name: str, dst_strategy: str | None,
               storage_options: remote.StorageOptions = None) -> str:
     """``zckpt info STORE --svg``: a parameter's writers and chunk grid in the store, beside
     the boxes a destination strategy gives its ranks (real shapes, from the store)."""
+    # a store's modules and the picture's (~50 ms): not for `zckpt info FILE`
     from zckpt.jobs.draw import Panel, held_boxes, store_picture
     from zckpt.jobs.export_job import plan_export
     from zckpt.store.store import Store

@@ -53,7 +53,7 @@ from zckpt.store.locking import drop_temporaries, open_for_ingest, remote_store_
 from zckpt.store.records import GROUP_VERSION, encode_runs, regroup_local
 from zckpt.store.task_files import RECORD_FILES, InProcess, shard_files, task_files
 
-if TYPE_CHECKING:  # imported where used: importing this module does not load the Zarr-facing store
+if TYPE_CHECKING:  # the store's modules: loaded while the sources are read (ingest below)
     from zckpt.store.geometry import ChunkInfo
     from zckpt.store.manifest import EntryRecord
     from zckpt.store.store import Store
@@ -164,7 +164,7 @@ def ingest(
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
         prepared = plan_sources(
             found, verify_crc=options.verify_crc,
-            # with a cold cache Zarr's import reads its own files from the disk: while the shards are read, not after
+            # with a cold cache the store's import reads its own files from the disk: while the shards are read
             while_reading=lambda: importlib.import_module("zckpt.store.store"))
         return _ingest(prepared, store_path, is_remote, options, place, t0)
 
@@ -374,7 +374,7 @@ def ingest_rank(job: RankJob, store_path: str, options: IngestOptions, shared: I
                 report: Report | None = None) -> int:
     """Write one source rank's boxes into the store and mark the rank done (a Dask task;
     ``shared``: what the tasks run in the ingest's own process share)."""
-    from zckpt.store.store import Store  # the Zarr-facing store: in the task, not when this module is imported
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
 
     if job.target is not None:
         t = job.target

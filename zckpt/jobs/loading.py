@@ -42,6 +42,7 @@ from zckpt.core.layout import Box
 from zckpt.formats.opener import open_shard
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
+from zckpt.formats.unified import find_unified
 from zckpt.io import safe_paths
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network
@@ -382,8 +383,6 @@ def refuse_field_reorder(train: StrategyMap | None, names: Collection[str]) -> N
 
 
 def _unified_index(unified_dir: str | None) -> dict[int, Path]:
-    from zckpt.formats.unified import find_unified
-
     root = Path(os.fspath(unified_dir or ""))
     index = find_unified(root)
     if index is None:

@@ -23,8 +23,8 @@ from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import open_source
 from zckpt.sources.replicas import same_bytes, sample_boxes
 
-if TYPE_CHECKING:  # imported where used: importing this module does not load the Zarr-facing store
-    from zckpt.store.store import Store  # the Zarr-facing store: in the task, not when this module is imported
+if TYPE_CHECKING:
+    from zckpt.store.store import Store
 
 
 class RankChecks(Protocol):
@@ -51,7 +51,7 @@ def check_rank(
     job: RankChecks, store_path: str, options: CheckOptions, files: Mapping[int, str], report: Report | None = None
 ) -> int:
     """Compare one source rank's replicas with what the store holds (after every write)."""
-    from zckpt.store.store import Store  # the Zarr-facing store: in the task, not when this module is imported
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
 
     store = Store.open(store_path, mode="r", storage_options=options.storage_options)
     store.prefetch(c.name for c in job.checks)

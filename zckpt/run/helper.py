@@ -16,6 +16,7 @@ output. Nothing is shared but the files the call writes.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import pickle
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from zckpt.core.errors import ZckptError
+from zckpt.run import engines
 
 R = TypeVar("R")
 
@@ -49,9 +51,7 @@ def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, 
     ranks."""
     if flag is not None:
         return flag
-    from zckpt.run.engines import usable_cpus
-
-    return (workers == 1 and scheduler is None and usable_cpus() > 1 and nbytes >= HELPER_BYTES
+    return (workers == 1 and scheduler is None and engines.usable_cpus() > 1 and nbytes >= HELPER_BYTES
             and sources >= HELPER_SOURCES)
 
 
@@ -82,9 +82,7 @@ def hand_over(helper: Helper | None, units: Sequence[Any], sizes: Sequence[int],
 def overlap_beside(flag: bool | None, client: Any, helper: Helper | None) -> bool:
     """:func:`zckpt.run.engines.overlap_for`, except that auto (``None``) is off beside a helper:
     each process then has one core, and a second thread per task only contends."""
-    from zckpt.run.engines import overlap_for
-
-    return False if helper is not None and flag is None else overlap_for(flag, client)
+    return False if helper is not None and flag is None else engines.overlap_for(flag, client)
 
 
 def share_from(sizes: Sequence[int], step: int = 1) -> int:
@@ -168,8 +166,6 @@ def _end_with(parent: int) -> None:
     """Linux: be killed when the process that started this one ends (killed mid-ingest, its
     rerun must not meet a helper still writing into the store)."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):

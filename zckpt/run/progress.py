@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from zckpt.core.errors import UsageError
+
 MIB = 1024 * 1024
 """Bars count MiB, as every summary does (tqdm's own scaling mixes 1000 and 1024)."""
 
@@ -42,8 +44,6 @@ def mode_of(progress: bool | str) -> str:
     if progress is False or progress is None:
         return OFF
     if progress not in (OFF, BARS, JSON):
-        from zckpt.core.errors import UsageError
-
         raise UsageError(f"progress must be one of off, bars, json, got {progress!r}")
     return str(progress)
 

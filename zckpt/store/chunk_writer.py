@@ -29,7 +29,7 @@ from zckpt.plan.values import Write
 from zckpt.run.progress import Ticker
 from zckpt.store import packed
 
-if TYPE_CHECKING:  # imported where used: the Zarr-facing store is loaded when a store is opened
+if TYPE_CHECKING:
     from zckpt.store.geometry import Run
     from zckpt.store.store import Store
 
@@ -257,10 +257,11 @@ class WriteBatch:
     """
 
     def __init__(self, store: Store, limit: int, reader: ShardReader, copier: ChunkCopier) -> None:
+        # the store's modules: loaded while the sources are read (jobs.ingest)
         from zckpt.store.geometry import write_runs
 
         self.write_runs = write_runs
-        """:func:`zckpt.store.store.write_runs`, imported once per rank, not per box: an import
+        """:func:`zckpt.store.geometry.write_runs`, imported once per rank, not per box: an import
         statement run 28 800 times was the largest Python cost of a 512-rank ingest's writes."""
         self.store = store
         self.reader = reader
@@ -333,7 +334,7 @@ def _bands(box: Box, chunk0: int, row_bytes: int, block_bytes: int) -> list[tupl
 
 def _write_runs(batch: WriteBatch, reader: ShardReader, w: Write, sum_block: int) -> bool:
     """Fill the box's chunks straight from the source file when the store holds raw chunks
-    on a local disk: run by run (:func:`zckpt.store.store.write_runs`), each one byte range of a
+    on a local disk: run by run (:func:`zckpt.store.geometry.write_runs`), each one byte range of a
     chunk or shard file. A run whose rows are one byte range of the source is copied through
     a buffer (:func:`zckpt.io.fileio.copy_range_at`: read once, never through the mapping, so
     resident memory stays flat); the others are cut from the mapped rows chunk by chunk.
@@ -380,7 +381,7 @@ def whole_chunk_copies(
     ``limit`` bytes (most boxes of a job on hundreds of ranks: 28 800 of 74 KB at 512) and
     the others. Each of the first needs one read, one sum and one write and nothing else,
     so its place is found here in one pass, without run objects (:func:`_write_runs` finds
-    the same place through :func:`zckpt.store.store.write_runs`)."""
+    the same place through :func:`zckpt.store.geometry.write_runs`)."""
     if store.is_remote:
         return [], writes
     entries = reader.entries

@@ -76,7 +76,8 @@ def resumable_layout(path: Path, layout: StoreLayout, overwrite: bool) -> StoreL
     """The layout to ingest with: the unpacked (or also unsharded) one when ``path`` holds
     this same ingest, interrupted, begun without packing (by a zckpt of format 4) or without
     shards (format 3), so that resuming finishes it as it began."""
-    from zckpt.store.store import Store  # the store's reading side: only when a store is there
+    # the store's modules: loaded while the sources are read (jobs.ingest); not by transform --dry-run
+    from zckpt.store.store import Store
 
     if not (layout.shards or layout.packing) or overwrite or not (path / "zarr.json").is_file():
         return layout
@@ -100,7 +101,8 @@ def store_layout(
     """The layout of a store for ``plan``: ``strings`` are the values of its string entries,
     ``map_sizes`` the byte size of each MapParameter, ``source`` the provenance record
     (:func:`zckpt.sources.prepare.store_source`); ``sharded`` for a local store."""
-    from zckpt.store.geometry import chunk_shape, shard_grid  # as for Store
+    # the store's modules: loaded while the sources are read (jobs.ingest)
+    from zckpt.store.geometry import chunk_shape, shard_grid
 
     writers: dict[str, list[tuple[int, Box]]] = {}
     for w in plan.writes:

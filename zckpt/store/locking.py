@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from zckpt.core.errors import StoreError
 from zckpt.io import locks, remote
 
-if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
+if TYPE_CHECKING:
     from zckpt.store.store import Store
 
 
@@ -70,7 +70,8 @@ def open_for_ingest(
     path: str | Path, fingerprint: str, overwrite: bool, storage_options: remote.StorageOptions = None
 ) -> tuple[Store, str]:
     """The store to ingest into and what to do: ``"new"``, ``"resume"`` or ``"complete"``."""
-    from zckpt.store.store import Store  # Zarr: only once a store is opened
+    # the store's modules: loaded while the sources are read (jobs.ingest); not by transform --dry-run
+    from zckpt.store.store import Store
 
     if isinstance(path, str):
         return _open_remote_for_ingest(path, fingerprint, overwrite, storage_options)
@@ -99,7 +100,8 @@ def _open_remote_for_ingest(
 ) -> tuple[Store, str]:
     """:func:`open_for_ingest` for a store at a URL (zarr's fsspec store leaves no partial
     files: every object is written whole)."""
-    from zckpt.store.store import Store  # Zarr: only once a store is opened
+    # the store's modules: loaded while the sources are read (jobs.ingest); not by transform --dry-run
+    from zckpt.store.store import Store
 
     loc = remote.locate(url, storage_options, StoreError)
     present = remote.listdir(loc, StoreError)

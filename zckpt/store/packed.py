@@ -24,6 +24,7 @@ own chunk there), as do remote stores (object storage cannot write byte ranges).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -179,8 +180,6 @@ def locate(offset: int, chunk: int, itemsize: int) -> tuple[str, int]:
 
 def read_chunk_length(folder: Path) -> int:
     """The chunk length (elements) recorded in a packed array's ``zarr.json``."""
-    import json
-
     try:
         doc = json.loads(safe_paths.read_bytes(folder / "zarr.json", StoreError))
         (chunk,) = doc["chunk_grid"]["configuration"]["chunk_shape"]

@@ -30,7 +30,7 @@ from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
 from zckpt.write.boxes import batch_bytes
 
-if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
+if TYPE_CHECKING:
     from zckpt.store.chunk_records import Checked
     from zckpt.store.store import Store
 
@@ -57,7 +57,7 @@ class ReadOptions(Protocol):
 def reading(store_or_path: Store | str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
     """Hold a local store shared while it is read (:mod:`zckpt.io.locks`: an ingest cannot
     rewrite it meanwhile, and a reader is refused while one does); remote stores: nothing."""
-    from zckpt.store.store import Store
+    from zckpt.store.store import Store  # the store's modules (~25 ms): transform imports this module, opens no store
 
     if isinstance(store_or_path, Store):
         local = store_or_path.path if store_or_path.location is None else None

@@ -23,7 +23,7 @@ from zckpt.core.errors import StoreError
 from zckpt.io import locks
 from zckpt.store import integrity
 
-if TYPE_CHECKING:  # imported when used: ingest imports zckpt.store.store while it reads the sources
+if TYPE_CHECKING:
     from zckpt.store.store import Store
 
 
@@ -73,7 +73,7 @@ def complete_already(path: Path, fingerprint: str, required: Set[int], rank_file
     with nothing to redo (:func:`to_redo`), checked under the shared lock of its readers;
     ``None`` when there is work (or no such store), which the caller then does under the
     exclusive lock, checking again."""
-    from zckpt.store.store import Store
+    from zckpt.store.store import Store  # the store's modules: loaded while the sources are read (jobs.ingest)
 
     if not (path / "zarr.json").is_file():
         return None

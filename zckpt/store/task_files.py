@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from zckpt.io.fileio import SharedFiles, WriteBehind
 from zckpt.store.chunk_writer import open_chunk_file
 
-if TYPE_CHECKING:  # imported where used: the Zarr-facing store is loaded when a store is opened
+if TYPE_CHECKING:
     from zckpt.store.store import Store
 
 
@@ -67,7 +67,7 @@ class InProcess:
 def _shard_file_limit() -> int:
     """Shard files kept open at once: a quarter of this process's descriptor limit, at most 1 024."""
     try:
-        import resource
+        import resource  # optional: Unix only (ImportError below)
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
