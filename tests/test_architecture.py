@@ -85,18 +85,6 @@ DOORS = frozenset({"zckpt.io.zarr_local", "zckpt.zarr_bfloat16", "zckpt.jobs.msn
 """zckpt's own modules that import one of :data:`HEAVY` as they load (zarr-python, MindSpore):
 as heavy as the package behind them."""
 
-PENDING = frozenset({
-    # Being rewritten on another branch on 2026-11-27: their inner imports are sorted out
-    # (moved up or given their reason) once it is merged, and this list is then emptied.
-    "zckpt/api.py",
-    "zckpt/jobs/dryrun.py",
-    "zckpt/jobs/export.py",
-    "zckpt/jobs/export_job.py",
-    "zckpt/jobs/export_safetensors.py",
-    "zckpt/jobs/transform.py",
-    "zckpt/write/out_dirs.py",
-})
-
 
 def _self_explanatory(node: ast.Import | ast.ImportFrom) -> bool:
     if isinstance(node, ast.Import):
@@ -141,7 +129,7 @@ def test_imports_inside_functions_say_why() -> None:
     """An import inside a function is of a heavy package or says why it is there (a trailing
     comment, or a comment line above its block); any other belongs at the top of its module."""
     found = unexplained(ROOT / "zckpt")
-    assert {f: ls for f, ls in found.items() if f not in PENDING} == {}, \
+    assert found == {}, \
         "imports inside functions without a reason: move them to the top of the module or say why"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zckpt.core.errors import OutputError, SourceError, UsageError
 from zckpt.core.layout import Box
@@ -31,18 +31,17 @@ from zckpt.jobs.ingest import IngestOptions, ingest
 from zckpt.jobs.transform import TransformOptions, transform, transform_rank
 from zckpt.jobs.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
 from zckpt.plan.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
+from zckpt.plan.ranklist import rank_list_for_transform_maps
 from zckpt.sources.strategies import load_strategy
+from zckpt.store.store import Store
 from zckpt.write.destinations import destination, output_file
-
-if TYPE_CHECKING:  # imported where used: the local direct path never loads Zarr
-    from zckpt.store.store import Store
 
 
 def __getattr__(name: str) -> Any:
     """``load_segmented_checkpoints`` (MindSpore's name), re-exported from
     :mod:`zckpt.jobs.segmented` on first use: that module reads stores through Zarr."""
     if name == "load_segmented_checkpoints":
-        from zckpt.jobs.segmented import load_segmented_checkpoints
+        from zckpt.jobs.segmented import load_segmented_checkpoints  # a public name loaded on first use
 
         return load_segmented_checkpoints
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -168,7 +167,6 @@ def transform_checkpoint_by_rank(
     target = output_file(save_checkpoint_file_name, storage_options)
     if target.is_dir():
         raise OutputError("save_checkpoint_file_name is a directory", path=target.url)
-    from zckpt.store.store import Store
 
     with target.scratch() as tmp:
         store = Path(tmp) / "store.zarr"
@@ -207,7 +205,6 @@ def rank_list_for_transform(
 ) -> list[int]:
     """Source ranks whose checkpoints destination ``rank_id`` needs (MindSpore's order: descending).
     Strategy files may be URLs."""
-    from zckpt.plan.ranklist import rank_list_for_transform_maps
 
     _check_rank_id(rank_id)
     _check_strategy_arg(src_strategy_file, "src_strategy_file", storage_options)
@@ -222,7 +219,6 @@ def rank_list_for_transform(
 
 def open_store(path: str | os.PathLike[str]) -> Store:
     """Open a zckpt store read-only (its arrays are plain Zarr v3)."""
-    from zckpt.store.store import Store
 
     return Store.open(path)
 

@@ -30,21 +30,40 @@ from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import DiskFullError, OutputError, StoreError, UsageError
 from zckpt.formats import wire
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
+from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, TensorHeader, header_bytes
+from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import remote
+from zckpt.io.locks import probe_store
+from zckpt.jobs.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export, stage_jobs
+from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
+from zckpt.jobs.transform import (
+    TransformOptions,
+    _fingerprint,
+    check_jobs,
+    is_single_stage_conversion,
+    merged,
+    plan_transform,
+    refuse_remote,
+    refuse_source_unsupplied,
+)
 from zckpt.plan.values import RankExport
+from zckpt.sources.discovery import open_source
 from zckpt.sources.prepare import prepare_ingest, store_source
+from zckpt.sources.replicas import compare_replicas, replica_jobs
+from zckpt.store import packed
+from zckpt.store.geometry import ChunkInfo
 from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout
 from zckpt.store.locking import remote_lock_held, remote_store_lock_of
+from zckpt.store.reader import check_coverage
+from zckpt.store.rerun import to_redo, unsealed
+from zckpt.store.store import Store
 from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_present
 from zckpt.write.safetensors_rank import part_name, split_parts, stem
 
 if TYPE_CHECKING:
-    from zckpt.jobs.export_job import ExportOptions
-    from zckpt.jobs.ingest import IngestOptions
-    from zckpt.jobs.transform import TransformOptions, TransformPlan
+    from zckpt.jobs.transform import TransformPlan
     from zckpt.sources.strategies import StrategyArg
-    from zckpt.store.store import Store
 
 
 @dataclass(frozen=True)
@@ -173,8 +192,6 @@ def safetensors_files(rank: RankExport, target: Path, entries: Entries, options:
                                                                                                             int]]:
     """The files :class:`zckpt.write.safetensors_rank.SafetensorsRankWriter` writes for ``rank``, with their
     sizes: one file, or its parts and their index."""
-    from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, TensorHeader, header_bytes
-    from zckpt.formats.shard_reader import INDEX_SUFFIX
 
     tensors = [TensorHeader(s.name, entries.ms_types[s.name], s.box.shape) for s in rank.slices
                if entries.kinds[s.name] == "tensor"]
@@ -243,18 +260,6 @@ def dry_run_transform(
     ranks: Iterable[int] | None = None, options: TransformOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.jobs.transform.transform` up to its first write."""
-    from zckpt.jobs.export_job import stage_jobs
-    from zckpt.jobs.transform import (
-        TransformOptions,
-        _fingerprint,
-        check_jobs,
-        is_single_stage_conversion,
-        merged,
-        plan_transform,
-        refuse_remote,
-        refuse_source_unsupplied,
-    )
-    from zckpt.sources.replicas import compare_replicas
 
     options = options if options is not None else TransformOptions()
     if options.format not in ("ckpt", "safetensors"):
@@ -294,7 +299,6 @@ def dry_run_transform(
 def _source_entries(plan: TransformPlan, names: set[str]) -> Entries:
     """The entries' kinds and types, and the string values and map lengths the files hold
     (read from the source files that hold them)."""
-    from zckpt.sources.discovery import open_source
 
     specs = {t.name: t for t in plan.source.tensors}
     strings: dict[str, str] = {}
@@ -326,10 +330,6 @@ def dry_run_export(
     ranks: Iterable[int] | None = None, options: ExportOptions | None = None,
 ) -> DryRunReport:
     """:func:`zckpt.jobs.export.export` up to its first write (the store is read, not locked)."""
-    from zckpt.io.locks import probe_store
-    from zckpt.jobs.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export
-    from zckpt.store.reader import check_coverage
-    from zckpt.store.store import Store
 
     options = options if options is not None else ExportOptions()
     if options.format not in ("ckpt", "safetensors"):
@@ -386,8 +386,6 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, require
                   rank_files: Mapping[int, str], storage_options: remote.StorageOptions) -> _IngestState:
     """What :func:`zckpt.store.locking.open_for_ingest` would find, refusing what it refuses,
     opening the store read-only."""
-    from zckpt.store.rerun import to_redo, unsealed
-    from zckpt.store.store import Store
 
     if isinstance(target, str):  # a URL
         children = remote.listdir(remote.locate(target, storage_options, StoreError), StoreError)
@@ -420,7 +418,6 @@ def _ingest_state(target: str | Path, fingerprint: str, overwrite: bool, require
 
 def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions, shared: bool) -> None:
     """The ingest's lock on the store: held by another run, the run would stop there."""
-    from zckpt.io.locks import probe_store
 
     if isinstance(target, Path):
         probe_store(target, shared=shared)
@@ -433,8 +430,6 @@ def _probe_store_lock(target: str | Path, storage_options: remote.StorageOptions
 def store_file_bytes(layout: StoreLayout) -> int:
     """Bytes of the chunk, shard and packed files a store of ``layout`` holds (its JSON
     metadata and progress records aside)."""
-    from zckpt.store import packed
-    from zckpt.store.geometry import ChunkInfo
 
     slots = layout.packing.slots if layout.packing is not None else {}
     total = 0
@@ -457,8 +452,6 @@ def store_file_bytes(layout: StoreLayout) -> int:
 def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str | Path, strategy: StrategyArg = None,
                    options: IngestOptions | None = None) -> DryRunReport:
     """:func:`zckpt.jobs.ingest.ingest` up to its first write: the store is opened read-only."""
-    from zckpt.jobs.ingest import IngestOptions
-    from zckpt.sources.replicas import compare_replicas, replica_jobs
 
     options = options if options is not None else IngestOptions()
     so = options.storage_options

@@ -31,6 +31,7 @@ from zckpt.jobs.export_job import (
     plan_export,
     task_name,
 )
+from zckpt.jobs.export_safetensors import export_safetensors
 from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
@@ -56,7 +57,6 @@ def export(
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
     if options.format != "ckpt":  # safetensors output: zckpt.jobs.export_safetensors
-        from zckpt.jobs.export_safetensors import export_safetensors
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zckpt.core.errors import StoreError, UsageError
 from zckpt.formats.strategy import StrategyMap
@@ -26,11 +26,9 @@ from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import check_coverage, reading
+from zckpt.store.store import Store
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir
-
-if TYPE_CHECKING:  # imported where used: the direct path shares this module's options and never needs Zarr
-    from zckpt.store.store import Store
 
 MiB = 1024 * 1024
 
@@ -94,7 +92,6 @@ class PlannedStore:
         return cls(store.url, store.identity())
 
     def open(self, storage_options: Mapping[str, Any] | None) -> Store:
-        from zckpt.store.store import Store
 
         store = Store.open(self.url, storage_options=storage_options)
         if store.identity() != self.identity:
@@ -170,7 +167,6 @@ def export_session(
 ) -> Iterator[tuple[Store, ExportPlan, OutputDir]]:
     """The store (checked, held shared), its plan (covered) and the output directory (held
     while the export writes it) for as long as an export of any format writes: ``(store, plan, dest)``."""
-    from zckpt.store.store import Store
 
     so = options.storage_options
     with reading(store_or_path):

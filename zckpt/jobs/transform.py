@@ -29,6 +29,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
+from zckpt.jobs.export_safetensors import safetensors_fingerprint
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, TensorSpec, Write
 from zckpt.run.choose import placement
@@ -199,7 +200,6 @@ def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOpti
         if maps:
             raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
                               "safetensors either); write .ckpt", param=maps[0])
-        from zckpt.jobs.export_safetensors import safetensors_fingerprint
 
         fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
