@@ -246,6 +246,20 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
 # --- output directories -------------------------------------------------------------------
 
 
+def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], maps: Sequence[str], advice: str, overwrite: bool,
+                      dest: OutputDir) -> list[tuple[RankExport, Path]]:
+    """The ``.safetensors`` files an export or a transform would write for ``jobs``, refused as
+    they would be: a MapParameter entry (``maps``) has no safetensors form, files already there
+    are refused without ``overwrite``, rank folders must be folders."""
+    if maps:
+        raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
+                          f"safetensors either); {advice}", param=maps[0])
+    jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
+    existing_safetensors(jobs, overwrite, dest)
+    dest.check_folders(p for _, p in jobs)
+    return jobs
+
+
 def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool, dest: OutputDir) -> None:
     """Export's and transform's refusal of safetensors outputs present already."""
     if not overwrite:
@@ -277,13 +291,7 @@ def dry_run_transform(
     jobs = stage_jobs({t.name: t.stages for t in plan.source.tensors}, plan.export, dest.path, options)
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
-        if maps:
-            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                              "safetensors either); write .ckpt", param=maps[0])
-        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        existing_safetensors(jobs, options.overwrite, dest)
-        dest.check_folders(p for _, p in jobs)
-        todo = jobs
+        todo = jobs = _safetensors_jobs(jobs, maps, "write .ckpt", options.overwrite, dest)
     else:
         todo = dest.would_write(jobs, _fingerprint(plan, jobs, options), options.overwrite)
     checks = check_jobs(plan, {n for r, _ in todo for n in r.names}, options.verify_replicas)
@@ -348,13 +356,7 @@ def dry_run_export(
     entries = _store_entries(store)
     if options.format == "safetensors":
         maps = [s.name for r in plan.ranks for s in r.slices if entries.kinds[s.name] == "map"]
-        if maps:
-            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                              "safetensors either); export this store as .ckpt", param=maps[0])
-        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-        existing_safetensors(jobs, options.overwrite, dest)
-        dest.check_folders(p for _, p in jobs)
-        todo = jobs
+        todo = jobs = _safetensors_jobs(jobs, maps, "export this store as .ckpt", options.overwrite, dest)
     else:
         todo = dest.would_write(jobs, export_fingerprint(store, jobs, options), options.overwrite)
         if options.reader not in ("zarr", "dask"):
