@@ -453,9 +453,8 @@ def test_cluster_task_refuses_a_store_rewritten_after_planning(job: Job, tmp_pat
     is stopped when the store is no longer the one the export was planned on, instead of
     writing model B's data into a file beside files of model A; the planned store still
     exports."""
-    from zckpt.jobs.export import write_file
+    from zckpt.jobs.export import write_file, write_safetensors_file
     from zckpt.jobs.export_job import ExportOptions, PlannedStore, plan_export
-    from zckpt.jobs.export_safetensors import write_safetensors_file
     from zckpt.jobs.ingest import IngestOptions, ingest
     from zckpt.store.store import Store
 

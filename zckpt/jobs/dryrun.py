@@ -59,6 +59,7 @@ from zckpt.store.reader import check_coverage
 from zckpt.store.rerun import to_redo, unsealed
 from zckpt.store.store import Store
 from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_present
+from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.safetensors_rank import part_name, split_parts, stem
 
 if TYPE_CHECKING:
@@ -252,8 +253,7 @@ def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], maps: Sequence[str], 
     they would be: a MapParameter entry (``maps``) has no safetensors form, files already there
     are refused without ``overwrite``, rank folders must be folders."""
     if maps:
-        raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                          f"safetensors either); {advice}", param=maps[0])
+        raise no_safetensors_form(maps[0], advice)
     jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
     existing_safetensors(jobs, overwrite, dest)
     dest.check_folders(p for _, p in jobs)

@@ -1,4 +1,5 @@
-"""Export: materialise each destination rank's slices from the store into ``.ckpt`` files.
+"""Export: materialise each destination rank's slices from the store into ``.ckpt`` or
+``.safetensors`` files.
 
 Each destination rank is one Dask task (ranks run in parallel with ``workers``). Inside a
 rank, slices are cut into bands of at most ``block_bytes`` and materialised batch by batch,
@@ -8,10 +9,20 @@ batch as concurrent Zarr reads in one event-loop round trip; ``"dask"`` builds e
 a lazy ``dask.array`` view of the Zarr array and computes the batch with Dask. Both give the
 same bytes; the Zarr reader avoids Dask's per-chunk task overhead (about 4x faster on
 models with hundreds of small tensors, see bench/RESULTS.md).
+
+Safetensors outputs (:func:`export_safetensors`) are written by the safetensors rank writer
+(:mod:`zckpt.write.safetensors_rank`: one file, or HF-style parts and an index), after their
+own refusals (MapParameter entries, outputs present already); each task publishes its rank's
+files through its destination (a remote rank is written in a local temporary directory and
+uploaded, parts before the index, once complete). MindSpore's own safetensors jobs use this
+layout, so the files load with ``mindspore.load_checkpoint(f, format="safetensors")`` and
+with any safetensors reader.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -31,7 +42,6 @@ from zckpt.jobs.export_job import (
     plan_export,
     task_name,
 )
-from zckpt.jobs.export_safetensors import export_safetensors
 from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
@@ -39,7 +49,8 @@ from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.write.boxes import RankResult
-from zckpt.write.destinations import OutputDir, output_file
+from zckpt.write.destinations import OutputDir, output_file, refuse_present
+from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import rank_writer
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
@@ -56,7 +67,7 @@ def export(
     options: ExportOptions = ExportOptions(),
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
-    if options.format != "ckpt":  # safetensors output: zckpt.jobs.export_safetensors
+    if options.format != "ckpt":  # safetensors output: export_safetensors below
 
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
@@ -144,3 +155,65 @@ def export_rank(
             raise OutputError("output file already exists (--overwrite replaces it)", path=path)
         with disk_full_named(path):
             return rank_writer(options).write(StoreReader(store, options), plan.ranks[0], path)
+
+
+def export_safetensors(
+    store_or_path: Store | str | Path,
+    out_dir: str | Path,
+    strategy: StrategyArg = None,
+    *,
+    ranks: Iterable[int] | None = None,
+    options: ExportOptions | None = None,
+) -> ExportReport:
+    """Write ``out_dir/rank_<r>/<prefix><r>.safetensors`` for every (or each requested) rank."""
+    options = options if options is not None else ExportOptions(format="safetensors")
+    if options.format != "safetensors":
+        raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    t0 = time.perf_counter()
+    with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, dest):
+        return _export_safetensors(store, plan, dest, options, t0)
+
+
+def _export_safetensors(store: Store, plan: ExportPlan, dest: OutputDir, options: ExportOptions,
+                        t0: float) -> ExportReport:
+    kinds = {e.name: e.kind for e in store.entries()}
+    for r in plan.ranks:
+        for s in r.slices:
+            if kinds[s.name] == "map":
+                raise no_safetensors_form(s.name, "export this store as .ckpt")
+    jobs = [(r, p.with_suffix(SUFFIX)) for r, p in output_jobs(store, plan, dest.path, options)]
+    fingerprint = safetensors_fingerprint(export_fingerprint(store, jobs, options), options)
+    if not options.overwrite:
+        clash = dest.present(jobs)
+        if clash and dest.finished_as_recorded(fingerprint):
+            return ExportReport(dest.url, (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
+        refuse_present(clash)
+    dest.make_folders(p for _, p in jobs)
+    sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
+    units = [(r, dest.target(p)) for r, p in jobs]
+    with placement(options) as place, place.running():
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        results = place.run(write_safetensors_file, units, PlannedStore.of(store), options, label="export",
+                            progress=options.progress, name=task_name,
+                            size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
+    dest.remember_all(fingerprint)
+    return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)
+
+
+def safetensors_fingerprint(base: str, options: ExportOptions) -> str:
+    """Identity of a safetensors export or transform: the ``.ckpt`` one's ``base`` (which
+    holds the ``.safetensors`` file names), with how ranks are split into parts."""
+    doc = {"base": base, "format": "safetensors", "max_file_bytes": options.max_file_bytes}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def write_safetensors_file(
+    unit: tuple[RankExport, str], store: PlannedStore, options: ExportOptions, report: Report | None = None
+) -> RankResult:
+    """Write one destination rank (a Dask task: it opens the store itself)."""
+    rank, target = unit
+    reader = StoreReader(store.open(options.storage_options), options)
+    reader.store.prefetch(s.name for s in rank.slices)
+    ticker = Ticker(report)
+    return output_file(target, options.storage_options).publish_parts(
+        lambda path: rank_writer(options).write(reader, rank, path, ticker))

@@ -5,7 +5,7 @@ writes, its identity and its report.
 writes; :func:`output_jobs` names its files (one per destination rank, or per source
 stage); :func:`export_fingerprint` identifies it, so that a rerun keeps what a previous run
 completed. The ``.ckpt`` export (:mod:`zckpt.export`) and the safetensors export
-(:mod:`zckpt.jobs.export_safetensors`) are both built on these.
+(:mod:`zckpt.jobs.export`) are both built on these.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ExportOptions:
     per_stage: bool = False
     """Write one ``<prefix><r>_part<s>.ckpt`` per source pipeline stage ``s`` (MindSpore's per-stage
     conversion): the parts of a rank together hold what the single file would."""
-    # --- safetensors output (zckpt.jobs.export_safetensors) ---
+    # --- safetensors output (zckpt.jobs.export) ---
     format: str = "ckpt"
     """``"ckpt"`` or ``"safetensors"`` (``rank_<r>/<prefix><r>.safetensors``, MindSpore's layout)."""
     max_file_bytes: int = 0

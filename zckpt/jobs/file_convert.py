@@ -31,6 +31,7 @@ from zckpt.core.layout import Box
 from zckpt.formats.opener import open_shard
 from zckpt.plan.values import RankExport, Slice
 from zckpt.write.box_adapters import Renamed, ShardBoxes
+from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.writers import file_writer
 
 BLOCK_BYTES = 64 * 1024 * 1024
@@ -49,8 +50,7 @@ def convert_file(src: Path, dst: Path, dst_format: str, name_map: Mapping[str, s
         if dst_format == "safetensors":
             for e in entries:
                 if e.kind == "map":
-                    raise CheckpointFormatError("MapParameter entries have no safetensors form (MindSpore cannot "
-                                                "save them as safetensors either)", path=src, param=e.name)
+                    raise no_safetensors_form(e.name, error=CheckpointFormatError, path=src)
         pairs = list(zip(entries, new_names, strict=True))
         boxes = Renamed(ShardBoxes(reader, BLOCK_BYTES), {new: e.name for e, new in pairs})
         slices = tuple(Slice(new, Box.full(e.shape)) for e, new in pairs)

@@ -28,8 +28,8 @@ from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher, disk_full_named
+from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
-from zckpt.jobs.export_safetensors import safetensors_fingerprint
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, TensorSpec, Write
 from zckpt.run.choose import placement
@@ -42,7 +42,7 @@ from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, refuse_present
-from zckpt.write.safetensors_file import SUFFIX
+from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import OUTPUTS, rank_writer
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
@@ -198,8 +198,7 @@ def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOpti
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
         if maps:
-            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                              "safetensors either); write .ckpt", param=maps[0])
+            raise no_safetensors_form(maps[0], "write .ckpt")
 
         fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
         jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]

@@ -51,6 +51,7 @@ from zckpt.store.reader import StoreReader, reading
 from zckpt.store.store import Store
 from zckpt.write.box_adapters import Renamed, ShardBoxes
 from zckpt.write.boxes import WriterSettings
+from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.writers import file_writer
 
 PART_BYTES = 3 * 1024**3
@@ -133,7 +134,7 @@ def copy_hyper(rank0_file: str | os.PathLike[str], in_parts: set[str], target: P
             return None
         for n, e in rest.items():
             if e.kind == "map":
-                raise UsageError("MapParameter entries have no safetensors form", path=rank0_file, param=n)
+                raise no_safetensors_form(n, error=UsageError, path=rank0_file)
         slices = tuple(Slice(n, Box.full(e.shape)) for n, e in rest.items())
         file_writer("safetensors", WriterSettings.of(options)).write(ShardBoxes(r, options.block_bytes),
                                                               RankExport(0, slices), target)
@@ -188,7 +189,7 @@ def _unify(store: Store, dst: Path, strategy: StrategyMap | None, choice_func: C
         if t.kind == "str":
             strings.append((t.name, out))
         elif t.kind != "tensor":
-            raise UsageError("MapParameter entries have no safetensors form", param=t.name)
+            raise no_safetensors_form(t.name, error=UsageError)
         elif _is_parameter(t, strategy):
             params.append((t.name, out, t.nbytes))
         else:

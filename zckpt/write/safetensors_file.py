@@ -15,12 +15,13 @@ complete.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from zckpt.core.errors import OutputError
+from zckpt.core.errors import OutputError, ZckptError
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.io.fileio import Publisher
 from zckpt.plan.values import RankExport, Slice
@@ -30,12 +31,19 @@ from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings,
 SUFFIX = ".safetensors"
 
 
+def no_safetensors_form(name: str, advice: str = "", error: type[ZckptError] = OutputError,
+                        path: str | os.PathLike[str] | None = None) -> ZckptError:
+    """The refusal of a MapParameter entry ``name`` bound for a safetensors file, whichever job
+    meets it first (an export, a transform, a file conversion, the unified directory)."""
+    return error("MapParameter entries have no safetensors form (MindSpore cannot save them as safetensors either)"
+                 + (f"; {advice}" if advice else ""), path=path, param=name)
+
+
 def refuse_maps(reader: BoxReader, slices: Sequence[Slice]) -> None:
     """Fail by name on a MapParameter entry, before any file is written."""
     for s in slices:
         if reader.kind(s.name) == "map":
-            raise OutputError("MapParameter entries have no safetensors form (MindSpore cannot save them as "
-                              "safetensors either); write this rank as .ckpt", param=s.name)
+            raise no_safetensors_form(s.name, "write this rank as .ckpt")
 
 
 def tensor_headers(reader: BoxReader, slices: Sequence[Slice]) -> list[TensorHeader]:
