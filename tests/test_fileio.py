@@ -277,3 +277,34 @@ def test_allocate_grows_the_file_to_zeros(tmp_path: Path) -> None:
         if f.tell() == 3:
             pytest.skip("this system cannot reserve blocks")
     assert path.read_bytes() == b"abc" + bytes(10_000 - 3)
+
+
+def test_an_unnamed_file_gets_its_final_name_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new name is linked straight to the unnamed file: no temporary name exists at any
+    moment, so a SIGKILL between two calls cannot leave one (it did, between the link to a
+    temporary name and the rename). A file that replaces another still goes through a
+    temporary name and a rename, and both end with the new bytes."""
+    from zckpt.io import new_files, safe_paths
+
+    probe = new_files.NewFile(tmp_path / "probe")
+    if not probe.unnamed:
+        probe.discard()
+        pytest.skip("no O_TMPFILE with a usable link on this filesystem")
+    probe.discard()
+    temps: list[Path] = []
+    real_temp_name = safe_paths.temp_name
+
+    def temp_name(path: Path) -> Path:
+        temps.append(path)
+        return real_temp_name(path)
+
+    monkeypatch.setattr(safe_paths, "temp_name", temp_name)
+    new = new_files.NewFile(tmp_path / "fresh")
+    new.file.write(b"first")
+    new.publish(fsync=True)
+    assert temps == [] and (tmp_path / "fresh").read_bytes() == b"first"
+    again = new_files.NewFile(tmp_path / "fresh")
+    again.file.write(b"second")
+    again.publish(fsync=True)
+    assert temps == [tmp_path / "fresh"] and (tmp_path / "fresh").read_bytes() == b"second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh"]

@@ -4,8 +4,9 @@ Every file zckpt writes into a user's directory or a store (rank files, safetens
 parts and indexes, a store's records) is written as a :class:`NewFile` and published
 under its final name by an atomic rename, so the final name never shows a partial file.
 Where the system allows, the file has no name at all while it is written: it is created
-with ``O_TMPFILE`` in its destination folder, and publishing links it to a temporary name
-and renames that over the final name (the link and the rename take microseconds). A
+with ``O_TMPFILE`` in its destination folder, and publishing links it to its final name in
+one call (or, when a file of that name is to be replaced, to a temporary name renamed over
+it: the link and the rename take microseconds). A
 process killed while writing (``SIGKILL``, power loss) then leaves nothing behind: the
 kernel frees an unnamed file when its last descriptor closes. Elsewhere (no ``O_TMPFILE``
 on the filesystem, or no way to link an unnamed file) the file is created under
@@ -80,19 +81,37 @@ class NewFile:
         survives a crash. The file is dropped on any failure."""
         try:
             self.sync(fsync)
-            if self.temp is None:
-                assert self._link is not None
-                temp = safe_paths.temp_name(self.path)
-                self._link(self.file.fileno(), temp)
-                self.temp = temp
-            self.file.close()
-            os.replace(self.temp, self.path)
-            self.temp = None
+            if self.temp is None and self._link_final():
+                self.file.close()
+            else:
+                self._rename_over()
         except BaseException:
             self.discard()
             raise
         if fsync and sync_dir:
             fsync_dir(self.path.parent)
+
+    def _link_final(self) -> bool:
+        """Link the unnamed file straight to its final name when that name is free: one
+        atomic call, so no kill can leave a temporary name behind. ``False`` when the name
+        exists (the file then replaces it by :meth:`_rename_over`)."""
+        assert self._link is not None
+        try:
+            self._link(self.file.fileno(), self.path)
+        except FileExistsError:
+            return False
+        return True
+
+    def _rename_over(self) -> None:
+        """Name the file under a temporary name (unless it has one) and rename that over ``path``."""
+        if self.temp is None:
+            assert self._link is not None
+            temp = safe_paths.temp_name(self.path)
+            self._link(self.file.fileno(), temp)
+            self.temp = temp
+        self.file.close()
+        os.replace(self.temp, self.path)
+        self.temp = None
 
     def discard(self) -> None:
         """Close and forget the file (its temporary name removed, if it has one)."""
