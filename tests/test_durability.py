@@ -1,10 +1,12 @@
-"""Durability: every finished output is synced before its rename, and its directory after.
+"""Durability: every finished output is synced before it gets its name, and its directory after.
 
-A rename is atomic but not durable: after a power cut the new name may be gone (its
-directory was never synced), or present with a file whose bytes never reached the disk (the
-file was never synced). This test records the real ``fsync`` and ``rename`` system calls
-(paths read back from ``/proc/self/fd``) while zckpt writes each kind of output, and fails
-when any of those syncs is removed.
+A file gets its final name atomically, by a rename (or, written unnamed, by a link straight
+to that name: :meth:`zckpt.io.new_files.NewFile.publish`), but that is not durable: after a
+power cut the new name may be gone (its directory was never synced), or present with a file
+whose bytes never reached the disk (the file was never synced). This test records the real
+``fsync`` and ``rename`` system calls and the final links (paths read back from
+``/proc/self/fd``) while zckpt writes each kind of output, and fails when any of those syncs
+is removed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from zckpt.cli.main import main as cli_main
+from zckpt.io import new_files
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 
@@ -24,8 +27,9 @@ Event = tuple[str, str, str]
 
 @pytest.fixture
 def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Event]]:
-    """``("fsync", path, inode)``, ``("rename", inode, dst)`` and ``("unlink", path, "")`` in
-    the order they happen (files are told by inode: a new file may have no name when synced)."""
+    """``("fsync", path, inode)``, ``("rename", inode, dst)`` (a rename, or an unnamed file
+    linked to its final name) and ``("unlink", path, "")`` in the order they happen (files are
+    told by inode: a new file may have no name when synced)."""
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc/self/fd to name synced descriptors")
     events: list[Event] = []
@@ -46,6 +50,15 @@ def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Event]]:
         real_unlink(path, *a, **k)  # type: ignore[arg-type]
         events.append(("unlink", where, ""))
 
+    real_link_final = new_files.NewFile._link_final
+
+    def link_final(self: new_files.NewFile) -> bool:
+        linked = real_link_final(self)
+        if linked:
+            events.append(("rename", str(os.stat(self.path).st_ino), os.path.realpath(self.path)))
+        return linked
+
+    monkeypatch.setattr(new_files.NewFile, "_link_final", link_final)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", wrap(real_replace))
     monkeypatch.setattr(os, "rename", wrap(real_rename))
@@ -54,10 +67,10 @@ def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Event]]:
 
 
 def assert_durable(events: list[Event], final: Path) -> None:
-    """``final`` was synced under its temporary name, renamed, then its directory synced."""
+    """``final`` was synced before it got its name (renamed, or linked), then its directory synced."""
     final = Path(os.path.realpath(final))
     renames = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
-    assert renames, f"{final} was not published by a rename"
+    assert renames, f"{final} was not published by a rename or a link to its final name"
     at = renames[-1]
     inode = events[at][1]
     assert any(e[0] == "fsync" and e[2] == inode for e in events[:at]), \

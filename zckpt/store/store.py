@@ -228,8 +228,9 @@ class Store:
             records.append(EntryRecord(t.name, t.kind, t.ms_type, t.shape, node, None, t.stages, t.note))
             self._writers[t.name] = list(writers.get(t.name, ()))
         self._backend.define_arrays(defined, packing.arrays if packing is not None else ())
-        for name, arr in create_arrays(self.group, pending, compressors):  # compressed: through zarr-python
-            self._arrays.keep(name, arr)
+        if pending:  # compressed: through zarr-python (imported only then)
+            for name, arr in create_arrays(self.group, pending, compressors):
+                self._arrays.keep(name, arr)
         self._backend.define_records_folder()
         self._seal_manifest(entries=[r.to_json() for r in records], source=dict(source), fingerprint=fingerprint)
         self._entries = {r.name: r for r in records}  # as the manifest now says: not parsed back
