@@ -308,3 +308,16 @@ def test_an_unnamed_file_gets_its_final_name_in_one_call(tmp_path: Path, monkeyp
     again.publish(fsync=True)
     assert temps == [tmp_path / "fresh"] and (tmp_path / "fresh").read_bytes() == b"second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh"]
+
+
+def test_a_region_reader_refuses_a_map_entry_by_name() -> None:
+    """A loaded rank's regions hold tensors and strings: a MapParameter entry is refused with a
+    zckpt error that names it, not a crash."""
+    from zckpt.core.errors import OutputError
+    from zckpt.core.layout import Box
+    from zckpt.write.box_adapters import RegionBoxes
+
+    boxes = RegionBoxes([("table", "map", "Float32", Box.full((2,)))], lambda n, b: "")
+    with pytest.raises(OutputError, match="MapParameter") as err:
+        boxes.map_bytes("table")
+    assert err.value.param == "table"

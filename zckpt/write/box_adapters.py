@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
+from zckpt.core.errors import OutputError
 from zckpt.core.layout import Box
 from zckpt.formats.entries import FileRange
 from zckpt.formats.shard_reader import ShardReader
@@ -88,7 +89,9 @@ class RegionBoxes:
         return str(self.read(name, self.entries[name][2]))
 
     def map_bytes(self, name: str) -> bytes:
-        raise NotImplementedError("a region reader holds no MapParameter entries")
+        """Refused by name: a loaded rank's regions are tensors and strings; a MapParameter
+        entry has no region to read."""
+        raise OutputError("a MapParameter entry cannot be written from a loaded rank's regions", param=name)
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         return None
