@@ -33,7 +33,7 @@ TITLES = {
     5: "plan: frozen plan values from pure layout maths",
     6: "formats: .ckpt, safetensors, strategy files, MindFormers, unified",
     7: "io: files local and remote, checksums, locks, safe paths",
-    8: "core: errors, dtypes, strategy values, sharding maths",
+    8: "core: errors, dtypes, strategy values, sharding maths; protoc's output",
 }
 
 

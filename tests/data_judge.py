@@ -28,8 +28,8 @@ import numpy as np
 import oracle
 
 from zckpt.core.errors import ZckptError
-from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2 as ckpt_pb
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 DTYPES = {"Float32": np.float32, "Float16": np.float16, "Int32": np.int32, "Int64": np.int64, "Float64": np.float64}
 

@@ -36,7 +36,6 @@ from zckpt.core.errors import ZckptError
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
-from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.formats.strategy import (
     StrategyMap,
     encode_strategy,
@@ -45,6 +44,7 @@ from zckpt.formats.strategy import (
     read_strategies,
     read_strategy,
 )
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2 as ckpt_pb
 
 T = TypeVar("T")
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 Layout = dict[str, Any]
 

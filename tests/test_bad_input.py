@@ -161,7 +161,7 @@ def test_strategy_that_does_not_fit(example: Path, tmp_path: Path, capsys: pytes
 
 
 def test_tensor_map_axis_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+    from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
     msg = pb.ParallelStrategyMap()
     msg.current_stage = 0

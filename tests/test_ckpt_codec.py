@@ -28,13 +28,13 @@ from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header
 from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.entries import FileRange
-from zckpt.formats.pb import ms_checkpoint_pb2
 from zckpt.formats.strategy import fold_layout, make_layout, read_strategy
 from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch
 from zckpt.jobs import generate
 from zckpt.jobs.generate import encode_string, encode_tensor, write_model
 from zckpt.jobs.generate_layouts import random_layout
 from zckpt.jobs.generate_model import TensorDef, global_value, transformer_like
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2
 
 ALL_TYPES = sorted(MS_DTYPES)
 SCENARIOS = ["s01", "s02", "s03", "s03b", "s04", "s05", "s06", "s07", "s08", "s09", "s10", "s11", "s12", "s14", "s15"]

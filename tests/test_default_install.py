@@ -31,7 +31,7 @@ DST_S = str(EXAMPLE / "dst" / "strategy.ckpt")
 
 NOT_INSTALLED = {
     "mindspore": "the user's own MindSpore, imported only to load values into a network it gave",
-    "grpc_tools": "zckpt/formats/pb/regen.py regenerates the protobuf classes (a developer tool, test extra)",
+    "grpc_tools": "third_party/mindspore_proto/regen.py regenerates protoc's modules (a developer tool, test extra)",
 }
 """Packages zckpt imports that its install does not bring, and why."""
 

@@ -36,11 +36,11 @@ import pytest
 import zckpt
 import zckpt.parallel
 from zckpt.cli.parser import build_parser
-from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import ParamLayout
 from zckpt.jobs.generate import write_pipeline_strategies
 from zckpt.jobs.generate_model import TensorDef
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2 as ckpt_pb
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2

@@ -94,7 +94,7 @@ def _with_devices(ex: Path, n: int, name: str) -> Path:
 
 
 def test_tensor_map_naming_a_missing_axis(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+    from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
     msg = pb.ParallelStrategyMap()
     msg.ParseFromString((example / "src" / "strategy.ckpt").read_bytes())

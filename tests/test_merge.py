@@ -24,7 +24,6 @@ from mindspore_env import require_ms_python, run_ms_tool
 import zckpt
 from zckpt.cli.main import main
 from zckpt.core.errors import OutputError, StrategyError, UsageError, ZckptError
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import (
     ParamLayout,
     StrategyMap,
@@ -41,6 +40,7 @@ from zckpt.plan.merge import (
     merge_strategies,
     merge_strategy_files,
 )
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 PIPELINE = ["s06", "s07"]
 

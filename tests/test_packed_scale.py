@@ -22,9 +22,9 @@ import pytest
 
 import zckpt
 from zckpt.core.errors import StoreError
-from zckpt.formats.pb import ms_checkpoint_pb2 as ckpt_pb
 from zckpt.jobs.verify import verify
 from zckpt.store import integrity
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2 as ckpt_pb
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 20_000

@@ -1,8 +1,8 @@
 """The checked-in protobuf modules agree with ``proto/``, and with zckpt's own wire reader.
 
-``zckpt/formats/pb/*_pb2.py`` embed a serialized ``FileDescriptorProto``; compiling
+``zckpt/third_party/mindspore_proto/*_pb2.py`` embed a serialized ``FileDescriptorProto``; compiling
 ``proto/*.proto`` afresh must give the same descriptor, otherwise someone edited one side
-without running ``python -m zckpt.formats.pb.regen``. The second half checks that bytes
+without running ``python -m zckpt.third_party.mindspore_proto.regen``. The second half checks that bytes
 produced by the generated classes are read by :class:`CkptReader` exactly as protobuf
 itself reads them, including encodings MindSpore does not emit but protobuf allows.
 """
@@ -19,7 +19,7 @@ from google.protobuf import descriptor_pb2, text_format
 
 from zckpt.formats import wire
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.pb import ms_checkpoint_pb2, ms_node_strategy_pb2, regen
+from zckpt.third_party.mindspore_proto import ms_checkpoint_pb2, ms_node_strategy_pb2, regen
 
 PROTO_DIR = Path(__file__).resolve().parents[1] / "proto"
 MODULES: dict[str, ModuleType] = {
@@ -87,7 +87,7 @@ def differences(
 def test_generated_modules_match_proto_sources(tmp_path: Path) -> None:
     compiled = compile_protos(PROTO_DIR, tmp_path / "set.pb")
     assert set(compiled) == set(MODULES)
-    assert differences(compiled, MODULES) == {}, "run `python -m zckpt.formats.pb.regen`"
+    assert differences(compiled, MODULES) == {}, "run `python -m zckpt.third_party.mindspore_proto.regen`"
 
 
 def test_descriptor_comparison_detects_an_edited_proto(tmp_path: Path) -> None:

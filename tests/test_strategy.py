@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from zckpt.core.errors import StrategyError
 from zckpt.core.layout import tp_splits
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import (
     ParamLayout,
     StrategyMap,
@@ -27,6 +26,7 @@ from zckpt.formats.strategy import (
 )
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_layouts import random_layout
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

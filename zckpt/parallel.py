@@ -8,7 +8,6 @@ defaults and raise cases; docs/mindspore-api.md maps each one.
 
 from __future__ import annotations
 
-from zckpt import api
 from zckpt.api import (
     load_segmented_checkpoints,
     merge_pipeline_strategys,
@@ -19,38 +18,14 @@ from zckpt.api import (
 from zckpt.jobs.loading import load_distributed_checkpoint
 from zckpt.jobs.unified import unified_safetensors
 
+rank_list_for_convert = rank_list_for_transform
+"""The source ranks a destination rank needs (2.10's name of ``rank_list_for_transform``)."""
 
-def rank_list_for_convert(
-    rank_id: int, src_strategy_file: str | None = None, dst_strategy_file: str | None = None
-) -> list[int]:
-    """The source ranks destination ``rank_id`` needs (2.10's name of ``rank_list_for_transform``)."""
-    return api.rank_list_for_transform(rank_id, src_strategy_file, dst_strategy_file)
+convert_checkpoint_by_rank = transform_checkpoint_by_rank
+"""Convert one destination rank (2.10's name of ``transform_checkpoint_by_rank``)."""
 
-
-def convert_checkpoint_by_rank(
-    rank_id: int,
-    checkpoint_files_map: dict[int, str],
-    save_checkpoint_file_name: str,
-    src_strategy_file: str | None = None,
-    dst_strategy_file: str | None = None,
-) -> None:
-    """Convert one destination rank (2.10's name of ``transform_checkpoint_by_rank``)."""
-    api.transform_checkpoint_by_rank(rank_id, checkpoint_files_map, save_checkpoint_file_name, src_strategy_file,
-                                     dst_strategy_file)
-
-
-def convert_checkpoints(
-    src_checkpoints_dir: str,
-    dst_checkpoints_dir: str,
-    ckpt_prefix: str,
-    src_strategy_file: str | None = None,
-    dst_strategy_file: str | None = None,
-    process_num: int = 1,
-    output_format: str = "ckpt",
-) -> None:
-    """Convert a whole job (2.10's name of ``transform_checkpoints``)."""
-    api.transform_checkpoints(src_checkpoints_dir, dst_checkpoints_dir, ckpt_prefix, src_strategy_file,
-                              dst_strategy_file, process_num, output_format)
+convert_checkpoints = transform_checkpoints
+"""Convert a whole job (2.10's name of ``transform_checkpoints``)."""
 
 
 __all__ = [

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from zckpt.formats import wire  # noqa: E402
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header  # noqa: E402
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb  # noqa: E402
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1] / "fuzz_corpus"
 

@@ -40,7 +40,7 @@ from zckpt.core.strategy_values import expand_layout as expand_layout
 from zckpt.core.strategy_values import fold_candidates as fold_candidates
 from zckpt.core.strategy_values import fold_layout as fold_layout
 from zckpt.core.strategy_values import make_layout as make_layout
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 _STAGE_PREFIX = re.compile(r"^([0-9]{1,10})-(.+)$", re.DOTALL)
 """MindSpore writes ``f"{stage}-{name}"`` with a uint32 stage: ASCII digits only and at most

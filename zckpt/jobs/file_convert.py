@@ -20,11 +20,13 @@ as strings); MapParameter entries have no safetensors form and are refused, nami
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Concatenate, ParamSpec
 
 from zckpt.core.errors import CheckpointFormatError, UsageError
 from zckpt.core.layout import Box
@@ -33,6 +35,8 @@ from zckpt.plan.values import RankExport, Slice
 from zckpt.write.box_adapters import Renamed, ShardBoxes
 from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.writers import file_writer
+
+_P = ParamSpec("_P")
 
 BLOCK_BYTES = 64 * 1024 * 1024
 """Most bytes of one tensor in memory at a time while copying."""
@@ -78,14 +82,15 @@ def _other(suffix: str) -> str:
 
 
 def convert_checkpoint_files(
-    file_path: str,
-    save_path: str | None,
-    name_map: Mapping[str, str] | None,
-    file_name_regex: str | None,
-    processes_num: int,
     dst_format: str,
-) -> list[Path]:
-    """MindSpore's ``_convert_checkpoint_file``: the checks, the file choice, the conversion."""
+    file_path: str,
+    save_path: str | None = None,
+    name_map: dict[str, str] | None = None,
+    file_name_regex: str | None = None,
+    processes_num: int = 1,
+) -> None:
+    """MindSpore's ``_convert_checkpoint_file``: the checks, the file choice, the conversion.
+    Its parameters after ``dst_format`` are MindSpore's, stated once for both public names."""
     src_suffix = ".ckpt" if dst_format == "safetensors" else ".safetensors"
     func = "ckpt_to_safetensors" if dst_format == "safetensors" else "safetensors_to_ckpt"
     if not isinstance(file_path, (str, os.PathLike)):
@@ -110,28 +115,32 @@ def convert_checkpoint_files(
         folder.mkdir(parents=True, exist_ok=True)
         tasks = [(src, folder / src.name.replace(src_suffix, _other(src_suffix)))]
     if processes_num == 1 or len(tasks) <= 1:
-        return [convert_file(s, d, dst_format, name_map) for s, d in tasks]
+        for s, d in tasks:
+            convert_file(s, d, dst_format, name_map)
+        return
     with ThreadPoolExecutor(max_workers=processes_num, thread_name_prefix="zckpt-convert") as pool:
-        return list(pool.map(lambda t: convert_file(t[0], t[1], dst_format, name_map), tasks))
+        list(pool.map(lambda t: convert_file(t[0], t[1], dst_format, name_map), tasks))
 
 
-def ckpt_to_safetensors(
-    file_path: str,
-    save_path: str | None = None,
-    name_map: dict[str, str] | None = None,
-    file_name_regex: str | None = None,
-    processes_num: int = 1,
-) -> None:
-    """Convert ``.ckpt`` files to ``.safetensors`` (a file, or every rank of a job directory)."""
-    convert_checkpoint_files(file_path, save_path, name_map, file_name_regex, processes_num, "safetensors")
+def _for_format(
+    convert_files: Callable[Concatenate[str, _P], None], dst_format: str, name: str, doc: str
+) -> Callable[_P, None]:
+    """``convert_files`` with ``dst_format`` given: a public function whose signature (what
+    ``inspect`` and type checkers see) is MindSpore's, stated once for both directions."""
+
+    def convert(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        convert_files(dst_format, *args, **kwargs)
+
+    whole = inspect.signature(convert_files)
+    convert.__signature__ = whole.replace(parameters=list(whole.parameters.values())[1:])  # type: ignore[attr-defined]
+    convert.__name__ = convert.__qualname__ = name
+    convert.__doc__ = doc
+    return convert
 
 
-def safetensors_to_ckpt(
-    file_path: str,
-    save_path: str | None = None,
-    name_map: dict[str, str] | None = None,
-    file_name_regex: str | None = None,
-    processes_num: int = 1,
-) -> None:
-    """Convert ``.safetensors`` files to ``.ckpt`` (a file, or every rank of a job directory)."""
-    convert_checkpoint_files(file_path, save_path, name_map, file_name_regex, processes_num, "ckpt")
+ckpt_to_safetensors = _for_format(
+    convert_checkpoint_files, "safetensors", "ckpt_to_safetensors",
+    "Convert ``.ckpt`` files to ``.safetensors`` (a file, or every rank of a job directory).")
+safetensors_to_ckpt = _for_format(
+    convert_checkpoint_files, "ckpt", "safetensors_to_ckpt",
+    "Convert ``.safetensors`` files to ``.ckpt`` (a file, or every rank of a job directory).")

@@ -37,9 +37,9 @@ from typing import Any, Literal
 from google.protobuf.message import DecodeError
 
 from zckpt.core.errors import OutputError, StrategyError, UsageError
-from zckpt.formats.pb import ms_node_strategy_pb2 as pb
 from zckpt.formats.strategy import ParamLayout, read_strategy
 from zckpt.io.fileio import write_atomic
+from zckpt.third_party.mindspore_proto import ms_node_strategy_pb2 as pb
 
 StrategyFormat = Literal["protobuf", "json"]
 
