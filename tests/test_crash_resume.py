@@ -110,18 +110,19 @@ def _killed_and_resumed(what: str, cmd: Callable[[Path], list[str]], tmp: Path, 
     duration = _run(cmd(ref))
     reference = _snapshot(ref)
     rng = random.Random(seed)
-    killed = 0
-    for trial in range(trials):
-        out = tmp / f"{what[0]}{trial}"
+    killed = runs = 0
+    while runs < trials or (killed < trials // 2 and runs < 3 * trials):  # a loaded machine finishes some first
+        out = tmp / f"{what[0]}{runs}"
         if _kill_after(cmd(out), rng.uniform(0.2, duration)):
             killed += 1
-            _check_killed(out, reference, trial)
+            _check_killed(out, reference, runs)
         _run(cmd(out))
-        assert _snapshot(out) == reference, f"trial {trial}: {what} differs after resume"
-        assert _names(out) == set(reference), f"trial {trial}: the resumed {what} left files of its own"
+        assert _snapshot(out) == reference, f"trial {runs}: {what} differs after resume"
+        assert _names(out) == set(reference), f"trial {runs}: the resumed {what} left files of its own"
         shutil.rmtree(out)
-    print(f"{what}: {killed} of {trials} runs killed mid-way, all resumed to the reference files")
-    assert killed >= trials // 2, f"only {killed} runs were killed before finishing"
+        runs += 1
+    print(f"{what}: {killed} of {runs} runs killed mid-way, all resumed to the reference files")
+    assert killed >= trials // 2, f"only {killed} of {runs} runs were killed before finishing"
 
 
 def test_export_killed_at_random_points_resumes_to_identical_files(job: dict[str, Path]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from zckpt.core.errors import SourceError, ZckptError
 from zckpt.jobs.generate import GeneratedModel, write_model
 from zckpt.jobs.generate_layouts import random_layout
 from zckpt.jobs.generate_model import TensorDef
+from zckpt.run import helper
 from zckpt.run.engines import run_all
 from zckpt.run.helper import Helper
 
@@ -363,3 +365,21 @@ def test_run_all_runs_the_units_aside_elsewhere_in_order() -> None:
     assert out == [10, 20, 30, 40] and calls == [1, 2]
     with pytest.raises(ValueError):
         run_all(fn, [1], client=object(), label="t", aside=(0, lambda: [10]))
+
+
+def test_the_helper_imports_the_same_zckpt_from_an_uninstalled_tree(tmp_path: Path) -> None:
+    """A zckpt put on ``sys.path`` by hand (not installed) starts its helper on the same tree."""
+    copy = tmp_path / "tree"
+    shutil.copytree(Path(helper.__file__).resolve().parents[1], copy / "zckpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert helper.package_root() / "zckpt" == Path(helper.__file__).resolve().parents[1]
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import zckpt.run.helper as h; "
+            "print(h.package_root()); from zckpt.run.helper import Helper\n"
+            "with Helper() as p:\n"
+            "    p.submit(h.package_root)\n"
+            "    print(p.result())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code, str(copy)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(copy), str(copy)]

@@ -14,6 +14,9 @@ import functools
 import math
 from collections.abc import Iterable
 
+import numpy as np
+
+from zckpt.core.dtypes import STRING_TYPE
 from zckpt.formats import wire
 
 CRC_MAGIC = b"crc_num"
@@ -30,6 +33,19 @@ def value_header(name: str, ms_type: str, dims: Iterable[int], content_len: int)
     value_prefix = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(2, tensor_len)
     value_len = len(value_prefix) + tensor_len
     return wire.encode_len_field(1, value_len) + value_prefix + tensor_prefix
+
+
+def string_value(name: str, value: str) -> bytes:
+    """A whole ``append_dict`` string entry, as MindSpore writes it (dims [0], type "str")."""
+    payload = np.array(value).tobytes()
+    return value_header(name, STRING_TYPE, [0], len(payload)) + payload
+
+
+def map_value(name: str, body: bytes) -> bytes:
+    """A whole MapParameter entry around its encoded ``MapTensorProto`` body."""
+    tag = name.encode("utf-8")
+    value = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(3, len(body)) + body
+    return wire.encode_len_field(1, len(value)) + value
 
 
 def value_rows(shape: tuple[int, ...], itemsize: int) -> list[int]:

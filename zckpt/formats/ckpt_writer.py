@@ -21,10 +21,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from zckpt.core.dtypes import STRING_TYPE, ms_dtype
+from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import CheckpointFormatError
-from zckpt.formats import wire
-from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_value, string_value, value_header, value_rows
 from zckpt.formats.entries import FileRange
 from zckpt.io import fileio
 from zckpt.io.checksums import Sink
@@ -244,15 +243,12 @@ class CkptWriter:
     def write_string(self, name: str, value: str) -> None:
         """Write an ``append_dict`` string entry the way MindSpore does (dims [0], type "str")."""
         self._claim(name)
-        payload = np.array(value).tobytes()
-        self._write(value_header(name, STRING_TYPE, [0], len(payload)) + payload)
+        self._write(string_value(name, value))
 
     def write_map(self, name: str, body: bytes) -> None:
         """Write a MapParameter entry from its encoded ``MapTensorProto`` body (passed through)."""
         self._claim(name)
-        tag = name.encode("utf-8")
-        value = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(3, len(body)) + body
-        self._write(wire.encode_len_field(1, len(value)) + value)
+        self._write(map_value(name, body))
 
     def commit(self) -> Path:
         """Finish the file: trailer, flush, fsync, atomic rename to the final name (with a

@@ -75,8 +75,9 @@ class NewFile:
             os.fsync(self.file.fileno())
 
     def publish(self, fsync: bool, *, sync_dir: bool = True) -> None:
-        """Give the completely written file its final name: flush, fsync (when asked), name,
-        close, rename atomically over ``path``, then sync the folder (unless ``sync_dir``
+        """Give the completely written file its final name: flush, fsync (when asked), then
+        link it to ``path`` when that name is free (an unnamed file), else rename it
+        atomically over ``path``; close; then sync the folder (unless ``sync_dir``
         is off: the caller syncs it later), so that once this returns the final name
         survives a crash. The file is dropped on any failure."""
         try:

@@ -51,7 +51,7 @@ from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_file, refuse_present
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
-from zckpt.write.writers import rank_writer
+from zckpt.write.writers import group_writer, rank_writer, source_major
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
     from zckpt.store.store import Store
@@ -68,7 +68,6 @@ def export(
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
     if options.format != "ckpt":  # safetensors output: export_safetensors below
-
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
     with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, dest):
@@ -95,6 +94,10 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
     if not jobs:
         return ExportReport(dest.url, (), time.perf_counter() - t0)
     local = store.location is None and dest.local
+    cut = source_major(StoreReader(store, options), [r for r, _ in units], options, options.workers) \
+        if local and options.helper is not True else None  # an explicit --helper shares files between processes
+    if cut is not None:
+        return _write_groups(store, [[units[i] for i in g] for g in cut], dest, options, t0)
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
     with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes), sources=sources,
                    modules=("zckpt.jobs.export", "zckpt.store.store"), fsync=options.fsync) as place, \
@@ -109,6 +112,29 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
                             place.publisher if client is None else None, label="export", name=task_name,
                             size=lambda u: by_target[u[1]], progress=options.progress, aside=aside)
     return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)
+
+
+def _write_groups(store: Store, batches: list[list[tuple[RankExport, str]]], dest: OutputDir,
+                  options: ExportOptions, t0: float) -> ExportReport:
+    """Write destination files source-major, a group per task (:mod:`zckpt.write.group_writer`)."""
+    sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
+    with placement(options, fsync=options.fsync) as place, place.running() as client:
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        done = place.run(write_group, batches, store if client is None else PlannedStore.of(store), options,
+                         place.publisher if client is None else None, label="export",
+                         name=lambda b: f"ranks {b[0][0].rank}-{b[-1][0].rank}", progress=options.progress,
+                         size=lambda b: sum(s.box.size * sizes.get(s.name, 0) for r, _ in b for s in r.slices))
+    return ExportReport(dest.url, tuple(r for rs in done for r in rs), time.perf_counter() - t0)
+
+
+def write_group(batch: list[tuple[RankExport, str]], store: Store | PlannedStore, options: ExportOptions,
+                publisher: Publisher | None = None, report: Report | None = None) -> list[RankResult]:
+    """Write a group of destination files from one pass over the store (a task)."""
+    if isinstance(store, PlannedStore):
+        store = store.open(options.storage_options)
+    reader = StoreReader(store, options)
+    store.prefetch(dict.fromkeys(s.name for r, _ in batch for s in r.slices))
+    return group_writer(options).write(reader, [(r, Path(t)) for r, t in batch], Ticker(report), publisher)
 
 
 def write_files(units: list[tuple[RankExport, str]], store: PlannedStore, options: ExportOptions) -> list[RankResult]:

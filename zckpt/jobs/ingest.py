@@ -159,8 +159,9 @@ def ingest(
                          storage_options=options.storage_options, file_suffix=options.file_suffix,
                          choice_func=options.choice_func, block_bytes=options.block_bytes)
     # the helper process, if any, starts here: its imports overlap the reading of the indexes
-    with placement(options, helper_possible=_helper_possible(found.files, options, is_remote),
-                   nbytes=_source_bytes(found.files, options.helper), sources=len(found.files),
+    possible = _helper_possible(found.files, options, is_remote)
+    with placement(options, helper_possible=possible, nbytes=_source_bytes(found.files, options.helper) if possible
+                   else 0, sources=len(found.files),
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
         prepared = plan_sources(
             found, verify_crc=options.verify_crc,

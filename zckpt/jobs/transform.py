@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -43,7 +43,7 @@ from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, refuse_present
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
-from zckpt.write.writers import OUTPUTS, rank_writer
+from zckpt.write.writers import OUTPUTS, group_writer, rank_writer, source_major
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 
@@ -264,6 +264,9 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
     local = not any(remote.is_remote(u.target) for u in units) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
+    cut = _source_major(plan, units, options) if local and options.helper is not True else None
+    if cut is not None:
+        return _run_groups(plan, checks, [[units[i] for i in g] for g in cut], out, options, t0, by_target)
     with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes),
                    sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
                    fsync=options.fsync) as place, place.running() as client:
@@ -276,6 +279,42 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
                             label="transform", name=_task_name, progress=options.progress,
                             size=lambda u: by_target[u.target], aside=aside)
     return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
+
+
+def _source_major(plan: TransformPlan, units: list[DirectJob], options: TransformOptions) -> list[list[int]] | None:
+    """The groups to write source-major (:func:`zckpt.write.writers.source_major`), if any."""
+    ranks = [u.rank for u in units]
+    with SourceReader(_union_boxes(plan, units), options.block_bytes) as reader:
+        return source_major(reader, ranks, options, options.workers)
+
+
+def _union_boxes(plan: TransformPlan, units: Sequence[DirectJob]) -> SourceBoxes:
+    """Where the slices of several destination files live."""
+    return plan.boxes(RankExport(-1, tuple(s for u in units for s in u.rank.slices)))
+
+
+def _run_groups(plan: TransformPlan, checks: list[CheckJob], batches: list[list[DirectJob]], out: str,
+                options: TransformOptions, t0: float, by_target: Mapping[str, int]) -> TransformReport:
+    """Write destination files source-major, a group per task (:mod:`zckpt.write.group_writer`)."""
+    with placement(options, fsync=options.fsync) as place, place.running() as client:
+        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
+                             name=lambda j: f"rank {j.rank}", progress=options.progress)
+        units = [(b, _union_boxes(plan, b)) for b in batches]
+        done = place.run(write_direct_group, units, options, place.publisher if client is None else None,
+                         label="transform", name=lambda u: f"ranks {u[0][0].rank.rank}-{u[0][-1].rank.rank}",
+                         progress=options.progress, size=lambda u: sum(by_target[j.target] for j in u[0]))
+    return TransformReport(out, tuple(r for rs in done for r in rs), time.perf_counter() - t0,
+                           bytes_compared=sum(compared))
+
+
+def write_direct_group(unit: tuple[list[DirectJob], SourceBoxes], options: TransformOptions,
+                       publisher: Publisher | None = None, report: Report | None = None) -> list[RankResult]:
+    """Write a group of destination files from one pass over the source shards (a task)."""
+    jobs, boxes = unit
+    with SourceReader(boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
+        return group_writer(options).write(reader, [(j.rank, Path(j.target)) for j in jobs], Ticker(report),
+                                           publisher)
 
 
 def _task_name(job: DirectJob) -> str:

@@ -98,6 +98,12 @@ def share_from(sizes: Sequence[int], step: int = 1) -> int:
     return len(sizes)
 
 
+def package_root() -> Path:
+    """The folder holding this ``zckpt`` package, wherever it was imported from (an install,
+    a checkout on ``sys.path``): the helper must import the same code."""
+    return Path(__file__).resolve().parents[2]
+
+
 class Helper:
     """The helper process, started at once so that its imports overlap the caller's work:
     :meth:`submit` one call, :meth:`result` waits for it; leaving the context ends the
@@ -105,7 +111,7 @@ class Helper:
 
     def __init__(self, warm: Sequence[str] = ()) -> None:
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])  # this zckpt, wherever it was imported from
+        root = str(package_root())
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen([sys.executable, "-m", "zckpt.run.helper", str(os.getpid()), *warm],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

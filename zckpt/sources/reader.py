@@ -52,14 +52,15 @@ class SourceBoxes:
         """What the file of ``slices`` needs: only the source boxes that meet them (a task
         ships this, so it stays proportional to the file, not to the job). ``corners``: the
         writes' boxes as arrays, made once for every destination file."""
-        writes: dict[str, list[Write]] = {}
+        hits: dict[str, set[int]] = {}
         for s in slices:
             held = writes_by_name.get(s.name, ())
             if s.box.ndim == 0 or specs[s.name].kind != "tensor":
-                writes[s.name] = list(held[:1])
-            else:
+                hits[s.name] = set(range(min(1, len(held))))
+            else:  # several slices of one entry (files written together) need the union
                 hit = meeting(held, s.box, None if corners is None else corners.of(s.name, held))
-                writes[s.name] = [held[i] for i in hit]
+                hits.setdefault(s.name, set()).update(int(i) for i in hit)
+        writes = {n: [writes_by_name[n][i] for i in sorted(idx)] for n, idx in hits.items()}
         entries: dict[int, dict[str, EntryInfo]] = {}
         for name, ws in writes.items():
             for w in ws:
@@ -267,6 +268,13 @@ class SourceReader:
         if box.ndim == 0 or box.size == 0:
             return [box]
         return c_order_pieces(box, max(1, self.band_bytes // self._itemsize(name)))
+
+    def read_cost(self, name: str, box: Box) -> int:
+        """Bytes reading ``box`` takes from the shards: each piece's whole source rows."""
+        if box.ndim == 0 or box.size == 0:
+            return box.size * self._itemsize(name)
+        return sum(inter.shape[0] * math.prod(w.box.shape[1:]) for w, inter in self._pieces(name, box)) \
+            * self._itemsize(name)
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         """The slice as byte ranges of shard files, when every piece of it is whole rows of

@@ -142,6 +142,22 @@ class StoreReader:
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
         return c_order_pieces(box, max(1, self.band_bytes // itemsize))
 
+    def read_cost(self, name: str, box: Box) -> int:
+        """Bytes reading ``box`` takes from the store: whole chunk rows of every chunk it
+        touches (raw chunks), whole chunks (encoded ones), its own bytes (a packed tensor)."""
+        e = self._entries[name]
+        itemsize = ms_dtype(e.ms_type).storage.itemsize
+        if box.ndim == 0 or box.size == 0 or self._packed_whole(name, box):
+            return box.size * itemsize
+        info = self.store.chunk_info(name)
+        row = math.prod(info.chunks[1:]) * itemsize
+        touched = math.prod(len(range(a // c, (b - 1) // c + 1))
+                            for a, b, c in zip(box.start[1:], box.stop[1:], info.chunks[1:], strict=True))
+        if not info.raw or self.options.reader != "zarr":
+            first = len(range(box.start[0] // info.chunks[0], (box.stop[0] - 1) // info.chunks[0] + 1))
+            return first * info.chunks[0] * row * touched
+        return box.shape[0] * row * touched
+
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: raw chunk files directly, else concurrent Zarr reads, or
         one Dask computation of lazy views. Every chunk used is checked against its recorded

@@ -4,8 +4,8 @@ Whatever the reader (the store, the source shards, one shard file, a read callab
 the reader can hand out as file ranges is copied file to file
 (:meth:`~zckpt.formats.ckpt_writer.CkptWriter.write_blocks`), any other is streamed band by band
 from a :class:`~zckpt.write.boxes.BandSource`. String and MapParameter entries are written as
-they are. The file is written under a temporary name and renamed once complete (here, or by a
-publisher on its thread while the caller writes the next file). The byte format itself is
+they are. The file is a new file (unnamed, or under a temporary name) named once complete (here, or
+by a publisher on its thread while the caller writes the next file). The byte format itself is
 :mod:`zckpt.formats.ckpt`'s; this module only decides what goes into the file, in which order.
 """
 

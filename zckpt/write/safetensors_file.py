@@ -4,8 +4,7 @@ This is the file without any layout around it: a part of MindSpore's unified dir
 ``net.safetensors`` of ``load_distributed_checkpoint``, a converted file, and each part of
 an export's split rank (:mod:`zckpt.write.safetensors_rank` builds on it). The slices' names,
 types and shapes give the header before a byte is read; the tensors' bytes are then streamed
-band by band from a :class:`~zckpt.write.boxes.BandSource`, under a temporary name renamed when
-complete.
+band by band from a :class:`~zckpt.write.boxes.BandSource` into a new file named when complete.
 
 * dtypes map one to one (``BFloat16`` -> ``BF16`` with the exact bits the reader gives);
 * metadata is MindSpore's ``{"format": "ms"}`` (plus ``crc_num`` with ``crc``, computed as

@@ -12,7 +12,7 @@ class beside :mod:`zckpt.write.ckpt_rank` and one row here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,8 @@ from zckpt.run.progress import Ticker
 from zckpt.write import ckpt_rank, safetensors_file
 from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSettings
 from zckpt.write.ckpt_rank import CkptRankWriter
+from zckpt.write.file_layouts import Layout, ckpt_layout, safetensors_layout
+from zckpt.write.group_writer import CostedReader, GroupWriter, groups, pays
 from zckpt.write.safetensors_file import SafetensorsFileWriter
 from zckpt.write.safetensors_rank import SafetensorsRankWriter
 
@@ -34,8 +36,9 @@ class RankWriter(Protocol):
 
     def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
               publisher: Publisher | None = None) -> RankResult:
-        """Write ``rank``'s slices, read from ``reader``, as ``target`` (under a temporary name,
-        renamed once complete: here, or by ``publisher`` on its thread where the format allows)."""
+        """Write ``rank``'s slices, read from ``reader``, as ``target`` (a new file, unnamed
+        or under a temporary name, given its name once complete: here, or by ``publisher`` on
+        its thread where the format allows)."""
         ...
 
 
@@ -49,11 +52,20 @@ class OutputFormat:
     """The writer of a destination rank in the export layout."""
     file: Callable[[WriterSettings], RankWriter]
     """The writer of exactly the one file named."""
+    layout: Layout
+    """Where each byte of one such file goes, for writing several source-major."""
+
+    def group(self, settings: WriterSettings) -> GroupWriter | None:
+        """The writer of several files at once, where these settings allow one: files with
+        a checksum over their bytes in file order, or split into parts, are written front
+        to back."""
+        return None if settings.crc or settings.max_file_bytes else GroupWriter(self.layout, settings)
 
 
 OUTPUTS: dict[str, OutputFormat] = {f.name: f for f in (
-    OutputFormat("ckpt", ckpt_rank.SUFFIX, CkptRankWriter, CkptRankWriter),
-    OutputFormat("safetensors", safetensors_file.SUFFIX, SafetensorsRankWriter, SafetensorsFileWriter),
+    OutputFormat("ckpt", ckpt_rank.SUFFIX, CkptRankWriter, CkptRankWriter, ckpt_layout),
+    OutputFormat("safetensors", safetensors_file.SUFFIX, SafetensorsRankWriter, SafetensorsFileWriter,
+                 safetensors_layout),
 )}
 
 
@@ -75,6 +87,27 @@ class FormatOptions(WriteOptions, Protocol):
 def rank_writer(options: FormatOptions) -> RankWriter:
     """The writer of a destination rank in ``options.format``, set as ``options`` say."""
     return output_format(options.format).rank(WriterSettings.of(options))
+
+
+def group_writer(options: FormatOptions) -> GroupWriter:
+    """The writer of several destination ranks at once (where :func:`source_major` chose it)."""
+    writer = output_format(options.format).group(WriterSettings.of(options))
+    if writer is None:
+        raise OutputError(f"{options.format} files with these settings are written one by one")
+    return writer
+
+
+def source_major(reader: CostedReader, ranks: Sequence[RankExport], options: FormatOptions,
+                 tasks: int) -> list[list[int]] | None:
+    """The groups of ``ranks`` (positions) to write source-major as at least ``tasks`` tasks,
+    when that reads far less than writing them one by one (:func:`zckpt.write.group_writer.pays`)
+    and the format and settings allow it; ``None``: one by one."""
+    if len(ranks) < 2 or output_format(options.format).group(WriterSettings.of(options)) is None:
+        return None
+    cut = groups(ranks, tasks)
+    if not all(pays(reader, [ranks[i] for i in g]) for g in cut):
+        return None
+    return cut
 
 
 def file_writer(format: str, settings: WriterSettings | None = None) -> RankWriter:

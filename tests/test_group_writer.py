@@ -1,0 +1,118 @@
+"""Source-major writing (zckpt/write/group_writer.py): the same bytes as writing destination
+files one by one, on every fixture MindSpore compiled, through export and transform, in
+.ckpt and safetensors; and each source byte read once where one-by-one reads it many times."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from ckpt_compare import diff_dirs
+from conftest import scenario
+from test_e2e_fixtures import PLAIN, _strategy
+
+from zckpt.core.dtypes import ms_dtype
+from zckpt.formats.ckpt import CkptReader
+from zckpt.formats.safetensors import SafetensorsReader
+from zckpt.jobs.export import export
+from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.ingest import ingest
+from zckpt.jobs.transform import TransformOptions, transform
+from zckpt.write import group_writer
+
+MODES = {"source_major": 0.0, "one_by_one": math.inf}
+
+
+@pytest.fixture
+def groups_written(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the files of every group written source-major."""
+    seen: list[int] = []
+    write = group_writer.GroupWriter.write
+
+    def counted(self: group_writer.GroupWriter, reader: object, files: list[object], *a: object,
+                **k: object) -> object:
+        seen.append(len(files))
+        return write(self, reader, files, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(group_writer.GroupWriter, "write", counted)
+    return seen
+
+
+def _force(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setattr(group_writer, "GAIN", MODES[mode])
+
+
+def _ranks(expected: Path) -> int:
+    return sum(1 for p in expected.iterdir() if p.name.startswith("rank_"))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("sid", PLAIN)
+def test_export_either_order_gives_mindspores_bytes(sid: str, mode: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    groups_written: list[int]) -> None:
+    d = scenario(sid)
+    ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+    _force(monkeypatch, mode)
+    export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"))
+    assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
+    ranks = _ranks(d / "dst" / "expected")
+    assert groups_written == ([ranks] if mode == "source_major" and ranks > 1 else [])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("sid", PLAIN)
+def test_transform_either_order_gives_mindspores_bytes(sid: str, mode: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       groups_written: list[int]) -> None:
+    d = scenario(sid)
+    _force(monkeypatch, mode)
+    transform(d / "src" / "checkpoints", tmp_path / "out", _strategy(d / "src"), _strategy(d / "dst"))
+    assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
+    ranks = _ranks(d / "dst" / "expected")
+    assert groups_written == ([ranks] if mode == "source_major" and ranks > 1 else [])
+
+
+@pytest.mark.parametrize("sid", ["s02", "s08", "s20"])
+def test_safetensors_source_major_equals_one_by_one(sid: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    d = scenario(sid)
+    got = {}
+    for mode in sorted(MODES):
+        _force(monkeypatch, mode)
+        out = tmp_path / mode
+        transform(d / "src" / "checkpoints", out, _strategy(d / "src"), _strategy(d / "dst"),
+                  options=TransformOptions(format="safetensors"))
+        got[mode] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+    assert got["source_major"] == got["one_by_one"] and got["one_by_one"]
+    for rel in got["one_by_one"]:  # and both hold MindSpore's values
+        rank = int(rel.parts[0].split("_")[1])
+        expected = sorted((d / "dst" / "expected" / f"rank_{rank}").glob("*.ckpt"))[-1]
+        with SafetensorsReader(tmp_path / "source_major" / rel) as s, CkptReader(expected) as c:
+            for name, e in c.entries.items():
+                if e.kind == "tensor":
+                    assert s.array(name).tobytes() == c.array(name).tobytes(), name
+
+
+def _global_tensor_bytes(d: Path) -> int:
+    with CkptReader(d / "reference" / "global.ckpt") as r:
+        return sum(math.prod(e.dims) * ms_dtype(e.ms_type).storage.itemsize for e in r.entries.values()
+                   if e.kind == "tensor")
+
+
+@pytest.mark.parametrize("sid", ["s02", "s08", "s20"])
+def test_each_store_byte_read_once(sid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where destination files share what they read (replicas, column splits), written one by
+    one they read more than the model; source-major, at most the model once (the reference
+    file, MindSpore's unsharded save, says how many bytes that is)."""
+    d = scenario(sid)
+    ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+    model = _global_tensor_bytes(d)
+    read = {}
+    for mode in sorted(MODES):
+        _force(monkeypatch, mode)
+        rep = export(tmp_path / "s.zarr", tmp_path / mode, _strategy(d / "dst"),
+                     options=ExportOptions(helper="off"))
+        read[mode] = sum(r.read_bytes + r.checked_bytes for r in rep.ranks)
+    assert read["one_by_one"] > model >= read["source_major"] > 0, read

@@ -1,0 +1,180 @@
+"""Source-major writing: several destination files filled from one pass over their sources.
+
+Written one after another, destination files re-read what they share: a column split of
+row-stored tensors reads every row once per destination file (16 files, 16 reads of each
+row), and files replicated over data parallelism read the same weights once per replica.
+Here a group of files is written at once: each region of a tensor the group needs is read
+once, in bands of bounded size (:class:`~zckpt.write.boxes.BandSource`, with its read-ahead),
+and every file's part of a band is written at the offset its layout gives
+(:mod:`zckpt.write.file_layouts`). Each file is still one new file, unnamed or under a
+temporary name, published only when complete; each of its byte ranges has one writer.
+
+Whether a group pays is the plan's choice (:func:`pays`), from what the reader says reading
+costs: files that share nothing, or that the reader hands out as whole file ranges, are
+cheaper front to back (kernel copies, no pass through memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from zckpt.core.dtypes import ms_dtype
+from zckpt.core.layout import Box
+from zckpt.io import fileio
+from zckpt.io.fileio import Publisher, write_at
+from zckpt.io.new_files import NewFile
+from zckpt.plan.values import RankExport
+from zckpt.run.progress import Ticker
+from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
+from zckpt.write.file_layouts import FileLayout, Layout, data_offset
+
+GAIN = 1.5
+"""Group only when writing the files one by one would read this many times the bytes."""
+
+MAX_FILES = 256
+"""Files of one group (each holds an open descriptor while the group is written)."""
+
+
+class CostedReader(BoxReader, Protocol):
+    """A reader that can say what reading a box costs before reading it."""
+
+    def read_cost(self, name: str, box: Box) -> int:
+        """Bytes reading ``box`` takes from where the bytes live."""
+        ...
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of one tensor read once, and the files (by position) with the part of it they hold."""
+
+    name: str
+    box: Box
+    parts: tuple[tuple[int, Box], ...]
+
+
+def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
+    """What a group reads, tensor by tensor in the files' order: the bounding box of the
+    files' slices where they cover it (a split, or replicas), else each distinct slice."""
+    by_name: dict[str, list[tuple[int, Box]]] = {}
+    for i, r in enumerate(ranks):
+        for s in r.slices:
+            if kinds[s.name] == "tensor" and (s.box.ndim == 0 or s.box.size):
+                by_name.setdefault(s.name, []).append((i, s.box))
+    out: list[Region] = []
+    for name, parts in by_name.items():
+        distinct = list(dict.fromkeys(b for _, b in parts))
+        whole = distinct[0]
+        for b in distinct[1:]:
+            whole = Box(tuple(map(min, whole.start, b.start)), tuple(map(max, whole.stop, b.stop)))
+        if whole.size <= sum(b.size for b in distinct):
+            out.append(Region(name, whole, tuple(parts)))
+        else:
+            out.extend(Region(name, b, tuple(p for p in parts if p[1] == b)) for b in distinct)
+    return out
+
+
+def pays(reader: CostedReader, ranks: Sequence[RankExport]) -> bool:
+    """Whether writing ``ranks`` as one group reads :data:`GAIN` times fewer bytes than
+    writing them one by one."""
+    kinds = {s.name: reader.kind(s.name) for r in ranks for s in r.slices}
+    alone = sum(reader.read_cost(s.name, s.box) for r in ranks for s in r.slices if kinds[s.name] == "tensor")
+    together = sum(reader.read_cost(g.name, g.box) for g in regions(ranks, kinds))
+    return together * GAIN < alone
+
+
+def groups(ranks: Sequence[RankExport], count: int = 1) -> list[list[int]]:
+    """Positions of ``ranks`` cut into ``count`` (or more, of at most :data:`MAX_FILES`) runs
+    of neighbours: neighbouring ranks share the most."""
+    n = len(ranks)
+    parts = max(count, -(-n // MAX_FILES), 1)
+    size = -(-n // parts)
+    return [list(range(a, min(n, a + size))) for a in range(0, n, size)]
+
+
+@dataclass(frozen=True)
+class GroupWriter:
+    """Writes a group of destination files of one format from one pass over ``reader``."""
+
+    layout: Layout
+    settings: WriterSettings = WriterSettings()
+
+    def write(self, reader: BoxReader, files: Sequence[tuple[RankExport, Path]], ticker: Ticker | None = None,
+              publisher: Publisher | None = None) -> list[RankResult]:
+        ranks = [r for r, _ in files]
+        layouts = [self.layout(reader, r.slices) for r in ranks]
+        kinds = {s.name: reader.kind(s.name) for r in ranks for s in r.slices}
+        with contextlib.ExitStack() as stack:
+            news: list[NewFile] = []
+            for (_, path), layout in zip(files, layouts, strict=True):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                new = NewFile(path)
+                news.append(new)
+                stack.callback(new.discard)
+                _frame(new, layout, path)
+            todo = regions(ranks, kinds)
+            helper = stack.enter_context(reading_ahead(self.settings.overlap))
+            source = BandSource(reader, [(g.name, g.box) for g in todo], helper)
+            for g in todo:
+                itemsize = ms_dtype(reader.ms_type(g.name)).storage.itemsize
+                for band in reader.bands(g.name, g.box):
+                    _scatter(g, band, source.next(g.name), itemsize, news, layouts)
+                if ticker is not None:
+                    ticker.add(g.name, sum(b.size for _, b in g.parts) * itemsize)
+            for new in news:
+                if publisher is not None:
+                    publisher.submit(new)
+                else:
+                    new.publish(self.settings.fsync)
+            stack.pop_all()
+        if ticker is not None:
+            ticker.close()
+        return _results(files, layouts, reader)
+
+
+def _frame(new: NewFile, layout: FileLayout, path: Path) -> None:
+    """Size the new file and write its framing (its data follow at their offsets)."""
+    fd = new.file.fileno()
+    if not fileio.allocate(fd, layout.size, path):
+        with fileio.disk_full_named(path):
+            os.ftruncate(fd, layout.size)
+    with fileio.disk_full_named(path):
+        for offset, data in layout.framing:
+            write_at(fd, data, offset)
+
+
+def _scatter(g: Region, band: Box, data: np.ndarray, itemsize: int, news: list[NewFile],
+             layouts: list[FileLayout]) -> None:
+    """Write each file's part of ``band`` (its bytes are contiguous in the file: a band is a
+    C-order piece of the region, and the region spans each part's trailing extents)."""
+    for i, box in g.parts:
+        inter = band.intersect(box)
+        if inter is None or (inter.ndim and not inter.size):
+            continue
+        piece = np.ascontiguousarray(data[inter.relative_to(band).slices()] if band.ndim else data)
+        raw = piece.reshape(-1).view(np.uint8)
+        fd = news[i].file.fileno()
+        with fileio.disk_full_named(news[i].path):
+            for offset, start, n in layouts[i].places(g.name, data_offset(inter, box, itemsize), raw.nbytes):
+                write_at(fd, raw[start : start + n].data, offset)
+
+
+def _results(files: Sequence[tuple[RankExport, Path]], layouts: list[FileLayout],
+             reader: BoxReader) -> list[RankResult]:
+    """One result per file; the group's bytes read are shared out in proportion to size
+    (whole bytes that add up to the group's)."""
+    total = sum(x.size for x in layouts) or 1
+    out, before = [], 0
+    for (rank, path), layout in zip(files, layouts, strict=True):
+        after = before + layout.size
+        read = reader.read_bytes * after // total - reader.read_bytes * before // total
+        checked = reader.checked_bytes * after // total - reader.checked_bytes * before // total
+        out.append(RankResult(rank.rank, str(path), layout.tensors, layout.size, read, checked))
+        before = after
+    return out
