@@ -150,6 +150,7 @@ class Shape:
 
 
 def shape_of(case: Case, size_gib: float | None = None) -> Shape:
+    """The case's model and grids as bench_jobs.py will generate them (at ``size_gib`` instead of its own)."""
     src = Parallel.parse(case.src)
     dsts = tuple(Parallel.parse(d) for d in case.dsts.split(","))
     gib = case.size_gib if size_gib is None else size_gib
@@ -191,19 +192,20 @@ def row_bytes(s: Shape) -> int:
     return most
 
 
-def list_cases(results: Path | None) -> None:
+def list_cases(results: Path) -> None:
+    """The matrix as a table: what each case is, what its grids re-cut, its rows, its disk need, whether it is done."""
     print("| case | class | GiB | dtype | source | destinations | re-cut (col, row) | row-parallel source row B "
           "| writes more | disk GiB | done |")
     print("|---|---|---:|---|---|---|---|---:|---|---:|---|")
     for c in CASES:
         s = shape_of(c)
-        done = "yes" if results is not None and (results / f"{c.name}.json").is_file() else ""
+        done = "yes" if (results / f"{c.name}.json").is_file() else ""
         print(f"| {c.name} | {c.klass} | {c.size_gib:g} | {c.dtype} | {c.src} | {c.dsts} | {recut(s)} | "
               f"{row_bytes(s)} | {'yes' if s.writes_more else ''} | {s.disk_bytes() / GiB:.0f} | {done} |")
 
 
 def select(only: str | None, size_class: str) -> list[Case]:
-    """``--only`` names win over ``--size-class``; the matrix's order, cases sharing a source job adjacent."""
+    """The cases to run, in the matrix's order: ``--only`` names (any size class), or a ``--size-class``."""
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         unknown = set(names) - {c.name for c in CASES}
@@ -224,7 +226,7 @@ def run_cases(cases: list[Case], a: argparse.Namespace) -> int:
     a.results.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     shapes = {c.name: shape_of(c, a.size_gib) for c in cases}
-    jobs = {c.name: job_dir(a.work, shapes[c.name].src, shapes[c.name].dims, "adamw") for c in cases}
+    jobs = {c.name: job_dir(a.work, shapes[c.name].src, shapes[c.name].dims, "adamw") for c in cases}  # the default
     pending = [c for c in cases if a.force or not (a.results / f"{c.name}.json").is_file()]
     first = [jobs[c.name] for c in pending]
     pending.sort(key=lambda c: first.index(jobs[c.name]))  # stable: the cases of one source job together
@@ -244,14 +246,14 @@ def run_cases(cases: list[Case], a: argparse.Namespace) -> int:
             continue
         last_use = all(jobs[p.name] != jobs[c.name] for p in pending[i + 1:])
         part = a.results / f"{c.name}.json.part"
+        size = c.size_gib if a.size_gib is None else a.size_gib
         cmd = [sys.executable, str(HERE / "bench_jobs.py"), "--src", c.src, "--dst", c.dsts,
-               "--size-gib", f"{a.size_gib if a.size_gib is not None else c.size_gib:g}", "--dtype", c.dtype,
+               "--size-gib", repr(size), "--dtype", c.dtype,
                "--work", str(a.work), "--repeat", str(a.repeat), "--cache", a.cache, "--phases", a.phases,
                "--workers", str(a.workers), "--gen-workers", str(a.gen_workers), "--json-out", str(part)]
         cmd += ["--cp-output"] if s.writes_more else []
         cmd += ["--clean"] if last_use and not a.keep_jobs else []
-        print(f"{c.name}: {c.src} -> {c.dsts}, {c.dtype}, {cmd[cmd.index('--size-gib') + 1]} GiB", file=sys.stderr,
-              flush=True)
+        print(f"{c.name}: {c.src} -> {c.dsts}, {c.dtype}, {size:g} GiB", file=sys.stderr, flush=True)
         with open(a.results / f"{c.name}.md", "w", encoding="utf-8") as table:
             proc = subprocess.run(cmd, stdout=table, env=phase_env(), check=False)
         if proc.returncode != 0 or not part.is_file():
@@ -259,7 +261,10 @@ def run_cases(cases: list[Case], a: argparse.Namespace) -> int:
             failed += 1
             continue
         report = json.loads(part.read_text(encoding="utf-8"))
-        report["case"] = {**asdict(c), "size_gib": float(cmd[cmd.index("--size-gib") + 1])}
+        report["case"] = {**asdict(c), "size_gib": size}
+        errors = [r["label"] for r in report["phases"] if "error" in r]
+        if errors:
+            print(f"{c.name}: failed phases (kept in the table; --force to run again): {errors}", file=sys.stderr)
         report["commit"] = _commit()
         part.write_text(json.dumps(report, indent=1), encoding="utf-8")
         part.replace(a.results / f"{c.name}.json")

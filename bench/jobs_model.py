@@ -105,7 +105,8 @@ class ModelDims:
         """``(name, shape, ms_type, kind)`` of every parameter, kind ``col`` (dim 0 split over tp),
         ``row`` (dim 1) or ``norm`` (replicated); embedding first, lm_head last."""
         h, f, w = self.hidden, self.ffn, self.weight_type
-        out = [("embedding.word_embeddings.weight", (self.vocab, h), w, "col")]
+        out: list[tuple[str, tuple[int, ...], str, str]] = [
+            ("embedding.word_embeddings.weight", (self.vocab, h), w, "col")]
         for i in range(self.layers):
             p = f"decoder.layers.{i}."
             out += [
@@ -158,7 +159,9 @@ def width_unit(shapes: Sequence[Parallel]) -> int:
 
 
 def layout_of(kind: str, par: Parallel) -> ParamLayout:
-    tmap = {"col": [[0], []], "row": [[], [0]], "norm": [[]]}[kind]
+    """The layout MindSpore gives a weight of ``kind`` (and its moments) on grid ``par``."""
+    maps: dict[str, list[list[int]]] = {"col": [[0], []], "row": [[], [0]], "norm": [[]]}
+    tmap = maps[kind]
     opt = par.opt and par.dp > 1
     return make_layout((par.dp, par.tp), tmap, opt_shard_step=par.tp if opt else 0, opt_shard_size=-1 if opt else 0)
 
