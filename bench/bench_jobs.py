@@ -1,14 +1,16 @@
 """Benchmark at the shape of real jobs: hundreds of source ranks, pipeline x tensor x data parallel.
 
-Generates a LLaMA-like job (bench/jobs_model.py: bf16 weights, fp32 Adam moments, scalars) as
-MindSpore writes it, per-rank ``.ckpt`` files and pipeline strategy files, then times, phase by
-phase, each in its own process (bench/phase.py) and ending with ``sync``:
+Generates a LLaMA-like job (bench/jobs_model.py: bf16 weights, or fp32 with ``--dtype fp32``; fp32
+Adam moments; scalars) as MindSpore writes it, per-rank ``.ckpt`` files and pipeline strategy files,
+then times, phase by phase, each in its own process (bench/phase.py) and ending with ``sync``:
 
 * ``cp -r`` of the source shards (the yardstick every ratio is taken against),
 * ``zckpt ingest`` (the store of the last run is kept for the exports),
 * ``zckpt export`` to every destination,
 * ``zckpt transform`` (the direct path) to every destination, when the CLI has that command,
-* MindSpore 2.10 ``transform_checkpoints`` when ``--mindspore-python`` / $ZCKPT_MS_PYTHON is given.
+* MindSpore 2.10 ``transform_checkpoints`` when ``--mindspore-python`` / $ZCKPT_MS_PYTHON is given,
+* with ``--cp-output``, ``cp -r`` of each destination's output tree: where a destination writes more
+  than the source holds (replicas), a copy of the bytes written is the fair yardstick, not the source's.
 
 Shapes (``--shape``): ``512`` = pp 4 x tp 8 x dp 16 -> tp 8 x dp 2 and 1 rank; ``256`` =
 pp 4 x tp 8 x dp 8 -> the same; ``8`` = tp 4 x dp 2 -> tp 2 x dp 2 (the shape zckpt was tuned
@@ -37,7 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import GiB, MiB, drop_caches, machine, peak, phase_env, run_phase, tree_bytes, tree_files
-from jobs_model import ModelDims, Parallel, box_value, model_bytes, size_model, width_unit, write_job, write_strategy
+from jobs_model import (
+    ModelDims,
+    Parallel,
+    box_value,
+    data_bytes,
+    model_bytes,
+    size_model,
+    width_unit,
+    write_job,
+    write_strategy,
+)
 
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
@@ -48,6 +60,9 @@ PRESETS = {
     "8": ("tp4xdp2", "tp2xdp2"),
 }
 PHASES = ("cp", "ingest", "export", "transform", "mindspore")
+DTYPES = {"bf16": "BFloat16", "fp32": "Float32"}
+"""``--dtype``: the weights' MindSpore type (the moments are fp32 either way)."""
+DTYPES_INV = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -62,11 +77,19 @@ class Job:
     dsts: tuple[tuple[Parallel, Path | None], ...]
 
 
-def prepare(work: Path, size: int, src: Parallel, dsts: list[Parallel], optimizer: str, gen_workers: int) -> Job:
-    """Generate the source job once (reused while ``WORK/job-*/ready`` exists) and the destination strategies."""
-    dims = size_model(size, width_unit([src, *dsts]), src.pp)
+def job_dir(work: Path, src: Parallel, dims: ModelDims, optimizer: str) -> Path:
+    """Where the generated source job of this shape and model lives below ``work`` (reused by every run that
+    asks for the same one)."""
     tag = f"{src.pp}x{src.tp}x{src.dp}{'' if src.opt else 'n'}-h{dims.hidden}-l{dims.layers}-{optimizer}"
-    root = work / f"job-{tag}"
+    tag += "" if dims.weight_type == "BFloat16" else f"-{DTYPES_INV[dims.weight_type]}"
+    return work / f"job-{tag}"
+
+
+def prepare(work: Path, size: int, src: Parallel, dsts: list[Parallel], optimizer: str, gen_workers: int,
+            weight_type: str = "BFloat16") -> Job:
+    """Generate the source job once (reused while ``WORK/job-*/ready`` exists) and the destination strategies."""
+    dims = size_model(size, width_unit([src, *dsts]), src.pp, weight_type)
+    root = job_dir(work, src, dims, optimizer)
     ready = root / "ready"
     if not ready.is_file():
         shutil.rmtree(root, ignore_errors=True)
@@ -124,6 +147,7 @@ def main() -> None:
     ap.add_argument("--src", help="source shape instead of the preset's, e.g. pp4xtp8xdp16 (':noopt' for no "
                                   "optimizer parallel)")
     ap.add_argument("--dst", help="destination shapes instead of the preset's, comma separated, e.g. tp8xdp2,1")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="type of the weights (moments: fp32)")
     ap.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw",
                     help="moment names: MindFormers' adam_m./adam_v. or MindSpore Adam's moment1./moment2.")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/zckpt-jobs"),
@@ -139,6 +163,8 @@ def main() -> None:
                                                                            "killed (reported as such)")
     ap.add_argument("--check", action="store_true", help="compare the one-rank outputs (zckpt's and MindSpore's) "
                                                          "with the generated values")
+    ap.add_argument("--cp-output", action="store_true", help="also time cp -r of each destination's output tree "
+                                                             "(the yardstick where a job writes more than it reads)")
     ap.add_argument("--json-out", type=Path, help="also save the run as JSON")
     ap.add_argument("--render", type=Path, help="print the table of a saved JSON run and exit")
     ap.add_argument("--keep", action="store_true", help="keep the store and the outputs (the generated job is "
@@ -155,7 +181,7 @@ def main() -> None:
     if set(phases) - set(PHASES) or set(caches) - {"cold", "warm"} or a.repeat < 1:
         raise SystemExit("bad --phases, --cache or --repeat")
     a.work.mkdir(parents=True, exist_ok=True)
-    job = prepare(a.work, int(a.size_gib * GiB), src, dsts, a.optimizer, a.gen_workers)
+    job = prepare(a.work, int(a.size_gib * GiB), src, dsts, a.optimizer, a.gen_workers, DTYPES[a.dtype])
     src_bytes = tree_bytes(job.src)
     src_files = sum(1 for _ in job.src.glob("rank_*/*.ckpt"))
     cold_ok = drop_caches() if "cold" in caches else False
@@ -181,7 +207,7 @@ def main() -> None:
     checked = 0
 
     def measure(label: str, phase: str, python: str, args: list[str], out: Path, penv: dict[str, str],
-                timeout: float | None = None, keep: bool = False) -> None:
+                timeout: float | None = None, keep: bool = False, extra: dict[str, Any] | None = None) -> None:
         for cache in caches:
             results = []
             for _ in range(a.repeat):
@@ -197,7 +223,7 @@ def main() -> None:
                     break
             med = _median_run(results)
             row: dict[str, Any] = {"label": label, "phase": phase, "cache": cache if cache == "warm" or cold_ok
-                                   else "warm (drop refused)"}
+                                   else "warm (drop refused)", **(extra or {})}
             if med is None:
                 row["error"] = results[0].get("error", "failed")
             else:
@@ -228,12 +254,23 @@ def main() -> None:
                 ["ingest", str(job.src), strat, str(store), str(a.workers)], store, env, keep=True)
     for d, dpath in job.dsts:
         dstrat = str(dpath) if dpath else ""
+        tag = {"dst": d.spec}
+        copied = not a.cp_output  # the output tree of this destination was copied (or need not be)
+
+        def copy_output(out: Path, d: Parallel = d, tag: dict[str, Any] = tag) -> bool:
+            if out.exists():
+                measure(f"cp -r of the output -> {d}", "cp-out", sys.executable,
+                        ["copy", str(out), str(runs / "cp-out")], runs / "cp-out", env, extra=tag)
+            return out.exists()
+
         if "export" in phases and store.exists():
             out = runs / f"export-{d.ranks}"
             measure(f"zckpt export -> {d}", "export", sys.executable,
-                    ["export", str(store), dstrat, str(out), str(a.workers)], out, env, keep=a.check)
+                    ["export", str(store), dstrat, str(out), str(a.workers)], out, env, keep=a.check or not copied,
+                    extra=tag)
             if a.check and d.unsharded and out.exists():
                 checked += check_unsharded(out, job)
+            copied = copied or copy_output(out)
             shutil.rmtree(out, ignore_errors=True)
         if "transform" in phases:
             out = runs / f"transform-{d.ranks}"
@@ -241,15 +278,17 @@ def main() -> None:
             cmd += ["--src-strategy", strat] if strat else []
             cmd += ["--dst-strategy", dstrat] if dstrat else []
             cmd += ["--workers", str(a.workers)] if a.workers != 1 else []
-            measure(f"zckpt transform -> {d}", "transform", sys.executable, cmd, out, env, keep=a.check)
+            measure(f"zckpt transform -> {d}", "transform", sys.executable, cmd, out, env,
+                    keep=a.check or not copied, extra=tag)
             if a.check and d.unsharded and out.exists():
                 checked += check_unsharded(out, job)
+            copied = copied or copy_output(out)
             shutil.rmtree(out, ignore_errors=True)
         if "mindspore" in phases and ms_python:
             out = runs / f"ms-{d.ranks}"
             measure(f"MindSpore transform_checkpoints -> {d}", "mindspore", ms_python,
                     ["mindspore", str(job.src), str(out), strat, dstrat], out, ms_env, timeout=a.mindspore_timeout,
-                    keep=a.check)
+                    keep=a.check, extra=tag)
             if a.check and d.unsharded and out.exists():  # MindSpore itself agrees with the generated job
                 checked += check_unsharded(out, job)
             shutil.rmtree(out, ignore_errors=True)
@@ -265,7 +304,11 @@ def main() -> None:
                        else "not possible here (not root): every figure is warm"),
         "job": {"src": str(job.par), "dsts": [str(d) for d, _ in job.dsts], "dims": vars(job.dims),
                 "optimizer": a.optimizer, "model_bytes": model_bytes(job.dims, a.optimizer),
-                "src_bytes": src_bytes, "src_files": src_files,
+                "src_bytes": src_bytes, "src_files": src_files, "src_spec": job.par.spec,
+                "dst_specs": [d.spec for d, _ in job.dsts],
+                "src_data_bytes": data_bytes(job.dims, job.par, a.optimizer),
+                "needed_bytes": {d.spec: data_bytes(job.dims, d, a.optimizer, distinct=True) for d, _ in job.dsts},
+                "dst_data_bytes": {d.spec: data_bytes(job.dims, d, a.optimizer) for d, _ in job.dsts},
                 "store_files": store_files[0], "store_dirs": store_files[1]},
         "notes": notes, "checked_tensors": checked, "repeat": a.repeat, "phases": rows,
     }
@@ -282,7 +325,8 @@ def render(report: dict[str, Any]) -> None:
     print(f"{m['date']}; {m['cpus']} cpus, {m['ram_bytes'] / GiB:.0f} GiB RAM, Linux {m['kernel']}, "
           f"Python {m['python']}; disk {m['disk']}. Cache: {report['cache_drop']}.\n")
     print(f"Job: {job['src']} -> {' and '.join(job['dsts'])}. Model {job['model_bytes'] / GiB:.2f} GiB "
-          f"(hidden {dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; bf16 weights, "
+          f"(hidden {dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
+          f"{DTYPES_INV.get(dims.get('weight_type', 'BFloat16'), '?')} weights, "
           f"fp32 {job['optimizer']} moments); {job['src_files']} source files, {job['src_bytes'] / GiB:.2f} GiB; "
           f"store: {job['store_files']} files in {job['store_dirs']} directories. "
           f"Median of {report['repeat']} runs, each ending with `sync`.\n")

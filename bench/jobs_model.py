@@ -3,8 +3,8 @@
 Real jobs are pipeline x tensor x data parallel, with the optimizer sharded over the data
 parallel group: every parameter is saved in many small pieces. This module builds such a
 job's parameter list (MindFormers' mcore names: vocab-parallel embedding, fused qkv and output
-projections, fused gate/up and down MLP, RMSNorm weights, final norm, lm_head; bf16 weights and
-fp32 RMSNorm weights, the fp32 Adam moments beside every one of them, the optimizer's scalars)
+projections, fused gate/up and down MLP, RMSNorm weights, final norm, lm_head; bf16 (or fp32) weights
+and fp32 RMSNorm weights, the fp32 Adam moments beside every one of them, the optimizer's scalars)
 and writes it one rank at a time, each rank's shard computed on its own, so that generating
 16 GiB on 512 ranks needs neither the model in memory nor a global value per rank.
 
@@ -15,6 +15,7 @@ replicas agree. Strategy files come from :mod:`zckpt.jobs.generate`'s encoders.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt.core.layout import Box, rank_box, resolve
+from zckpt.core.layout import Box, all_boxes, rank_box, resolve
 from zckpt.formats.ckpt_encoding import MS_SLICE_BYTES, value_header
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.generate import write_pipeline_strategies
@@ -71,6 +72,15 @@ class Parallel:
                 sizes[key] = int(num)
         return Parallel(sizes["pp"], sizes["tp"], sizes["dp"], opt=flag != "noopt")
 
+    @property
+    def spec(self) -> str:
+        """The text :meth:`parse` reads back, factors of 1 left out: ``pp4xtp8xdp16``, ``tp8``,
+        ``tp8xdp2:noopt``, ``1``."""
+        if self.unsharded:
+            return "1"
+        base = "x".join(f"{k}{n}" for k, n in (("pp", self.pp), ("tp", self.tp), ("dp", self.dp)) if n > 1)
+        return base if self.opt else base + ":noopt"
+
     def __str__(self) -> str:
         if self.unsharded:
             return "1 rank (unsharded)"
@@ -82,30 +92,33 @@ class Parallel:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """A LLaMA-like decoder: ``layers`` blocks of width ``hidden``, MLP width ``ffn``, ``vocab`` tokens."""
+    """A LLaMA-like decoder: ``layers`` blocks of width ``hidden``, MLP width ``ffn``, ``vocab`` tokens;
+    the matrices in ``weight_type`` (``BFloat16`` as in mixed-precision training, or ``Float32``)."""
 
     hidden: int
     layers: int
     ffn: int
     vocab: int
+    weight_type: str = "BFloat16"
 
     def params(self) -> list[tuple[str, tuple[int, ...], str, str]]:
         """``(name, shape, ms_type, kind)`` of every parameter, kind ``col`` (dim 0 split over tp),
         ``row`` (dim 1) or ``norm`` (replicated); embedding first, lm_head last."""
-        h, f = self.hidden, self.ffn
-        out = [("embedding.word_embeddings.weight", (self.vocab, h), "BFloat16", "col")]
+        h, f, w = self.hidden, self.ffn, self.weight_type
+        out: list[tuple[str, tuple[int, ...], str, str]] = [
+            ("embedding.word_embeddings.weight", (self.vocab, h), w, "col")]
         for i in range(self.layers):
             p = f"decoder.layers.{i}."
             out += [
                 (p + "input_layernorm.weight", (h,), "Float32", "norm"),
-                (p + "self_attention.linear_qkv.weight", (3 * h, h), "BFloat16", "col"),
-                (p + "self_attention.linear_proj.weight", (h, h), "BFloat16", "row"),
+                (p + "self_attention.linear_qkv.weight", (3 * h, h), w, "col"),
+                (p + "self_attention.linear_proj.weight", (h, h), w, "row"),
                 (p + "pre_mlp_layernorm.weight", (h,), "Float32", "norm"),
-                (p + "mlp.linear_fc1.weight", (2 * f, h), "BFloat16", "col"),
-                (p + "mlp.linear_fc2.weight", (h, f), "BFloat16", "row"),
+                (p + "mlp.linear_fc1.weight", (2 * f, h), w, "col"),
+                (p + "mlp.linear_fc2.weight", (h, f), w, "row"),
             ]
         out += [("decoder.final_layernorm.weight", (h,), "Float32", "norm"),
-                ("output_layer.weight", (self.vocab, h), "BFloat16", "col")]
+                ("output_layer.weight", (self.vocab, h), w, "col")]
         return out
 
     def stage_of(self, name: str, pp: int) -> int:
@@ -119,11 +132,11 @@ MOMENT_NAMES = {"adam": ("moment1.", "moment2."), "adamw": ("adam_m.", "adam_v."
 """Optimizer state prefixes: MindSpore's ``nn.Adam`` and MindFormers' AdamW."""
 
 
-def size_model(total_bytes: int, unit: int, pp: int) -> ModelDims:
-    """Dims whose checkpoint (bf16 weights + two fp32 moments: 10 bytes a parameter) is about
-    ``total_bytes``: LLaMA's proportions (``layers ~ hidden / 128``, ``vocab = 8 hidden``,
-    ``ffn ~ 8/3 hidden``), every width a multiple of ``unit`` and the layers of ``pp``."""
-    params = max(total_bytes, 1) / 10
+def size_model(total_bytes: int, unit: int, pp: int, weight_type: str = "BFloat16") -> ModelDims:
+    """Dims whose checkpoint (weights + two fp32 moments: 10 bytes a parameter with bf16 weights,
+    12 with fp32) is about ``total_bytes``: LLaMA's proportions (``layers ~ hidden / 128``,
+    ``vocab = 8 hidden``, ``ffn ~ 8/3 hidden``), every width a multiple of ``unit`` and the layers of ``pp``."""
+    params = max(total_bytes, 1) / (8 + _itemsize(weight_type))
     guess = max(1, round((params * 128 / 12) ** (1 / 3) / unit))
     best: tuple[float, ModelDims] | None = None
     for k in range(max(1, guess // 2), 2 * guess + 2):
@@ -134,7 +147,7 @@ def size_model(total_bytes: int, unit: int, pp: int) -> ModelDims:
         size = 16 * hidden * hidden + layers * per_layer
         score = abs(math.log(size / params)) + 0.05 * abs(math.log(layers * 128 / hidden))
         if best is None or score < best[0]:
-            best = (score, ModelDims(hidden=hidden, layers=layers, ffn=ffn, vocab=8 * hidden))
+            best = (score, ModelDims(hidden=hidden, layers=layers, ffn=ffn, vocab=8 * hidden, weight_type=weight_type))
     assert best is not None
     return best[1]
 
@@ -146,7 +159,9 @@ def width_unit(shapes: Sequence[Parallel]) -> int:
 
 
 def layout_of(kind: str, par: Parallel) -> ParamLayout:
-    tmap = {"col": [[0], []], "row": [[], [0]], "norm": [[]]}[kind]
+    """The layout MindSpore gives a weight of ``kind`` (and its moments) on grid ``par``."""
+    maps: dict[str, list[list[int]]] = {"col": [[0], []], "row": [[], [0]], "norm": [[]]}
+    tmap = maps[kind]
     opt = par.opt and par.dp > 1
     return make_layout((par.dp, par.tp), tmap, opt_shard_step=par.tp if opt else 0, opt_shard_size=-1 if opt else 0)
 
@@ -287,3 +302,28 @@ def write_strategy(path: Path, dims: ModelDims, par: Parallel, *, optimizer: str
 def model_bytes(dims: ModelDims, optimizer: str = "adamw") -> int:
     """Bytes of the global model (parameters and moments, not scalars)."""
     return sum(t.nbytes for s in tensors(dims, Parallel(), optimizer) for t in s)
+
+
+@functools.cache
+def _layout_boxes(layout: ParamLayout, shape: tuple[int, ...]) -> tuple[Box, ...]:
+    return all_boxes(resolve(layout, shape))
+
+
+def rank_boxes(t: TensorDef, par: Parallel) -> tuple[Box, ...]:
+    """The box of ``t`` each rank of its pipeline stage holds, by stage-local rank."""
+    if t.layout is None:
+        return (Box.full(t.shape),) * par.stage_devices
+    return _layout_boxes(t.layout, t.shape)
+
+
+def data_bytes(dims: ModelDims, par: Parallel, optimizer: str = "adamw", *, distinct: bool = False) -> int:
+    """Bytes of tensor data in the files of a job of shape ``par`` (headers aside), scalars included;
+    with ``distinct``, each element once however many ranks hold it: what a reshard to ``par`` must
+    read at least, whatever the source. Counted from the layouts, box by box (a layout's boxes
+    are equal or disjoint, so replicas are the equal ones)."""
+    total = 0
+    for stage in tensors(dims, par, optimizer):
+        for t in stage:
+            boxes = rank_boxes(t, par)
+            total += sum(b.size for b in (set(boxes) if distinct else boxes)) * _itemsize(t.ms_type)
+    return total + sum(t.nbytes for t in scalars(optimizer)) * (1 if distinct else par.ranks)

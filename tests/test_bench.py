@@ -111,3 +111,61 @@ def test_jobs_model_shards_match_an_independent_slicer(tmp_path: Path) -> None:
             else:
                 want = full[local * shape[0] // 4:(local + 1) * shape[0] // 4]
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), (name, rank)
+
+
+def _model_by_hand(dims: dict[str, int]) -> tuple[int, int, int]:
+    """Bytes of the generated model's matrices, norms and scalars, from its shapes alone: bf16 (or fp32)
+    matrices, fp32 norms, two fp32 moments beside each, and the AdamW job's three 4-byte scalars."""
+    h, f, v = dims["hidden"], dims["ffn"], dims["vocab"]
+    w = 2 if dims.get("weight_type", "BFloat16") == "BFloat16" else 4
+    matrices = 2 * v * h + dims["layers"] * (3 * h * h + h * h + 2 * f * h + h * f)
+    norms = (2 * dims["layers"] + 1) * h
+    return matrices * (w + 8), norms * 12, 3 * 4
+
+
+def test_bench_matrix_runs_a_case_and_renders_the_targets(tmp_path: Path) -> None:
+    """bench_matrix on one tiny case: the table has a row per phase (with the copy of the output tree
+    where the destination holds replicas), the issue's columns, and 'needed' equals the model's bytes
+    counted from its shapes; a second run skips the done case; --list names every case."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        from bench_matrix import CASES
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    cmd = [sys.executable, str(BENCH_DIR / "bench_matrix.py"), "--work", str(tmp_path / "work"),
+           "--results", str(tmp_path / "res")]
+    run = [*cmd, "--only", "replicate", "--size-gib", "0.005", "--repeat", "1", "--cache", "warm",
+           "--gen-workers", "1"]
+    proc = subprocess.run(run, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "res" / "replicate.json").read_text(encoding="utf-8"))
+    matrices, norms, scalars = _model_by_hand(report["job"]["dims"])
+    needed = matrices + norms + scalars
+    assert report["job"]["needed_bytes"] == {"tp8xdp2:noopt": needed}
+    # without the optimizer split the matrices are held twice (dp 2), norms and scalars by all 16 ranks
+    assert report["job"]["dst_data_bytes"]["tp8xdp2:noopt"] == 2 * matrices + 16 * (norms + scalars)
+    lines = proc.stdout.splitlines()
+    header = next(x for x in lines if x.startswith("| case |"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "case", "phase", "cache", "wall s", "x cp", "x cp out", "CPU s", "read MiB", "needed MiB", "read / needed",
+        "disk read MiB", "disk written MiB", "peak RSS MiB"]
+    rows = {tuple(c.strip() for c in x.strip("|").split("|"))[:2]: [c.strip() for c in x.strip("|").split("|")]
+            for x in lines if x.startswith("| replicate |")}
+    dst = " -> tp8xdp2:noopt"
+    assert set(rows) == {("replicate", p) for p in ("cp", "ingest", "export" + dst, "cp-out" + dst,
+                                                    "transform" + dst)}
+    for phase in ("export", "transform"):
+        row = rows[("replicate", phase + dst)]
+        assert row[8] == f"{needed / 2**20:.1f}" and row[5] != "-"  # against the copy of the output tree
+        read = next(r["read_bytes"] for r in report["phases"] if r["phase"] == phase)
+        assert row[9] == f"{read / needed:.2f}"
+    assert rows[("replicate", "ingest")][5] == "-"
+    assert "- **wall <= 1.2x copy**: " in proc.stdout and "- **read <= 1.1x needed**: " in proc.stdout
+    assert "- **peak RSS <= 1 GiB**: 3 of 3 cells" in proc.stdout
+    again = subprocess.run(run, capture_output=True, text=True, check=False, timeout=600)
+    assert again.returncode == 0 and "replicate: done" in again.stderr
+    listed = subprocess.run([*cmd, "--list"], capture_output=True, text=True, check=True, timeout=600).stdout
+    names = [x.split("|")[1].strip() for x in listed.splitlines()[2:]]
+    assert names == [c.name for c in CASES] and len(set(names)) == len(names)
+    assert "| replicate | replicate | 2 | bf16 | tp8xdp2 | tp8xdp2:noopt |" in listed
+    assert "| yes |" in listed.splitlines()[2 + names.index("replicate")]  # writes more, and done
