@@ -74,18 +74,26 @@ def test_transform_either_order_gives_mindspores_bytes(sid: str, mode: str, tmp_
     assert groups_written == ([ranks] if mode == "source_major" and ranks > 1 else [])
 
 
+@pytest.mark.parametrize("path", ["export", "transform"])
 @pytest.mark.parametrize("sid", ["s02", "s08", "s20"])
-def test_safetensors_source_major_equals_one_by_one(sid: str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_safetensors_source_major_equals_one_by_one(sid: str, path: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    groups_written: list[int]) -> None:
     d = scenario(sid)
+    if path == "export":
+        ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
     got = {}
     for mode in sorted(MODES):
         _force(monkeypatch, mode)
         out = tmp_path / mode
-        transform(d / "src" / "checkpoints", out, _strategy(d / "src"), _strategy(d / "dst"),
-                  options=TransformOptions(format="safetensors"))
+        if path == "export":
+            export(tmp_path / "s.zarr", out, _strategy(d / "dst"), options=ExportOptions(format="safetensors"))
+        else:
+            transform(d / "src" / "checkpoints", out, _strategy(d / "src"), _strategy(d / "dst"),
+                      options=TransformOptions(format="safetensors"))
         got[mode] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
     assert got["source_major"] == got["one_by_one"] and got["one_by_one"]
+    assert groups_written == [len(got["one_by_one"])]
     for rel in got["one_by_one"]:  # and both hold MindSpore's values
         rank = int(rel.parts[0].split("_")[1])
         expected = sorted((d / "dst" / "expected" / f"rank_{rank}").glob("*.ckpt"))[-1]
@@ -113,6 +121,40 @@ def test_each_store_byte_read_once(sid: str, tmp_path: Path, monkeypatch: pytest
     for mode in sorted(MODES):
         _force(monkeypatch, mode)
         rep = export(tmp_path / "s.zarr", tmp_path / mode, _strategy(d / "dst"),
-                     options=ExportOptions(helper="off"))
+                     options=ExportOptions(helper=False))
         read[mode] = sum(r.read_bytes + r.checked_bytes for r in rep.ranks)
     assert read["one_by_one"] > model >= read["source_major"] > 0, read
+
+
+@pytest.mark.parametrize("path", ["export", "transform"])
+def test_groups_as_dask_tasks_give_mindspores_bytes(path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    groups_written: list[int]) -> None:
+    """With two Dask workers, a task is a group of files (here cut in two)."""
+    d = scenario("s02")
+    monkeypatch.setattr(group_writer, "GAIN", 0.0)
+    monkeypatch.setattr(group_writer, "SPLIT_COST", math.inf)
+    if path == "export":
+        ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+        export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"), options=ExportOptions(workers=2))
+    else:
+        transform(d / "src" / "checkpoints", tmp_path / "out", _strategy(d / "src"), _strategy(d / "dst"),
+                  options=TransformOptions(workers=2))
+    assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
+    assert sorted(groups_written) == [4, 4]
+
+
+@pytest.mark.parametrize("sid", ["s02", "s08", "s16", "s20"])
+def test_bands_smaller_than_a_slice_land_at_their_offsets(sid: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          groups_written: list[int]) -> None:
+    """A few hundred bytes at a time: every slice arrives in several bands, most starting
+    inside it, in .ckpt and safetensors, from the store and from the shards."""
+    d = scenario(sid)
+    _force(monkeypatch, "source_major")
+    ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+    export(tmp_path / "s.zarr", tmp_path / "e", _strategy(d / "dst"), options=ExportOptions(block_bytes=512))
+    transform(d / "src" / "checkpoints", tmp_path / "t", _strategy(d / "src"), _strategy(d / "dst"),
+              options=TransformOptions(block_bytes=512))
+    for out in ("e", "t"):
+        assert diff_dirs(d / "dst" / "expected", tmp_path / out) == [], out
+    assert len(groups_written) == 2

@@ -5,6 +5,7 @@ and no helper behind. Values are checked against the generator's, not read back 
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -27,6 +28,7 @@ from zckpt.jobs.generate_model import TensorDef
 from zckpt.run import helper
 from zckpt.run.engines import run_all
 from zckpt.run.helper import Helper
+from zckpt.write import group_writer
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 40  # two ranks per record group (ceil(40 / 32)): the helper's share starts on a group border
@@ -268,8 +270,14 @@ def submitted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
+@pytest.fixture
+def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files written one by one (the helper takes a share of the files), whatever they share."""
+    monkeypatch.setattr(group_writer, "GAIN", math.inf)
+
+
 def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
-                                                              submitted: list[int]) -> None:
+                                                              submitted: list[int], one_by_one: None) -> None:
     store = tmp_path / "s.zarr"
     assert cli_main(_args(job, store, "--no-helper")) == 0
     dst = _dst_strategy(job, tmp_path, 6)
@@ -289,7 +297,7 @@ def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedMode
 
 
 def test_transform_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
-                                                                 submitted: list[int]) -> None:
+                                                                 submitted: list[int], one_by_one: None) -> None:
     dst = _dst_strategy(job, tmp_path, 5)
     outs = {}
     for flag in ("--no-helper", "--helper"):
@@ -301,9 +309,27 @@ def test_transform_with_a_helper_writes_the_single_process_files(job: GeneratedM
     assert _snapshot(outs["--helper"]) == _snapshot(outs["--no-helper"])
 
 
+def test_source_major_groups_split_with_the_helper_write_the_single_process_files(
+        job: GeneratedModel, tmp_path: Path, submitted: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source-major, the helper takes a group of files: the same files as one process writes."""
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(job, store, "--no-helper")) == 0
+    dst = _dst_strategy(job, tmp_path, 6)
+    monkeypatch.setattr(group_writer, "GAIN", 0.0)
+    monkeypatch.setattr(group_writer, "SPLIT_COST", math.inf)
+    outs = {}
+    for flag in ("--no-helper", "--helper"):
+        outs[flag] = tmp_path / flag.strip("-")
+        assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(outs[flag]), "--quiet",
+                         flag]) == 0
+    assert submitted == [1]  # one group of files
+    assert _snapshot(outs["--helper"]) == _snapshot(outs["--no-helper"])
+
+
 def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: GeneratedModel, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  one_by_one: None) -> None:
     store = tmp_path / "s.zarr"
     assert cli_main(_args(job, store, "--no-helper", "--pack-size", "0")) == 0  # each tensor its own array
     dst = _dst_strategy(job, tmp_path, 4)

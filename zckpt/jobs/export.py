@@ -94,37 +94,41 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
     if not jobs:
         return ExportReport(dest.url, (), time.perf_counter() - t0)
     local = store.location is None and dest.local
-    cut = source_major(StoreReader(store, options), [r for r, _ in units], options, options.workers) \
-        if local and options.helper is not True else None  # an explicit --helper shares files between processes
-    if cut is not None:
-        return _write_groups(store, [[units[i] for i in g] for g in cut], dest, options, t0)
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
     with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes), sources=sources,
                    modules=("zckpt.jobs.export", "zckpt.store.store"), fsync=options.fsync) as place, \
             place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
-        aside = place.hand_over(units, unit_bytes, write_files, PlannedStore.of(store), options)
+        planned = PlannedStore.of(store)
         # In this process the tasks share the parent's Store: its checksum records and chunk
         # metadata are loaded once, not once per destination file (at 512 source ranks that
         # reload was half of an export's CPU time). Cluster tasks open the store themselves.
         # They also hand their files to one publisher, which syncs each while the next is written.
-        results = place.run(write_file, units, store if client is None else PlannedStore.of(store), options,
-                            place.publisher if client is None else None, label="export", name=task_name,
+        shared = store if client is None else planned
+        publisher = place.publisher if client is None else None
+        cut = source_major(StoreReader(store, options), [r for r, _ in units], options,
+                           2 if place.helper is not None else options.workers) if local else None
+        if cut is not None:
+            batches = [[units[i] for i in g] for g in cut]
+            batch_bytes = [sum(by_target[t] for _, t in b) for b in batches]
+            helped = place.hand_over(batches, batch_bytes, write_groups, planned, options)
+            done = place.run(write_group, batches, shared, options, publisher, label="export",
+                             name=lambda b: f"ranks {b[0][0].rank}-{b[-1][0].rank}", progress=options.progress,
+                             size=lambda b: sum(by_target[t] for _, t in b), aside=helped)
+            return ExportReport(dest.url, tuple(r for rs in done for r in rs), time.perf_counter() - t0)
+        aside = place.hand_over(units, unit_bytes, write_files, planned, options)
+        results = place.run(write_file, units, shared, options, publisher, label="export", name=task_name,
                             size=lambda u: by_target[u[1]], progress=options.progress, aside=aside)
     return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)
 
 
-def _write_groups(store: Store, batches: list[list[tuple[RankExport, str]]], dest: OutputDir,
-                  options: ExportOptions, t0: float) -> ExportReport:
-    """Write destination files source-major, a group per task (:mod:`zckpt.write.group_writer`)."""
-    sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
-    with placement(options, fsync=options.fsync) as place, place.running() as client:
-        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
-        done = place.run(write_group, batches, store if client is None else PlannedStore.of(store), options,
-                         place.publisher if client is None else None, label="export",
-                         name=lambda b: f"ranks {b[0][0].rank}-{b[-1][0].rank}", progress=options.progress,
-                         size=lambda b: sum(s.box.size * sizes.get(s.name, 0) for r, _ in b for s in r.slices))
-    return ExportReport(dest.url, tuple(r for rs in done for r in rs), time.perf_counter() - t0)
+def write_groups(batches: list[list[tuple[RankExport, str]]], store: PlannedStore,
+                 options: ExportOptions) -> list[list[RankResult]]:
+    """:func:`write_group` of several groups with the store opened once and their own
+    publisher (the helper's share of a source-major export)."""
+    opened = store.open(options.storage_options)
+    with Publisher(options.fsync) as publisher:
+        return [write_group(b, opened, options, publisher) for b in batches]
 
 
 def write_group(batch: list[tuple[RankExport, str]], store: Store | PlannedStore, options: ExportOptions,
@@ -217,11 +221,20 @@ def _export_safetensors(store: Store, plan: ExportPlan, dest: OutputDir, options
     dest.make_folders(p for _, p in jobs)
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, dest.target(p)) for r, p in jobs]
+    nbytes = {t: sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, t in units}
+    cut = source_major(StoreReader(store, options), [r for r, _ in units], options, options.workers) \
+        if store.location is None and dest.local else None
     with placement(options) as place, place.running():
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
-        results = place.run(write_safetensors_file, units, PlannedStore.of(store), options, label="export",
-                            progress=options.progress, name=task_name,
-                            size=lambda u: sum(s.box.size * sizes.get(s.name, 0) for s in u[0].slices))
+        if cut is not None:
+            done = place.run(write_group, [[units[i] for i in g] for g in cut], PlannedStore.of(store), options,
+                             label="export", progress=options.progress,
+                             name=lambda b: f"ranks {b[0][0].rank}-{b[-1][0].rank}",
+                             size=lambda b: sum(nbytes[t] for _, t in b))
+            results = [r for rs in done for r in rs]
+        else:
+            results = place.run(write_safetensors_file, units, PlannedStore.of(store), options, label="export",
+                                progress=options.progress, name=task_name, size=lambda u: nbytes[u[1]])
     dest.remember_all(fingerprint)
     return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)
 

@@ -264,28 +264,38 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
     local = not any(remote.is_remote(u.target) for u in units) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
-    cut = _source_major(plan, units, options) if local and options.helper is not True else None
-    if cut is not None:
-        return _run_groups(plan, checks, [[units[i] for i in g] for g in cut], out, options, t0, by_target)
     with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes),
                    sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
                    fsync=options.fsync) as place, place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
         compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
-        aside = place.hand_over(units, unit_bytes, write_direct_files, options)
         # In this process, one publisher syncs each file while the next is written.
-        results = place.run(write_direct_file, units, options, place.publisher if client is None else None,
-                            label="transform", name=_task_name, progress=options.progress,
-                            size=lambda u: by_target[u.target], aside=aside)
+        publisher = place.publisher if client is None else None
+        cut = _source_major(plan, units, options, 2 if place.helper is not None else options.workers) \
+            if local else None
+        if cut is not None:
+            groups = [([units[i] for i in g], _union_boxes(plan, [units[i] for i in g])) for g in cut]
+            group_bytes = [sum(by_target[j.target] for j in g) for g, _ in groups]
+            helped = place.hand_over(groups, group_bytes, write_direct_groups, options)
+            done = place.run(write_direct_group, groups, options, publisher, label="transform",
+                             name=lambda g: f"ranks {g[0][0].rank.rank}-{g[0][-1].rank.rank}",
+                             progress=options.progress, size=lambda g: sum(by_target[j.target] for j in g[0]),
+                             aside=helped)
+            return TransformReport(out, tuple(r for rs in done for r in rs), time.perf_counter() - t0,
+                                   bytes_compared=sum(compared))
+        aside = place.hand_over(units, unit_bytes, write_direct_files, options)
+        results = place.run(write_direct_file, units, options, publisher, label="transform", name=_task_name,
+                            progress=options.progress, size=lambda u: by_target[u.target], aside=aside)
     return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
 
 
-def _source_major(plan: TransformPlan, units: list[DirectJob], options: TransformOptions) -> list[list[int]] | None:
+def _source_major(plan: TransformPlan, units: list[DirectJob], options: TransformOptions,
+                  tasks: int) -> list[list[int]] | None:
     """The groups to write source-major (:func:`zckpt.write.writers.source_major`), if any."""
     ranks = [u.rank for u in units]
     with SourceReader(_union_boxes(plan, units), options.block_bytes) as reader:
-        return source_major(reader, ranks, options, options.workers)
+        return source_major(reader, ranks, options, tasks)
 
 
 def _union_boxes(plan: TransformPlan, units: Sequence[DirectJob]) -> SourceBoxes:
@@ -293,19 +303,11 @@ def _union_boxes(plan: TransformPlan, units: Sequence[DirectJob]) -> SourceBoxes
     return plan.boxes(RankExport(-1, tuple(s for u in units for s in u.rank.slices)))
 
 
-def _run_groups(plan: TransformPlan, checks: list[CheckJob], batches: list[list[DirectJob]], out: str,
-                options: TransformOptions, t0: float, by_target: Mapping[str, int]) -> TransformReport:
-    """Write destination files source-major, a group per task (:mod:`zckpt.write.group_writer`)."""
-    with placement(options, fsync=options.fsync) as place, place.running() as client:
-        options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
-        compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
-                             name=lambda j: f"rank {j.rank}", progress=options.progress)
-        units = [(b, _union_boxes(plan, b)) for b in batches]
-        done = place.run(write_direct_group, units, options, place.publisher if client is None else None,
-                         label="transform", name=lambda u: f"ranks {u[0][0].rank.rank}-{u[0][-1].rank.rank}",
-                         progress=options.progress, size=lambda u: sum(by_target[j.target] for j in u[0]))
-    return TransformReport(out, tuple(r for rs in done for r in rs), time.perf_counter() - t0,
-                           bytes_compared=sum(compared))
+def write_direct_groups(groups: list[tuple[list[DirectJob], SourceBoxes]],
+                        options: TransformOptions) -> list[list[RankResult]]:
+    """:func:`write_direct_group` of several groups with their own publisher (the helper's share)."""
+    with Publisher(options.fsync) as publisher:
+        return [write_direct_group(g, options, publisher) for g in groups]
 
 
 def write_direct_group(unit: tuple[list[DirectJob], SourceBoxes], options: TransformOptions,

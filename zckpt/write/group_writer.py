@@ -38,6 +38,10 @@ from zckpt.write.file_layouts import FileLayout, Layout, data_offset
 GAIN = 1.5
 """Group only when writing the files one by one would read this many times the bytes."""
 
+SPLIT_COST = 1.25
+"""Cut a group in two (one per process) only when the halves read at most this many times
+what the whole group reads: halves of a column split each read every row."""
+
 MAX_FILES = 256
 """Files of one group (each holds an open descriptor while the group is written)."""
 
@@ -80,13 +84,12 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     return out
 
 
-def pays(reader: CostedReader, ranks: Sequence[RankExport]) -> bool:
-    """Whether writing ``ranks`` as one group reads :data:`GAIN` times fewer bytes than
-    writing them one by one."""
+def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
+    """Bytes read to write ``ranks`` one by one, and as one group."""
     kinds = {s.name: reader.kind(s.name) for r in ranks for s in r.slices}
     alone = sum(reader.read_cost(s.name, s.box) for r in ranks for s in r.slices if kinds[s.name] == "tensor")
     together = sum(reader.read_cost(g.name, g.box) for g in regions(ranks, kinds))
-    return together * GAIN < alone
+    return alone, together
 
 
 def groups(ranks: Sequence[RankExport], count: int = 1) -> list[list[int]]:

@@ -22,10 +22,11 @@ from zckpt.io.fileio import Publisher
 from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write import ckpt_rank, safetensors_file
+from zckpt.write import group_writer as grouping
 from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSettings
 from zckpt.write.ckpt_rank import CkptRankWriter
 from zckpt.write.file_layouts import Layout, ckpt_layout, safetensors_layout
-from zckpt.write.group_writer import CostedReader, GroupWriter, groups, pays
+from zckpt.write.group_writer import CostedReader, GroupWriter, costs, groups
 from zckpt.write.safetensors_file import SafetensorsFileWriter
 from zckpt.write.safetensors_rank import SafetensorsRankWriter
 
@@ -104,9 +105,16 @@ def source_major(reader: CostedReader, ranks: Sequence[RankExport], options: For
     and the format and settings allow it; ``None``: one by one."""
     if len(ranks) < 2 or output_format(options.format).group(WriterSettings.of(options)) is None:
         return None
-    cut = groups(ranks, tasks)
-    if not all(pays(reader, [ranks[i] for i in g]) for g in cut):
+    whole = groups(ranks, 1)
+    priced = [costs(reader, [ranks[i] for i in g]) for g in whole]
+    alone, together = sum(a for a, _ in priced), sum(t for _, t in priced)
+    if together * grouping.GAIN >= alone:
         return None
+    cut = groups(ranks, tasks)
+    if len(cut) > len(whole):
+        split = sum(costs(reader, [ranks[i] for i in g])[1] for g in cut)
+        if split > together * grouping.SPLIT_COST:
+            return whole  # the other process stays idle rather than read the shared rows twice
     return cut
 
 
