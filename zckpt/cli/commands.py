@@ -74,7 +74,7 @@ def _cmd_ingest(a: argparse.Namespace) -> int:
         overwrite=a.overwrite, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
         overlap=a.overlap, progress=_progress(a),
         storage_options=parse_storage_options(a.storage_option) or None, file_suffix=a.file_suffix,
-        choice_func=_choice_func(a), helper=a.helper,
+        choice_func=_choice_func(a), helper=a.helper, serve=tuple(a.serve),
     )
     if a.pack_bytes is not None:
         opts = replace(opts, pack_bytes=a.pack_bytes)

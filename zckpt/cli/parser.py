@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "tensor its own array)")
     ing.add_argument("--pack-count", type=positive_int, metavar="N",
                      help="pack small tensors only when there are at least this many (default 1024)")
+    ing.add_argument("--serve", action="append", metavar="DST_STRATEGY", default=[],
+                     help="a destination strategy the store will serve (repeatable): chunks also split on its "
+                          "ranks' borders, so loading or exporting one of its ranks reads only that rank's bytes")
     ing.add_argument("--json", action="store_true",
                      help="print the report as JSON, and progress as JSON lines on stderr (unless --quiet)")
     _helper_arg(ing, "copy part of the source ranks")

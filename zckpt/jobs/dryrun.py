@@ -35,7 +35,7 @@ from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import remote
 from zckpt.io.locks import probe_store
 from zckpt.jobs.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export, stage_jobs
-from zckpt.jobs.ingest import IngestOptions
+from zckpt.jobs.ingest import IngestOptions, served_by
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
 from zckpt.jobs.transform import (
     TransformOptions,
@@ -467,7 +467,7 @@ def dry_run_ingest(src: str | Path | Mapping[int, str | Path], store_path: str |
         remote.local_path(store_path)
     values = store_source(plan, smap, so)
     layout = store_layout(plan, options, values.strings, values.map_sizes, values.record,
-                          sharded=isinstance(target, Path))
+                          sharded=isinstance(target, Path), served=served_by(plan, options))
     if isinstance(target, Path):
         layout = resumable_layout(target, layout, options.overwrite)
     required = set(plan.ranks_to_read(verify_replicas=False))

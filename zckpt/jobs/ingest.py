@@ -28,6 +28,7 @@ from zckpt.io import fileio, remote
 from zckpt.io.checksums import BLOCK_BYTES
 from zckpt.io.fileio import as_disk_full
 from zckpt.jobs.store_checks import check_rank
+from zckpt.plan.export_plan import served_boxes
 from zckpt.plan.values import IngestPlan, ReplicaCheck, Write
 from zckpt.run.choose import Placement, placement
 from zckpt.run.collect import fewer_collections
@@ -36,7 +37,7 @@ from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import SourceFile, open_source
 from zckpt.sources.prepare import PreparedIngest, find_sources, plan_sources, store_source
 from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs, spot_checks
-from zckpt.sources.strategies import StrategyArg
+from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store import integrity, packed, rerun
 from zckpt.store.chunk_writer import (
     ChunkCopier,
@@ -91,6 +92,9 @@ class IngestOptions:
     """Small tensors are packed only when there are at least this many."""
     checksum_block_bytes: int = BLOCK_BYTES
     """Each chunk's CRC-32C is recorded per block of this size (zckpt.io.checksums)."""
+    serve: tuple[StrategyArg, ...] = ()
+    """Destination strategies the store will serve: chunk borders also fall on their ranks'
+    borders, so that loading or exporting one of their ranks reads whole chunks only."""
     file_suffix: str | None = None
     """MindSpore's ``file_suffix``: in each ``rank_<r>`` directory only the checkpoint file
     ending in ``<file_suffix>.ckpt`` (or ``.safetensors``) counts (see
@@ -170,12 +174,20 @@ def ingest(
         return _ingest(prepared, store_path, is_remote, options, place, t0)
 
 
+def served_by(plan: IngestPlan, options: IngestOptions) -> dict[str, list[Box]]:
+    """The destination boxes of ``options.serve``'s strategies (:attr:`IngestOptions.serve`)."""
+    if not options.serve:
+        return {}
+    return served_boxes(plan.tensors, [load_strategy(s, options.storage_options) for s in options.serve])
+
+
 def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, options: IngestOptions,
             place: Placement, t0: float) -> IngestReport:
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     values = store_source(plan, smap, options.storage_options)
-    layout = store_layout(plan, options, values.strings, values.map_sizes, values.record, sharded=not is_remote)
+    layout = store_layout(plan, options, values.strings, values.map_sizes, values.record, sharded=not is_remote,
+                          served=served_by(plan, options))
     if not is_remote:
         layout = resumable_layout(remote.local_path(store_path), layout, options.overwrite)
     required = set(plan.ranks_to_read(verify_replicas=False))

@@ -397,6 +397,9 @@ class SliceRead:
     global_shape: tuple[int, ...]
     box: Box
     array: np.ndarray
+    read_bytes: int = 0
+    """Bytes read from the store for it: its own, and those read only to be checked or cut
+    away (rows of chunks wider than the slice)."""
 
 
 def read_slice(
@@ -439,8 +442,9 @@ def _read_slice(st: Store, rank: int, strategy: StrategyArg, name: str) -> Slice
     plan = ExportPlan((RankExport(rank, slices),), full.device_num)
     check_coverage(st, plan)
     box = slices[0].box
-    data = StoreReader(st, ExportOptions()).materialise([(name, box)])[0]
-    return SliceRead(name, rank, entry.ms_type, entry.shape, box, data)
+    reader = StoreReader(st, ExportOptions())
+    data = reader.materialise([(name, box)])[0]
+    return SliceRead(name, rank, entry.ms_type, entry.shape, box, data, reader.read_bytes + reader.checked_bytes)
 
 
 def load_slice(
@@ -479,6 +483,7 @@ def describe_slice(s: SliceRead) -> tuple[dict[str, Any], list[str]]:
         "global_shape": list(s.global_shape),
         "box": s.box.to_json(),
         "nbytes": int(s.array.nbytes),
+        "read_bytes": s.read_bytes,
     }
     vals = as_float(s.array, s.ms_type) if s.ms_type != "map" else s.array
     if vals.size and vals.dtype.kind in "biuf":
@@ -493,6 +498,9 @@ def describe_slice(s: SliceRead) -> tuple[dict[str, Any], list[str]]:
         f"{s.name}: {s.ms_type}{stored}, shape {list(s.array.shape)} of global {list(s.global_shape)}, "
         f"box {s.box.to_json()} (destination rank {s.rank})",
     ]
+    if s.array.nbytes:
+        lines.append(f"  read {s.read_bytes} bytes from the store for its {s.array.nbytes} "
+                     f"({s.read_bytes / s.array.nbytes:.2f}x)")
     if "min" in doc:
         lines.append(
             f"  min {doc['min']:.6g}, max {doc['max']:.6g}, mean {doc['mean']:.6g}, non-finite {doc['non_finite']}"

@@ -119,3 +119,15 @@ def build_export_plan(
             slices.append(Slice(t.name, rank_box(shardings[key], r % stage_dev)))
         out.append(RankExport(r, tuple(slices)))
     return ExportPlan(tuple(out), device_num)
+
+
+def served_boxes(tensors: Sequence[TensorSpec], strategies: Iterable[StrategyMap | None]) -> dict[str, list[Box]]:
+    """Per tensor, the distinct boxes the ranks of these destination strategies hold: a
+    store chunked on their borders hands each such rank its slice as whole chunks."""
+    out: dict[str, dict[Box, None]] = {}
+    for strategy in strategies:
+        for r in build_export_plan(tensors, strategy).ranks:
+            for s in r.slices:
+                if s.box.ndim and s.box.size:
+                    out.setdefault(s.name, {})[s.box] = None
+    return {n: list(bs) for n, bs in out.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,11 +96,13 @@ def resumable_layout(path: Path, layout: StoreLayout, overwrite: bool) -> StoreL
 
 def store_layout(
     plan: IngestPlan, options: LayoutOptions, strings: Mapping[str, str], map_sizes: Mapping[str, int],
-    source: Mapping[str, Any], *, sharded: bool = False,
+    source: Mapping[str, Any], *, sharded: bool = False, served: Mapping[str, Sequence[Box]] | None = None,
 ) -> StoreLayout:
     """The layout of a store for ``plan``: ``strings`` are the values of its string entries,
     ``map_sizes`` the byte size of each MapParameter, ``source`` the provenance record
-    (:func:`zckpt.sources.prepare.store_source`); ``sharded`` for a local store."""
+    (:func:`zckpt.sources.prepare.store_source`); ``sharded`` for a local store. ``served``:
+    per tensor, boxes of destination ranks the store will serve (chunk borders fall on theirs
+    too, so each reads whole chunks: :func:`zckpt.plan.export_plan.served_boxes`)."""
     # the store's modules: loaded while the sources are read (jobs.ingest)
     from zckpt.store.geometry import chunk_shape, shard_grid
 
@@ -115,7 +117,7 @@ def store_layout(
                 and math.prod(t.shape) * itemsize <= options.chunk_bytes):
             chunks[t.name] = t.shape  # one whole box that fits a chunk (a tiny tensor): what the rule below gives
             continue
-        boxes = [b for _, b in ws]
+        boxes = [b for _, b in ws] + list((served or {}).get(t.name, ()))
         grid = _common_grid(boxes) if boxes and t.shape else t.shape
         chunks[t.name] = chunk_shape(grid, itemsize, options.chunk_bytes)
     tensors = [
