@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.run.progress import BARS, JSON, OFF, DaskTopic, Ticker, View, mode_of
+from zckpt.write import group_writer
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -111,11 +113,19 @@ def test_cli_json_progress_names_parameters_and_ends_complete(
     assert {x["task"] for x in ing} == {"rank 0", "rank 1"}
     assert {x["param"] for x in ing} >= {f"layer{i}.weight" for i in range(6)}
     assert ing[-1]["bytes_done"] == ing[-1]["bytes_total"] == 6 * 16 * 8 * 4
+    monkeypatch.setattr(group_writer, "GAIN", math.inf)  # one task per file
     assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "o"), "--json"]) == 0
     exp = _progress_lines(capsys.readouterr().err)
     assert {x["task"] for x in exp} == {f"rank {r} checkpoint_{r}.ckpt" for r in range(4)}
     assert sum(1 for x in exp if x["task_done"]) == 4
     assert exp[-1]["bytes_done"] == exp[-1]["bytes_total"] == 6 * 16 * 8 * 4
+    monkeypatch.setattr(group_writer, "GAIN", 0.0)  # source-major: one task for the group of files
+    assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "g"), "--json"]) == 0
+    grouped = _progress_lines(capsys.readouterr().err)
+    assert {x["task"] for x in grouped} == {"ranks 0-3"}
+    assert sum(1 for x in grouped if x["task_done"]) == 1
+    assert {x["param"] for x in grouped} >= {f"layer{i}.weight" for i in range(6)}
+    assert grouped[-1]["bytes_done"] == grouped[-1]["bytes_total"] == 6 * 16 * 8 * 4
     assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "q"), "--json",
                      "--quiet"]) == 0
     assert _progress_lines(capsys.readouterr().err) == []

@@ -46,8 +46,10 @@ from zckpt.jobs.transform import (
     plan_transform,
     refuse_remote,
     refuse_source_unsupplied,
+    source_major_groups,
 )
-from zckpt.plan.values import RankExport
+from zckpt.plan.values import RankExport, Slice
+from zckpt.run.choose import takes_helper
 from zckpt.sources.discovery import open_source
 from zckpt.sources.prepare import prepare_ingest, store_source
 from zckpt.sources.replicas import compare_replicas, replica_jobs
@@ -55,12 +57,14 @@ from zckpt.store import packed
 from zckpt.store.geometry import ChunkInfo
 from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout
 from zckpt.store.locking import remote_lock_held, remote_store_lock_of
-from zckpt.store.reader import check_coverage
+from zckpt.store.reader import StoreReader, check_coverage
 from zckpt.store.rerun import to_redo, unsealed
 from zckpt.store.store import Store
 from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_present
+from zckpt.write.group_writer import regions
 from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.safetensors_rank import part_name, split_parts, stem
+from zckpt.write.writers import source_major
 
 if TYPE_CHECKING:
     from zckpt.jobs.transform import TransformPlan
@@ -80,6 +84,9 @@ class PlannedFile:
     tensors: int
     sources: tuple[SourceRead, ...] = ()
     kept: bool = False
+    read_data: int | None = None
+    """Data bytes read for it, where that is not its own data: written source-major, a group's
+    reads go with its first file (:func:`grouped_files`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank if self.rank >= 0 else None, "path": self.path, "bytes": self.bytes,
@@ -301,6 +308,16 @@ def dry_run_transform(
     band = band_bytes_of(options.block_bytes, options.overlap, options)
     entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
+    helper = takes_helper(options, helper_possible=len(todo) > 1, sources=len(plan.source.rank_files),
+                          nbytes=sum(f.data for f in files if not f.kept))
+    cut = source_major_groups(plan, [r for r, _ in todo], options, 2 if helper else options.workers)
+
+    def group_reads(ranks: list[RankExport]) -> tuple[int, tuple[SourceRead, ...]]:
+        regs = regions(ranks, dict(entries.kinds))
+        got = source_reads(plan, RankExport(-1, tuple(Slice(g.name, g.box) for g in regs)), band)
+        return sum(s.bytes for s in got), got
+
+    files = grouped_files(files, todo, cut, group_reads)
     return _report("transform", dest.url, files, compared, dest.free_space())
 
 
@@ -328,9 +345,26 @@ def _report(command: str, target: str, files: list[PlannedFile], compared: int, 
     export's, read from the store) reads its data."""
     todo = [f for f in files if not f.kept]
     written = sum(f.bytes for f in todo)
-    read = sum(sum(s.read for s in f.sources) if f.sources else f.data for f in todo)
-    return DryRunReport(command, target, tuple(files), written, sum(f.data for f in todo), read, compared, written,
+    data = [f.data if f.read_data is None else f.read_data for f in todo]
+    read = sum(sum(s.read for s in f.sources) if f.sources else d for f, d in zip(todo, data, strict=True))
+    return DryRunReport(command, target, tuple(files), written, sum(data), read, compared, written,
                         free, state, notes)
+
+
+def grouped_files(files: list[PlannedFile], todo: Sequence[tuple[RankExport, Path]], cut: list[list[int]] | None,
+                  reads: Callable[[list[RankExport]], tuple[int, tuple[SourceRead, ...]]]) -> list[PlannedFile]:
+    """``files`` as written source-major in the groups ``cut`` (positions in ``todo``), as the
+    real run would: each group's data bytes and source reads (``reads``) go with its first file."""
+    if cut is None:
+        return files
+    where = {f.path: i for i, f in enumerate(files)}
+    out = list(files)
+    for g in cut:
+        data, sources = reads([todo[i][0] for i in g])
+        for k, i in enumerate(g):
+            at = where[str(todo[i][1])]
+            out[at] = replace(out[at], sources=sources if k == 0 else (), read_data=data if k == 0 else 0)
+    return out
 
 
 def dry_run_export(
@@ -361,7 +395,20 @@ def dry_run_export(
         todo = dest.would_write(jobs, export_fingerprint(store, jobs, options), options.overwrite)
         if options.reader not in ("zarr", "dask"):
             raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
-    files = [replace(f, path=dest.target(f.path)) for f in planned_files(jobs, todo, entries, options, lambda r: ())]
+    files = planned_files(jobs, todo, entries, options, lambda r: ())
+    local = store.location is None and dest.local
+    nbytes = sum(f.data for f in files if not f.kept)
+    sources = len((store.manifest.get("source") or {}).get("rank_files") or {})
+    helper = options.format == "ckpt" and takes_helper(options, helper_possible=local and len(todo) > 1,
+                                                       nbytes=nbytes, sources=sources)
+    cut = source_major(StoreReader(store, options), [r for r, _ in todo], options,
+                       2 if helper else options.workers) if local else None
+
+    def group_reads(ranks: list[RankExport]) -> tuple[int, tuple[SourceRead, ...]]:
+        regs = regions(ranks, dict(entries.kinds))
+        return sum(g.box.size * ms_dtype(entries.ms_types[g.name]).storage.itemsize for g in regs), ()
+
+    files = [replace(f, path=dest.target(f.path)) for f in grouped_files(files, todo, cut, group_reads)]
     return _report("export", dest.url, files, 0, dest.free_space(),
                    notes=(f"reads from store {store.url}; checksum checks read up to one checksum block more at "
                           "each end of a range",))

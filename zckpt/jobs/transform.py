@@ -272,10 +272,10 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
         # In this process, one publisher syncs each file while the next is written.
         publisher = place.publisher if client is None else None
-        cut = _source_major(plan, units, options, 2 if place.helper is not None else options.workers) \
-            if local else None
+        cut = source_major_groups(plan, [u.rank for u in units], options,
+                                  2 if place.helper is not None else options.workers) if local else None
         if cut is not None:
-            groups = [([units[i] for i in g], _union_boxes(plan, [units[i] for i in g])) for g in cut]
+            groups = [([units[i] for i in g], union_boxes(plan, [units[i].rank for i in g])) for g in cut]
             group_bytes = [sum(by_target[j.target] for j in g) for g, _ in groups]
             helped = place.hand_over(groups, group_bytes, write_direct_groups, options)
             done = place.run(write_direct_group, groups, options, publisher, label="transform",
@@ -290,17 +290,16 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
     return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))
 
 
-def _source_major(plan: TransformPlan, units: list[DirectJob], options: TransformOptions,
-                  tasks: int) -> list[list[int]] | None:
-    """The groups to write source-major (:func:`zckpt.write.writers.source_major`), if any."""
-    ranks = [u.rank for u in units]
-    with SourceReader(_union_boxes(plan, units), options.block_bytes) as reader:
+def source_major_groups(plan: TransformPlan, ranks: Sequence[RankExport], options: TransformOptions,
+                        tasks: int) -> list[list[int]] | None:
+    """The groups of ``ranks`` to write source-major (:func:`zckpt.write.writers.source_major`), if any."""
+    with SourceReader(union_boxes(plan, ranks), options.block_bytes) as reader:
         return source_major(reader, ranks, options, tasks)
 
 
-def _union_boxes(plan: TransformPlan, units: Sequence[DirectJob]) -> SourceBoxes:
+def union_boxes(plan: TransformPlan, ranks: Sequence[RankExport]) -> SourceBoxes:
     """Where the slices of several destination files live."""
-    return plan.boxes(RankExport(-1, tuple(s for u in units for s in u.rank.slices)))
+    return plan.boxes(RankExport(-1, tuple(s for r in ranks for s in r.slices)))
 
 
 def write_direct_groups(groups: list[tuple[list[DirectJob], SourceBoxes]],

@@ -79,6 +79,15 @@ class Placement:
                        aside=aside)
 
 
+def takes_helper(options: PlaceOptions, *, helper_possible: bool, nbytes: int, sources: int) -> bool:
+    """Whether :func:`placement` starts a helper process for a phase of these sizes (``--dry-run``
+    asks too, to plan the same tasks)."""
+    engine = Engine.of(options)
+    in_process = engine.scheduler is None and engine.workers == 1
+    return helper_possible and in_process and wanted(options.helper, options.workers, options.scheduler, nbytes,
+                                                     sources)
+
+
 @contextmanager
 def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: int = 0, sources: int = 0,
               modules: Sequence[str] = (), fsync: bool | None = None) -> Iterator[Placement]:
@@ -92,12 +101,10 @@ def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: i
     finish. On leaving, the helper is stopped before the publisher finishes (when this process
     failed, no file of the helper's is published)."""
     engine = Engine.of(options)
-    in_process = engine.scheduler is None and engine.workers == 1
     with contextlib.ExitStack() as stack:
         publisher = stack.enter_context(Publisher(fsync)) if fsync is not None else None
         started = None
-        if helper_possible and in_process and wanted(options.helper, options.workers, options.scheduler, nbytes,
-                                                     sources):
+        if takes_helper(options, helper_possible=helper_possible, nbytes=nbytes, sources=sources):
             started = start(modules)
             if started is not None:
                 stack.enter_context(started)
