@@ -189,9 +189,10 @@ def test_ingest_killed_at_random_points_resumes_to_the_same_values_and_records(j
     duration = time.monotonic() - t0
     reference = zckpt.open_store(tmp_path / "ref.zarr").progress_records()
     rng = random.Random(70)
-    killed = 0
-    for trial in range(5):
+    killed = trial = 0
+    while trial < 5 or (killed < 2 and trial < 15):  # a loaded machine finishes some runs first
         store = tmp_path / f"s{trial}.zarr"
+        trial += 1
         proc = subprocess.Popen(cmd(store), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             proc.wait(timeout=rng.uniform(0.3 * duration, duration))
@@ -205,7 +206,7 @@ def test_ingest_killed_at_random_points_resumes_to_the_same_values_and_records(j
         assert verify(store).ok
         _check_values(job, store)
         shutil.rmtree(store)
-    assert killed >= 2, f"only {killed} runs were killed before finishing"
+    assert killed >= 2, f"only {killed} of {trial} runs were killed before finishing"
 
 
 def test_a_source_changed_while_it_is_read_is_refused(job: GeneratedModel, tmp_path: Path,
