@@ -301,6 +301,7 @@ def main() -> None:
         "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
         "machine": machine(a.work),
         "cache_drop": ("sync; echo 3 > /proc/sys/vm/drop_caches before every cold run" if cold_ok
+                       else "warm runs only (--cache warm)" if "cold" not in caches
                        else "not possible here (not root): every figure is warm"),
         "job": {"src": str(job.par), "dsts": [str(d) for d, _ in job.dsts], "dims": vars(job.dims),
                 "optimizer": a.optimizer, "model_bytes": model_bytes(job.dims, a.optimizer),

@@ -25,7 +25,7 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box, c_order_pieces, tiles
 from zckpt.formats.entries import FileRange
 from zckpt.io import locks, remote, safe_paths
-from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
+from zckpt.io.checksums import BLOCK_BYTES, BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
 from zckpt.write.boxes import batch_bytes
@@ -144,7 +144,8 @@ class StoreReader:
 
     def read_cost(self, name: str, box: Box) -> int:
         """Bytes reading ``box`` takes from the store: whole chunk rows of every chunk it
-        touches (raw chunks), whole chunks (encoded ones), its own bytes (a packed tensor)."""
+        touches (raw chunks), whole chunks (encoded ones), its own bytes (a packed tensor);
+        with checksum checks, about one checksum block more per chunk it takes part of."""
         e = self._entries[name]
         itemsize = ms_dtype(e.ms_type).storage.itemsize
         if box.ndim == 0 or box.size == 0 or self._packed_whole(name, box):
@@ -153,10 +154,14 @@ class StoreReader:
         row = math.prod(info.chunks[1:]) * itemsize
         touched = math.prod(len(range(a // c, (b - 1) // c + 1))
                             for a, b, c in zip(box.start[1:], box.stop[1:], info.chunks[1:], strict=True))
+        rows = len(range(box.start[0] // info.chunks[0], (box.stop[0] - 1) // info.chunks[0] + 1))
         if not info.raw or self.options.reader != "zarr":
-            first = len(range(box.start[0] // info.chunks[0], (box.stop[0] - 1) // info.chunks[0] + 1))
-            return first * info.chunks[0] * row * touched
-        return box.shape[0] * row * touched
+            return rows * info.chunks[0] * row * touched
+        span = box.shape[0] * row * touched
+        if not self.options.verify_checksums:
+            return span
+        part = max(0, rows * touched * info.chunks[0] * row - span)  # rows of those chunks not read
+        return span + min(part, rows * touched * BLOCK_BYTES)
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: raw chunk files directly, else concurrent Zarr reads, or
