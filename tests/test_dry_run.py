@@ -387,3 +387,23 @@ def test_replicas_that_differ(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert code == real == 1 and dry == capsys.readouterr().err and "hold different values" in dry, args
         shutil.rmtree(watched)
         watched.mkdir()
+
+
+@pytest.mark.parametrize("command", ["export", "transform"])
+def test_finished_safetensors_directory_is_kept_as_the_rerun_keeps_it(command: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A rerun of a finished safetensors export or transform keeps its files; the dry run of
+    that rerun says so (with the files' sizes), rather than refusing them."""
+    out = tmp_path / "out"
+    if command == "export":
+        ingest(SRC, tmp_path / "s.zarr", SRC_S)
+        args = ["export", str(tmp_path / "s.zarr"), "--strategy", DST_S]
+    else:
+        args = ["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S]
+    args += ["--out", str(out), "--format", "safetensors"]
+    assert cli_main([*args, "--quiet"]) == 0
+    code, doc, _ = _dry(args, capsys)
+    assert code == 0 and doc["files"] and all(f["kept"] for f in doc["files"])
+    assert {Path(f["path"]).relative_to(out).as_posix(): f["bytes"] for f in doc["files"]} == _outputs(out)
+    assert cli_main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept"] == len(doc["files"])

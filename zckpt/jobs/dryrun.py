@@ -34,6 +34,7 @@ from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, Tenso
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import remote
 from zckpt.io.locks import probe_store
+from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, export_fingerprint, output_jobs, plan_export, stage_jobs
 from zckpt.jobs.ingest import IngestOptions, served_by
 from zckpt.jobs.reads import SourceRead, band_bytes_of, source_reads
@@ -64,7 +65,7 @@ from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_p
 from zckpt.write.group_writer import regions
 from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.safetensors_rank import part_name, split_parts, stem
-from zckpt.write.writers import source_major
+from zckpt.write.writers import OUTPUTS, source_major
 
 if TYPE_CHECKING:
     from zckpt.jobs.transform import TransformPlan
@@ -235,19 +236,13 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
     out = []
     for r, p in jobs:
         tensors = sum(1 for s in r.slices if entries.kinds[s.name] == "tensor")
-        if p not in pending:  # complete files of this same plan: the size it gives
-            out.append(PlannedFile(r.rank, str(p), ckpt_bytes(r, entries, options.crc), _data_bytes(r, entries),
-                                   tensors, kept=True))
-            continue
-        got = reads(r)
-        if options.format == "safetensors":
-            files = safetensors_files(r, p, entries, options)
-            for i, (path, n) in enumerate(files):  # the data and what it reads go with the first file
-                out.append(PlannedFile(r.rank, str(path), n, _data_bytes(r, entries) if i == 0 else 0,
-                                       tensors if i == 0 else 0, got if i == 0 else ()))
-        else:
-            out.append(PlannedFile(r.rank, str(p), ckpt_bytes(r, entries, options.crc), _data_bytes(r, entries),
-                                   tensors, got))
+        kept = p not in pending  # complete files of this same plan: the size it gives
+        got = () if kept else reads(r)
+        files = safetensors_files(r, p, entries, options) if options.format == "safetensors" else \
+            [(p, ckpt_bytes(r, entries, options.crc))]
+        for i, (path, n) in enumerate(files):  # the data and what it reads go with the first file
+            out.append(PlannedFile(r.rank, str(path), n, _data_bytes(r, entries) if i == 0 else 0,
+                                   tensors if i == 0 else 0, got if i == 0 else (), kept=kept))
     return out
 
 
@@ -255,22 +250,23 @@ def planned_files(jobs: Sequence[tuple[RankExport, Path]], todo: Sequence[tuple[
 
 
 def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], maps: Sequence[str], advice: str, overwrite: bool,
-                      dest: OutputDir) -> list[tuple[RankExport, Path]]:
-    """The ``.safetensors`` files an export or a transform would write for ``jobs``, refused as
-    they would be: a MapParameter entry (``maps``) has no safetensors form, files already there
-    are refused without ``overwrite``, rank folders must be folders."""
+                      dest: OutputDir, fingerprint: Callable[[list[tuple[RankExport, Path]]], str]
+                      ) -> tuple[list[tuple[RankExport, Path]], list[tuple[RankExport, Path]]]:
+    """The ``.safetensors`` files an export or a transform would write for ``jobs``, and those
+    of them it would write now, decided as the run decides: a MapParameter entry (``maps``)
+    has no safetensors form; files already there are kept when they are this same run's,
+    finished (``fingerprint`` of the jobs, :meth:`OutputDir.finished_as_recorded`), else
+    refused without ``overwrite``; rank folders must be folders."""
     if maps:
         raise no_safetensors_form(maps[0], advice)
-    jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
-    existing_safetensors(jobs, overwrite, dest)
-    dest.check_folders(p for _, p in jobs)
-    return jobs
-
-
-def existing_safetensors(jobs: list[tuple[RankExport, Path]], overwrite: bool, dest: OutputDir) -> None:
-    """Export's and transform's refusal of safetensors outputs present already."""
+    named = [(r, p.with_suffix(OUTPUTS["safetensors"].suffix)) for r, p in jobs]
     if not overwrite:
-        refuse_present(dest.present(jobs))
+        clash = dest.present(named)
+        if clash and dest.finished_as_recorded(fingerprint(named)):
+            return named, []
+        refuse_present(clash)
+    dest.check_folders(p for _, p in named)
+    return named, named
 
 
 # --- the three commands -------------------------------------------------------------------
@@ -298,7 +294,9 @@ def dry_run_transform(
     jobs = stage_jobs({t.name: t.stages for t in plan.source.tensors}, plan.export, dest.path, options)
     if options.format == "safetensors":
         maps = [t.name for t in plan.source.tensors if t.kind == "map"]
-        todo = jobs = _safetensors_jobs(jobs, maps, "write .ckpt", options.overwrite, dest)
+        base = _fingerprint(plan, jobs, options)  # the run's: over the .ckpt names
+        jobs, todo = _safetensors_jobs(jobs, maps, "write .ckpt", options.overwrite, dest,
+                                       lambda _: safetensors_fingerprint(base, options))
     else:
         todo = dest.would_write(jobs, _fingerprint(plan, jobs, options), options.overwrite)
     checks = check_jobs(plan, {n for r, _ in todo for n in r.names}, options.verify_replicas)
@@ -390,7 +388,9 @@ def dry_run_export(
     entries = _store_entries(store)
     if options.format == "safetensors":
         maps = [s.name for r in plan.ranks for s in r.slices if entries.kinds[s.name] == "map"]
-        todo = jobs = _safetensors_jobs(jobs, maps, "export this store as .ckpt", options.overwrite, dest)
+        jobs, todo = _safetensors_jobs(
+            jobs, maps, "export this store as .ckpt", options.overwrite, dest,
+            lambda named: safetensors_fingerprint(export_fingerprint(store, named, options), options))
     else:
         todo = dest.would_write(jobs, export_fingerprint(store, jobs, options), options.overwrite)
         if options.reader not in ("zarr", "dask"):

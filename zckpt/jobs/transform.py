@@ -201,7 +201,7 @@ def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOpti
             raise no_safetensors_form(maps[0], "write .ckpt")
 
         fingerprint = safetensors_fingerprint(_fingerprint(plan, jobs, options), options)
-        jobs = [(r, p.with_suffix(".safetensors")) for r, p in jobs]
+        jobs = [(r, p.with_suffix(SUFFIX)) for r, p in jobs]
         if not options.overwrite and dest.finished_as_recorded(fingerprint):
             return TransformReport(dest.url, (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         jobs = _safetensors_jobs(dest, jobs, options.overwrite)

@@ -3,11 +3,14 @@
 Every job that writes checkpoint files (export, transform, ``load_distributed_checkpoint``
 saving ranks, the unified directory, file conversion) gives a writer the slices of one
 output and a :class:`~zckpt.write.boxes.BoxReader` for their bytes, and takes the writer's
-class from :data:`OUTPUTS` by format name, so no job branches on the format. Each row names
+class from :data:`OUTPUTS` by format name, so no job writes a format itself. Each row names
 two classes: ``rank`` writes a destination rank in the export layout (a safetensors rank may
 become parts and an index), ``file`` writes exactly the one file named (a unified part, a
-loaded rank's ``net.<format>``, a converted file). Adding an output format is one writer
-class beside :mod:`zckpt.write.ckpt_rank` and one row here.
+loaded rank's ``net.<format>``, a converted file); with a ``layout`` (where each byte of a
+file goes), several files are written source-major (:mod:`zckpt.write.group_writer`). Adding
+an output format is one writer class beside :mod:`zckpt.write.ckpt_rank` and one row here.
+What still differs by format in the commands is policy, not writing: safetensors refuses
+MapParameter entries and keeps its own record of a finished directory.
 """
 
 from __future__ import annotations
