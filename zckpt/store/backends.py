@@ -27,7 +27,7 @@ from zckpt.store import packed
 from zckpt.store import records as rank_records
 from zckpt.store.array_documents import GROUP_DOCUMENT, array_json, write_array_json, write_json
 from zckpt.store.chunk_files import ChunkFiles, preallocate_shards
-from zckpt.store.manifest import check_manifest, group_attributes, new_manifest
+from zckpt.store.manifest import group_attributes, new_manifest, readable_manifest
 from zckpt.store.zarr_arrays import fsspec_store
 
 if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.io.zarr_local
@@ -146,7 +146,7 @@ class LocalBackend:
         if not (p / "zarr.json").is_file():
             raise StoreError("not a zarr store (no zarr.json)", path=p)
         attrs = group_attributes(p)
-        meta = check_manifest(attrs.get("zckpt"), p)
+        meta = readable_manifest(attrs.get("zckpt"), p)
         backend = cls(p, mode=mode)
         backend._manifest = meta
         backend._other_attrs = {k: v for k, v in attrs.items() if k != "zckpt"}
@@ -275,7 +275,7 @@ class RemoteBackend:
             group = zarr.open_group(fsspec_store(url, storage_options, read_only=mode == "r"), mode=mode,
                                     zarr_format=3)
             meta = group.attrs.get("zckpt")
-        check_manifest(meta, url)
+        readable_manifest(meta, url)
         return cls(loc, group, mode=mode)
 
     @property

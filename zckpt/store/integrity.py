@@ -117,7 +117,7 @@ def identity(manifest: Mapping[str, Any], records: Mapping[int, Mapping[str, Any
     return None if records is None else digest(record_digests(records))
 
 
-def check_manifest(manifest: Mapping[str, Any], ranks: Set[int], where: str, *, records: bool = True) -> None:
+def refuse_unsealed(manifest: Mapping[str, Any], ranks: Set[int], where: str, *, records: bool = True) -> None:
     """Refuse a store whose manifest is not the one its ingest wrote: begun but never
     defined (killed before its manifest), edited since, or marked complete without the
     digests of its checksum records (``ranks``: the source ranks with a progress record;

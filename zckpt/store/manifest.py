@@ -142,7 +142,7 @@ def new_manifest() -> dict[str, Any]:
 
 
 
-def check_manifest(meta: Any, where: str | Path) -> dict[str, Any]:
+def readable_manifest(meta: Any, where: str | Path) -> dict[str, Any]:
     """The manifest of a store being opened, refused unless zckpt wrote it in a version this
     zckpt reads."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:

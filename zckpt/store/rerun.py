@@ -32,7 +32,7 @@ def to_redo(store: Store, required: Set[int], rank_files: Mapping[int, str]) -> 
     ``required``: the ranks the ingest reads; ``rank_files``: their files now."""
     manifest = store.manifest
     try:
-        integrity.check_manifest(manifest, store.ingested_ranks(), store.url, records=False)
+        integrity.refuse_unsealed(manifest, store.ingested_ranks(), store.url, records=False)
     except StoreError as err:
         raise StoreError(f"{err.message}; rerun the ingest with --overwrite to write it again",
                          path=err.path, param=err.param) from None
