@@ -47,28 +47,19 @@ def _ranks(expected: Path) -> int:
     return sum(1 for p in expected.iterdir() if p.name.startswith("rank_"))
 
 
+@pytest.mark.parametrize("path", ["export", "transform"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("sid", PLAIN)
-def test_export_either_order_gives_mindspores_bytes(sid: str, mode: str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    groups_written: list[int]) -> None:
+def test_either_order_gives_mindspores_bytes(sid: str, mode: str, path: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch, groups_written: list[int]) -> None:
     d = scenario(sid)
-    ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+    if path == "export":
+        ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
     _force(monkeypatch, mode)
-    export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"))
-    assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
-    ranks = _ranks(d / "dst" / "expected")
-    assert groups_written == ([ranks] if mode == "source_major" and ranks > 1 else [])
-
-
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("sid", PLAIN)
-def test_transform_either_order_gives_mindspores_bytes(sid: str, mode: str, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch,
-                                                       groups_written: list[int]) -> None:
-    d = scenario(sid)
-    _force(monkeypatch, mode)
-    transform(d / "src" / "checkpoints", tmp_path / "out", _strategy(d / "src"), _strategy(d / "dst"))
+    if path == "export":
+        export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"))
+    else:
+        transform(d / "src" / "checkpoints", tmp_path / "out", _strategy(d / "src"), _strategy(d / "dst"))
     assert diff_dirs(d / "dst" / "expected", tmp_path / "out") == []
     ranks = _ranks(d / "dst" / "expected")
     assert groups_written == ([ranks] if mode == "source_major" and ranks > 1 else [])
