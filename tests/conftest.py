@@ -48,3 +48,12 @@ def scenario(sid: str) -> Path:
     if not path.is_dir():
         pytest.skip(f"fixture scenario {sid} not found under {FIXTURES}")
     return path
+
+
+@pytest.fixture
+def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Destination files written one by one, whatever they share (a test of that order's
+    reads and refusals; source-major writing is tests/test_group_writer.py's)."""
+    from zckpt.write import group_writer
+
+    monkeypatch.setattr(group_writer, "GAIN", float("inf"))

@@ -175,7 +175,7 @@ def _row_split_store(tmp_path: Path, sum_block: int) -> tuple[Path, Path]:
 
 
 def test_a_chunk_read_in_part_is_checked_on_the_blocks_it_reads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_by_one: None
 ) -> None:
     """Rank 0 of a 2-way row split reads the first half of a chunk of 4 blocks: it checks
     blocks 0 and 1 only, so damage in block 3 (rank 1's half) stops rank 1 and not rank 0,
@@ -208,7 +208,7 @@ def test_a_chunk_read_in_part_is_checked_on_the_blocks_it_reads(
         assert code == 1 and "c.0.0" in capsys.readouterr().err
 
 
-def test_a_range_inside_a_block_reads_the_rest_of_it_to_check(tmp_path: Path) -> None:
+def test_a_range_inside_a_block_reads_the_rest_of_it_to_check(tmp_path: Path, one_by_one: None) -> None:
     """With one block per chunk (the default for small chunks), each rank reads the other
     half of the chunk only to check it: counted as checked bytes, and damage there stops it."""
     store, dst = _row_split_store(tmp_path, BLOCK_BYTES)
@@ -222,7 +222,7 @@ def test_a_range_inside_a_block_reads_the_rest_of_it_to_check(tmp_path: Path) ->
         zckpt.export(store, tmp_path / "r0", str(dst), ranks=[0])
 
 
-def test_export_counts_the_store_bytes_it_reads(tmp_path: Path) -> None:
+def test_export_counts_the_store_bytes_it_reads(tmp_path: Path, one_by_one: None) -> None:
     """Data reads are exactly the slices' bytes; checking checksums reads whole chunks on top."""
     store = tmp_path / "s.zarr"
     zckpt.ingest(str(EXAMPLE / "src" / "checkpoints"), store, SRC_S)
@@ -239,7 +239,8 @@ def test_export_counts_the_store_bytes_it_reads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 48])  # one chunk per column block; several row chunks each
 def test_column_blocks_are_copied_file_to_file_and_checked(
-    tmp_path: Path, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    one_by_one: None,
 ) -> None:
     """A weight split on dimension 1 (row-parallel) is stored as one chunk column per
     block; a destination with the same split, optimizer-sharded on rows, reads each of its
@@ -285,7 +286,8 @@ def test_column_blocks_are_copied_file_to_file_and_checked(
 
 @pytest.mark.parametrize("sum_block", [BLOCK_BYTES, 48])  # one block per chunk, or one per rank's rows
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 48])  # chunks of all rows, or of each rank's rows
-def test_a_slice_across_chunk_columns_reads_its_rows_once(tmp_path: Path, chunk_bytes: int, sum_block: int) -> None:
+def test_a_slice_across_chunk_columns_reads_its_rows_once(tmp_path: Path, chunk_bytes: int, sum_block: int,
+                                                          one_by_one: None) -> None:
     """A slice spanning two chunk columns is cut out of the chunks' rows (the array path):
     each rank reads exactly its rows of each chunk, checked on the bytes read, plus the rest
     of a checksum block it covers in part (all-row chunks with one block per chunk)."""

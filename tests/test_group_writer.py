@@ -13,6 +13,7 @@ from conftest import scenario
 from test_e2e_fixtures import PLAIN, _strategy
 
 from zckpt.core.dtypes import ms_dtype
+from zckpt.core.errors import StoreError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.jobs.export import export
@@ -149,3 +150,20 @@ def test_bands_smaller_than_a_slice_land_at_their_offsets(sid: str, tmp_path: Pa
     for out in ("e", "t"):
         assert diff_dirs(d / "dst" / "expected", tmp_path / out) == [], out
     assert len(groups_written) == 2
+
+
+def test_a_damaged_chunk_stops_the_group_and_publishes_none_of_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group is read as one: a chunk failing its checksum stops it, and none of its files
+    appears (each is a new file until the whole group is written)."""
+    d = scenario("s02")
+    ingest(d / "src" / "checkpoints", tmp_path / "s.zarr", _strategy(d / "src"))
+    chunks = [p for p in sorted((tmp_path / "s.zarr").rglob("c*")) if p.is_file() and p.stat().st_size > 64]
+    data = bytearray(chunks[0].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunks[0].write_bytes(bytes(data))
+    _force(monkeypatch, "source_major")
+    with pytest.raises(StoreError, match="fails its checksum"):
+        export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"))
+    assert not list((tmp_path / "out").rglob("*.ckpt"))
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # as it was found

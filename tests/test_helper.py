@@ -270,12 +270,6 @@ def submitted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
-@pytest.fixture
-def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files written one by one (the helper takes a share of the files), whatever they share."""
-    monkeypatch.setattr(group_writer, "GAIN", math.inf)
-
-
 def test_export_with_a_helper_writes_the_single_process_files(job: GeneratedModel, tmp_path: Path,
                                                               submitted: list[int], one_by_one: None) -> None:
     store = tmp_path / "s.zarr"

@@ -65,7 +65,9 @@ class Region:
 
 def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     """What a group reads, tensor by tensor in the files' order: the bounding box of the
-    files' slices where they cover it (a split, or replicas), else each distinct slice."""
+    files' slices where they cover it (a split, or replicas), else runs of slices that
+    follow each other along the first dimension (a group holding part of a row split), each
+    read once."""
     by_name: dict[str, list[tuple[int, Box]]] = {}
     for i, r in enumerate(ranks):
         for s in r.slices:
@@ -74,14 +76,33 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     out: list[Region] = []
     for name, parts in by_name.items():
         distinct = list(dict.fromkeys(b for _, b in parts))
-        whole = distinct[0]
-        for b in distinct[1:]:
-            whole = Box(tuple(map(min, whole.start, b.start)), tuple(map(max, whole.stop, b.stop)))
+        whole = _bounds(distinct)
         if whole.size <= sum(b.size for b in distinct):
             out.append(Region(name, whole, tuple(parts)))
-        else:
-            out.extend(Region(name, b, tuple(p for p in parts if p[1] == b)) for b in distinct)
+            continue
+        for run in _row_runs(distinct):
+            inside = set(run)
+            out.append(Region(name, _bounds(run), tuple(p for p in parts if p[1] in inside)))
     return out
+
+
+def _bounds(boxes: Sequence[Box]) -> Box:
+    return Box(tuple(map(min, *(b.start for b in boxes))) if len(boxes) > 1 else boxes[0].start,
+               tuple(map(max, *(b.stop for b in boxes))) if len(boxes) > 1 else boxes[0].stop)
+
+
+def _row_runs(boxes: Sequence[Box]) -> list[list[Box]]:
+    """``boxes`` (distinct) in runs whose union is a box: the same extent past the first
+    dimension, rows that touch or overlap."""
+    runs: list[list[Box]] = []
+    for b in sorted(boxes, key=lambda b: (b.start[1:], b.stop[1:], b.start[:1])):
+        last = runs[-1] if runs else None
+        if last is not None and last[-1].start[1:] == b.start[1:] and last[-1].stop[1:] == b.stop[1:] \
+                and b.ndim and b.start[0] <= max(x.stop[0] for x in last):
+            last.append(b)
+        else:
+            runs.append([b])
+    return runs
 
 
 def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
