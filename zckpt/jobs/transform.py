@@ -206,12 +206,12 @@ def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOpti
             return TransformReport(dest.url, (), time.perf_counter() - t0, kept=len(jobs))  # complete: left as it is
         jobs = _safetensors_jobs(dest, jobs, options.overwrite)
         dest.make_folders(p for _, p in jobs)
-        report = _run(plan, [DirectJob(r, dest.target(p), plan.boxes(r)) for r, p in jobs], dest.url, options, t0)
+        report = _run(plan, [(r, dest.target(p)) for r, p in jobs], dest.url, options, t0)
         dest.remember_all(fingerprint)
         return report
     fingerprint = _fingerprint(plan, jobs, options)
     todo = dest.resume_or_refuse(jobs, fingerprint, options.overwrite)
-    report = _run(plan, [DirectJob(r, dest.target(p), plan.boxes(r)) for r, p in todo], dest.url, options, t0)
+    report = _run(plan, [(r, dest.target(p)) for r, p in todo], dest.url, options, t0)
     dest.finish(jobs, fingerprint, options.fsync)
     return replace(report, kept=len(jobs) - len(todo))
 
@@ -239,7 +239,7 @@ def transform_rank(
         raise OutputError("output file already exists (--overwrite replaces it)", path=path)
     refuse_source_unsupplied(plan, files)
     r = plan.export.ranks[0]
-    return _run(plan, [DirectJob(r, str(path), plan.boxes(r))], str(path.parent), options, t0)
+    return _run(plan, [(r, str(path))], str(path.parent), options, t0)
 
 
 def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int, str | Path]) -> None:
@@ -252,19 +252,21 @@ def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int,
                       dst=plan.dst_strategy)
 
 
-def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: TransformOptions,
+def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, options: TransformOptions,
          t0: float) -> TransformReport:
-    if not units:  # a complete directory of this same transform: nothing to read or write
+    """Write ``files`` (destination rank, target): source-major in groups where that reads
+    far less, else one by one (a :class:`DirectJob` each)."""
+    if not files:  # a complete directory of this same transform: nothing to read or write
         return TransformReport(out, (), time.perf_counter() - t0)
-    checks = check_jobs(plan, {n for u in units for n in u.rank.names}, options.verify_replicas)
+    checks = check_jobs(plan, {n for r, _ in files for n in r.names}, options.verify_replicas)
     if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
         checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
-    unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in u.rank.slices) for u in units]
-    by_target = {u.target: n for u, n in zip(units, unit_bytes, strict=True)}
-    local = not any(remote.is_remote(u.target) for u in units) and \
+    unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, _ in files]
+    by_target = {t: n for (_, t), n in zip(files, unit_bytes, strict=True)}
+    local = not any(remote.is_remote(t) for _, t in files) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
-    with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes),
+    with placement(options, helper_possible=local and len(files) > 1, nbytes=sum(unit_bytes),
                    sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
                    fsync=options.fsync) as place, place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
@@ -272,18 +274,19 @@ def _run(plan: TransformPlan, units: list[DirectJob], out: str, options: Transfo
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
         # In this process, one publisher syncs each file while the next is written.
         publisher = place.publisher if client is None else None
-        cut = source_major_groups(plan, [u.rank for u in units], options,
+        cut = source_major_groups(plan, [r for r, _ in files], options,
                                   2 if place.helper is not None else options.workers) if local else None
         if cut is not None:
-            groups = [([units[i] for i in g], union_boxes(plan, [units[i].rank for i in g])) for g in cut]
-            group_bytes = [sum(by_target[j.target] for j in g) for g, _ in groups]
+            groups = [([files[i] for i in g], union_boxes(plan, [files[i][0] for i in g])) for g in cut]
+            group_bytes = [sum(by_target[t] for _, t in g) for g, _ in groups]
             helped = place.hand_over(groups, group_bytes, write_direct_groups, options)
             done = place.run(write_direct_group, groups, options, publisher, label="transform",
-                             name=lambda g: f"ranks {g[0][0].rank.rank}-{g[0][-1].rank.rank}",
-                             progress=options.progress, size=lambda g: sum(by_target[j.target] for j in g[0]),
+                             name=lambda g: f"ranks {g[0][0][0].rank}-{g[0][-1][0].rank}",
+                             progress=options.progress, size=lambda g: sum(by_target[t] for _, t in g[0]),
                              aside=helped)
             return TransformReport(out, tuple(r for rs in done for r in rs), time.perf_counter() - t0,
                                    bytes_compared=sum(compared))
+        units = [DirectJob(r, t, plan.boxes(r)) for r, t in files]
         aside = place.hand_over(units, unit_bytes, write_direct_files, options)
         results = place.run(write_direct_file, units, options, publisher, label="transform", name=_task_name,
                             progress=options.progress, size=lambda u: by_target[u.target], aside=aside)
@@ -302,20 +305,19 @@ def union_boxes(plan: TransformPlan, ranks: Sequence[RankExport]) -> SourceBoxes
     return plan.boxes(RankExport(-1, tuple(s for r in ranks for s in r.slices)))
 
 
-def write_direct_groups(groups: list[tuple[list[DirectJob], SourceBoxes]],
+def write_direct_groups(groups: list[tuple[list[tuple[RankExport, str]], SourceBoxes]],
                         options: TransformOptions) -> list[list[RankResult]]:
     """:func:`write_direct_group` of several groups with their own publisher (the helper's share)."""
     with Publisher(options.fsync) as publisher:
         return [write_direct_group(g, options, publisher) for g in groups]
 
 
-def write_direct_group(unit: tuple[list[DirectJob], SourceBoxes], options: TransformOptions,
+def write_direct_group(unit: tuple[list[tuple[RankExport, str]], SourceBoxes], options: TransformOptions,
                        publisher: Publisher | None = None, report: Report | None = None) -> list[RankResult]:
     """Write a group of destination files from one pass over the source shards (a task)."""
-    jobs, boxes = unit
+    files, boxes = unit
     with SourceReader(boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
-        return group_writer(options).write(reader, [(j.rank, Path(j.target)) for j in jobs], Ticker(report),
-                                           publisher)
+        return group_writer(options).write(reader, [(r, Path(t)) for r, t in files], Ticker(report), publisher)
 
 
 def _task_name(job: DirectJob) -> str:

@@ -59,7 +59,7 @@ class SourceBoxes:
                 hits[s.name] = set(range(min(1, len(held))))
             else:  # several slices of one entry (files written together) need the union
                 hit = meeting(held, s.box, None if corners is None else corners.of(s.name, held))
-                hits.setdefault(s.name, set()).update(int(i) for i in hit)
+                hits.setdefault(s.name, set()).update(hit)
         writes = {n: [writes_by_name[n][i] for i in sorted(idx)] for n, idx in hits.items()}
         entries: dict[int, dict[str, EntryInfo]] = {}
         for name, ws in writes.items():
@@ -219,6 +219,8 @@ class SourceReader:
         self.checked_bytes = 0
         self._scratch = bytearray()
         """Source rows a piece is cut from (one batch is read at a time): reused."""
+        self._corners: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Each entry's source boxes as arrays, made on first use."""
 
     def __enter__(self) -> SourceReader:
         return self
@@ -234,15 +236,19 @@ class SourceReader:
         their first rows; refuses a box that they do not cover whole."""
         found = []
         writes = self.boxes.writes.get(name, ())
+        covered = 0
         if box.ndim == 0:
             found = [(w, w.box) for w in writes]
         else:
             lo, hi = box.start, box.stop
-            for w in writes:  # Box.intersect, inlined: a 512-rank job asks this tens of thousands of times
+            if name not in self._corners:
+                self._corners[name] = _corners(writes)
+            for i in meeting(writes, box, self._corners[name]):  # one vectorised test: hundreds of writes
+                w = writes[i]
                 start, stop = tuple(map(max, w.box.start, lo)), tuple(map(min, w.box.stop, hi))
-                if all(map(int.__lt__, start, stop)):
-                    found.append((w, Box(start, stop)))
-        if sum(inter.size for _, inter in found) != box.size or (box.ndim == 0 and not found):
+                found.append((w, Box(start, stop)))
+                covered += math.prod(map(int.__sub__, stop, start))
+        if (box.ndim and covered != box.size) or (box.ndim == 0 and not found):
             raise _uncovered(name, box)
         return sorted(found, key=lambda p: p[1].start)
 
@@ -270,11 +276,21 @@ class SourceReader:
         return c_order_pieces(box, max(1, self.band_bytes // self._itemsize(name)))
 
     def read_cost(self, name: str, box: Box) -> int:
-        """Bytes reading ``box`` takes from the shards: each piece's whole source rows."""
+        """Bytes reading ``box`` takes from the shards: each piece's whole source rows
+        (worked out on all source boxes at once: a plan asks it for every slice)."""
         if box.ndim == 0 or box.size == 0:
             return box.size * self._itemsize(name)
-        return sum(inter.shape[0] * math.prod(w.box.shape[1:]) for w, inter in self._pieces(name, box)) \
-            * self._itemsize(name)
+        writes = self.boxes.writes.get(name, ())
+        if not writes:
+            return 0
+        if name not in self._corners:
+            self._corners[name] = _corners(writes)
+        starts, stops = self._corners[name]
+        lo, hi = np.array(box.start), np.array(box.stop)
+        inter = np.minimum(stops, hi) - np.maximum(starts, lo)
+        meets = np.all(inter > 0, axis=1)
+        rows = (stops[:, 1:] - starts[:, 1:]).prod(axis=1)
+        return int((inter[meets, 0] * rows[meets]).sum()) * self._itemsize(name)
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         """The slice as byte ranges of shard files, when every piece of it is whole rows of

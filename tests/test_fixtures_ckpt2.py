@@ -1,0 +1,110 @@
+"""MindFormers Checkpoint 2.0 directories that MindFormers itself saved (the fixtures made by
+``make/gen_mf_fixtures.py`` with its ``ckpt2`` key): zckpt transform, and ingest + export, from
+the source job's own save give every piece the destination job saved, bit for bit.
+
+The expected side is read without zckpt: ``dst/expected``'s ``metadata.json`` (json) says which
+file and which rank saved each piece of each parameter (``storage_data``: the file, the saving
+rank and the ranks holding that same piece, ``rank_group``), and the ``safetensors`` package reads
+the piece. Each rank of the group must hold it in zckpt's file. This holds for redundancy-free
+saves too, where the file a piece is in need not be its rank's. Entries zckpt writes beyond
+the saved pieces may only be ``common.json``'s numbers (:mod:`zckpt.formats.mindformers`).
+Scenarios are found by their layout (an iteration directory with ``metadata.json`` as source),
+not by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, have_fixtures
+
+from zckpt.formats.ckpt import CkptReader
+from zckpt.jobs.export import export
+from zckpt.jobs.ingest import ingest
+from zckpt.jobs.transform import transform
+
+pytestmark = pytest.mark.fixtures
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package reads the expected side")
+pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for bf16 in safetensors' numpy frontend")
+
+
+def _iteration(side: Path) -> Path | None:
+    found = sorted(p for p in side.glob("iter*") if (p / "common.json").is_file()) if side.is_dir() else []
+    return found[-1] if found else None
+
+
+def ckpt2_scenarios() -> list[str]:
+    """Scenarios whose source and expected destination are Checkpoint 2.0 saves."""
+    if not have_fixtures():
+        return []
+    return sorted(p.name for p in FIXTURES.iterdir()
+                  if _iteration(p / "src") is not None and _iteration(p / "dst" / "expected") is not None)
+
+
+CKPT2 = ckpt2_scenarios()
+
+
+def expected_pieces(iteration: Path) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
+    """Every saved piece as (name, ranks holding it, values), from metadata.json and the files;
+    a save without metadata.json (a single card's) holds its rank's tensors whole, in the
+    files numbered by that rank."""
+    files: dict[str, dict[str, np.ndarray]] = {}
+    out = []
+    if not (iteration / "metadata.json").is_file():
+        for f in sorted(iteration.glob("*.safetensors")):
+            rank = int(f.stem.split("-")[-2])
+            out += [(name, (rank,), value) for name, value in safetensors_numpy.load_file(str(f)).items()]
+        return out
+    meta = json.loads((iteration / "metadata.json").read_text())
+    for key, places in meta["storage_data"].items():
+        name, _ = ast.literal_eval(key)
+        for place in places:
+            if place["file_name"] not in files:
+                files[place["file_name"]] = safetensors_numpy.load_file(str(iteration / place["file_name"]))
+            out.append((name, tuple(place["rank_group"]), files[place["file_name"]][name]))
+    return out
+
+
+def _check(sid: str, out: Path) -> None:
+    d = FIXTURES / sid
+    iteration = _iteration(d / "dst" / "expected")
+    assert iteration is not None
+    pieces = expected_pieces(iteration)
+    assert pieces
+    common = set(json.loads((iteration / "common.json").read_text()))
+    held: dict[int, set[str]] = {}
+    problems = []
+    for name, ranks, want in pieces:
+        for r in ranks:
+            with CkptReader(out / f"rank_{r}" / f"checkpoint_{r}.ckpt") as got:
+                if name not in got.entries:
+                    problems.append(f"rank {r}: {name} missing")
+                    continue
+                a = got.array(name)
+                if a.shape != want.shape or a.tobytes() != np.ascontiguousarray(want).tobytes():
+                    problems.append(f"rank {r}: {name} differs ({a.shape} vs saved {want.shape})")
+            held.setdefault(r, set()).add(name)
+    for r, names in held.items():
+        with CkptReader(out / f"rank_{r}" / f"checkpoint_{r}.ckpt") as got:
+            extra = set(got.entries) - names - common
+        if extra:
+            problems.append(f"rank {r}: entries no piece and no common.json number accounts for: {sorted(extra)}")
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.skipif(not CKPT2, reason=f"no MindFormers Checkpoint 2.0 scenario under {FIXTURES}")
+@pytest.mark.parametrize("path", ["transform", "ingest+export"])
+@pytest.mark.parametrize("sid", CKPT2)
+def test_mindformers_own_saves_are_resharded_exactly(sid: str, path: str, tmp_path: Path) -> None:
+    d = FIXTURES / sid
+    dst = str(d / "dst" / "strategy.ckpt") if (d / "dst" / "strategy.ckpt").is_file() else None  # None: one rank
+    if path == "transform":
+        transform(d / "src", tmp_path / "out", None, dst)
+    else:
+        ingest(d / "src", tmp_path / "s.zarr", None)
+        export(tmp_path / "s.zarr", tmp_path / "out", dst)
+    _check(sid, tmp_path / "out")
