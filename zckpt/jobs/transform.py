@@ -24,6 +24,7 @@ from pathlib import Path
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError, SourceError, UsageError
+from zckpt.core.layout import Box
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
@@ -31,7 +32,7 @@ from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
-from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, TensorSpec, Write
+from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
 from zckpt.run.choose import placement
 from zckpt.run.engines import wants_overlap
 from zckpt.run.progress import Report, Ticker
@@ -301,8 +302,11 @@ def source_major_groups(plan: TransformPlan, ranks: Sequence[RankExport], option
 
 
 def union_boxes(plan: TransformPlan, ranks: Sequence[RankExport]) -> SourceBoxes:
-    """Where the slices of several destination files live."""
-    return plan.boxes(RankExport(-1, tuple(s for r in ranks for s in r.slices)))
+    """Where the entries of several destination files live: every source box of each (one
+    test per entry, not one per slice: 512 files hold 50 000 slices)."""
+    specs = {t.name: t for t in plan.source.tensors}
+    names = dict.fromkeys(s.name for r in ranks for s in r.slices)
+    return plan.boxes(RankExport(-1, tuple(Slice(n, Box.full(specs[n].shape)) for n in names)))
 
 
 def write_direct_groups(groups: list[tuple[list[tuple[RankExport, str]], SourceBoxes]],

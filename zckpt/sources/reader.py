@@ -275,22 +275,25 @@ class SourceReader:
             return [box]
         return c_order_pieces(box, max(1, self.band_bytes // self._itemsize(name)))
 
-    def read_cost(self, name: str, box: Box) -> int:
-        """Bytes reading ``box`` takes from the shards: each piece's whole source rows
-        (worked out on all source boxes at once: a plan asks it for every slice)."""
-        if box.ndim == 0 or box.size == 0:
-            return box.size * self._itemsize(name)
+    def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
+        """Bytes reading each of ``boxes`` apart takes from the shards: each piece's whole
+        source rows, worked out on all boxes and all source boxes at once (a plan of 512
+        files asks it for every slice)."""
+        itemsize = self._itemsize(name)
+        flat = [b for b in boxes if b.ndim and b.size]
+        cost = sum(b.size for b in boxes if not (b.ndim and b.size)) * itemsize
         writes = self.boxes.writes.get(name, ())
-        if not writes:
-            return 0
+        if not flat or not writes:
+            return cost
         if name not in self._corners:
             self._corners[name] = _corners(writes)
         starts, stops = self._corners[name]
-        lo, hi = np.array(box.start), np.array(box.stop)
-        inter = np.minimum(stops, hi) - np.maximum(starts, lo)
-        meets = np.all(inter > 0, axis=1)
+        lo = np.array([b.start for b in flat])[:, None, :]
+        hi = np.array([b.stop for b in flat])[:, None, :]
+        inter = np.minimum(stops[None], hi) - np.maximum(starts[None], lo)
+        meets = np.all(inter > 0, axis=2)
         rows = (stops[:, 1:] - starts[:, 1:]).prod(axis=1)
-        return int((inter[meets, 0] * rows[meets]).sum()) * self._itemsize(name)
+        return cost + int((np.where(meets, inter[:, :, 0], 0) * rows[None]).sum()) * itemsize
 
     def file_ranges(self, name: str, box: Box) -> list[FileRange] | None:
         """The slice as byte ranges of shard files, when every piece of it is whole rows of

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
@@ -141,6 +142,10 @@ class StoreReader:
             return [box]
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
         return c_order_pieces(box, max(1, self.band_bytes // itemsize))
+
+    def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
+        """:meth:`read_cost` of each box, summed."""
+        return sum(self.read_cost(name, b) for b in boxes)
 
     def read_cost(self, name: str, box: Box) -> int:
         """Bytes reading ``box`` takes from the store: whole chunk rows of every chunk it
