@@ -167,3 +167,44 @@ def test_a_damaged_chunk_stops_the_group_and_publishes_none_of_it(tmp_path: Path
         export(tmp_path / "s.zarr", tmp_path / "out", _strategy(d / "dst"))
     assert not list((tmp_path / "out").rglob("*.ckpt"))
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # as it was found
+
+
+@pytest.mark.parametrize("path", ["export", "transform"])
+def test_the_order_follows_what_reading_costs(path: str, tmp_path: Path, groups_written: list[int]) -> None:
+    """By default, source-major where files written one by one would read the same bytes
+    several times (s08: destination files that share their sources' rows), one by one where
+    each file reads only its own bytes (s04), through the store and from the shards."""
+    for sid in ("s04", "s08"):
+        d = scenario(sid)
+        out = tmp_path / sid
+        if path == "export":
+            ingest(d / "src" / "checkpoints", tmp_path / f"{sid}.zarr", _strategy(d / "src"))
+            rep = export(tmp_path / f"{sid}.zarr", out, _strategy(d / "dst"), options=ExportOptions(helper=False))
+        else:
+            rep = transform(d / "src" / "checkpoints", out, _strategy(d / "src"), _strategy(d / "dst"),
+                            options=TransformOptions(helper=False))
+        assert diff_dirs(d / "dst" / "expected", out) == []
+        assert bool(groups_written) == (sid == "s08"), (sid, groups_written, rep.bytes_read)
+        groups_written.clear()
+
+
+def test_a_source_reader_prices_whole_source_rows(tmp_path: Path) -> None:
+    """Rows 0-7 of an (8, 6) tensor in four shards of two rows: a box of rows 1-4 and
+    columns 0-2 takes rows of three shards, each read whole (6 columns). An (8, 8) tensor
+    in four shards of two columns: a box of columns 0-2 takes the rows of the first two."""
+    from zckpt.core.layout import Box
+    from zckpt.formats.strategy import make_layout
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import TensorDef
+    from zckpt.jobs.transform import plan_transform, union_boxes
+    from zckpt.sources.reader import SourceReader
+
+    model = write_model(tmp_path / "src", [TensorDef("w", (8, 6), "Float32", make_layout((4,), [0, -1])),
+                                           TensorDef("c", (8, 8), "Float32", make_layout((4,), [-1, 0]))],
+                        device_num=4, scalars=False)
+    plan = plan_transform(model.root, model.strategy_path, None)
+    with SourceReader(union_boxes(plan, plan.export.ranks), 1 << 20) as reader:
+        assert reader.read_costs("w", [Box((1, 0), (5, 3))]) == 4 * 6 * 4
+        assert reader.read_costs("w", [Box((1, 0), (5, 3)), Box((6, 3), (8, 6))]) == (4 + 2) * 6 * 4
+        assert reader.read_costs("w", [Box((0, 0), (8, 6))]) == 8 * 6 * 4
+        assert reader.read_costs("c", [Box((1, 0), (5, 3))]) == 2 * 4 * 2 * 4
