@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from zckpt.core.dtypes import STRING_TYPE
+from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.formats import wire
 
 CRC_MAGIC = b"crc_num"
@@ -43,9 +43,24 @@ def string_value(name: str, value: str) -> bytes:
 
 def map_value(name: str, body: bytes) -> bytes:
     """A whole MapParameter entry around its encoded ``MapTensorProto`` body."""
+    return map_header(name, len(body)) + body
+
+
+def map_header(name: str, body_len: int) -> bytes:
+    """A MapParameter entry's bytes before its body of ``body_len`` bytes."""
     tag = name.encode("utf-8")
-    value = wire.encode_len_field(1, len(tag)) + tag + wire.encode_len_field(3, len(body)) + body
-    return wire.encode_len_field(1, len(value)) + value
+    value_len = len(wire.encode_len_field(1, len(tag))) + len(tag) + len(wire.encode_len_field(3, body_len)) + body_len
+    return wire.encode_len_field(1, value_len) + wire.encode_len_field(1, len(tag)) + tag + \
+        wire.encode_len_field(3, body_len)
+
+
+def tensor_values(name: str, ms_type: str, shape: tuple[int, ...]) -> list[tuple[bytes, int]]:
+    """A tensor's ``Value`` fields as MindSpore lays them out: each one's header and the
+    length of the data that follows it (:func:`value_rows`)."""
+    itemsize = ms_dtype(ms_type).storage.itemsize
+    row_bytes = (math.prod(shape[1:]) if shape else 1) * itemsize
+    return [(value_header(name, ms_type, list(shape), rows * row_bytes), rows * row_bytes)
+            for rows in value_rows(shape, itemsize)]
 
 
 def value_rows(shape: tuple[int, ...], itemsize: int) -> list[int]:

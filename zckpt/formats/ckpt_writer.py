@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import binascii
 import collections
-import math
 import mmap
 import os
 from collections.abc import Iterable, Iterator
@@ -23,7 +22,7 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import CheckpointFormatError
-from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_value, string_value, value_header, value_rows
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_value, string_value, tensor_values
 from zckpt.formats.entries import FileRange
 from zckpt.io import fileio
 from zckpt.io.checksums import Sink
@@ -106,13 +105,10 @@ class CkptWriter:
         self._claim(name)
         dt = ms_dtype(ms_type, path=str(self.path), param=name).storage
         dims = list(shape)
-        row_counts = value_rows(shape, dt.itemsize)
-        row_bytes = (math.prod(shape[1:]) if shape else 1) * dt.itemsize
         pending: np.ndarray | FileRange | None = None
         block_iter = coalesce(blocks)
-        for rows in row_counts:
-            need = rows * row_bytes
-            self._write(value_header(name, ms_type, dims, need))
+        for header, need in tensor_values(name, ms_type, shape):
+            self._write(header)
             while need > 0:
                 if pending is None or _block_size(pending) == 0:
                     nxt = next(block_iter, None)

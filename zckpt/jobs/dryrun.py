@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zckpt.core.dtypes import STRING_TYPE, ms_dtype
+from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import DiskFullError, OutputError, StoreError, UsageError
-from zckpt.formats import wire
-from zckpt.formats.ckpt_encoding import CRC_MAGIC, value_header, value_rows
-from zckpt.formats.safetensors import _FILLER, MS_METADATA, STRING_PREFIX, TensorHeader, header_bytes
+from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_header, string_value, tensor_values
+from zckpt.formats.safetensors import _FILLER, MS_METADATA, TensorHeader, header_bytes
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import remote
 from zckpt.io.locks import probe_store
@@ -63,7 +62,7 @@ from zckpt.store.rerun import to_redo, unsealed
 from zckpt.store.store import Store
 from zckpt.write.destinations import OutputDir, free_space, output_dir, refuse_present
 from zckpt.write.group_writer import regions
-from zckpt.write.safetensors_file import no_safetensors_form
+from zckpt.write.safetensors_file import no_safetensors_form, string_metadata
 from zckpt.write.safetensors_rank import part_name, split_parts, stem
 from zckpt.write.writers import OUTPUTS, source_major
 
@@ -181,19 +180,11 @@ def ckpt_bytes(rank: RankExport, entries: Entries, crc: bool) -> int:
     for s in rank.slices:
         kind = entries.kinds[s.name]
         if kind == "str":
-            payload = len(np.array(entries.strings[s.name]).tobytes())
-            total += len(value_header(s.name, STRING_TYPE, [0], payload)) + payload
+            total += len(string_value(s.name, entries.strings[s.name]))
         elif kind == "map":
-            tag = len(s.name.encode("utf-8"))
-            body = entries.map_lengths[s.name]
-            value = len(wire.encode_len_field(1, tag)) + tag + len(wire.encode_len_field(3, body)) + body
-            total += len(wire.encode_len_field(1, value)) + value
+            total += len(map_header(s.name, entries.map_lengths[s.name])) + entries.map_lengths[s.name]
         else:
-            ms_type, shape = entries.ms_types[s.name], s.box.shape
-            itemsize = ms_dtype(ms_type).storage.itemsize
-            row_bytes = (math.prod(shape[1:]) if shape else 1) * itemsize
-            for rows in value_rows(shape, itemsize):
-                total += len(value_header(s.name, ms_type, list(shape), rows * row_bytes)) + rows * row_bytes
+            total += sum(len(h) + n for h, n in tensor_values(s.name, entries.ms_types[s.name], s.box.shape))
     return total + (len(CRC_MAGIC) + 10 if crc else 0)
 
 
@@ -204,10 +195,7 @@ def safetensors_files(rank: RankExport, target: Path, entries: Entries, options:
 
     tensors = [TensorHeader(s.name, entries.ms_types[s.name], s.box.shape) for s in rank.slices
                if entries.kinds[s.name] == "tensor"]
-    meta = dict(MS_METADATA)
-    for s in rank.slices:
-        if entries.kinds[s.name] == "str":
-            meta[STRING_PREFIX + s.name] = entries.strings[s.name]
+    meta = string_metadata({s.name: entries.strings[s.name] for s in rank.slices if entries.kinds[s.name] == "str"})
     parts = split_parts(tensors, options.max_file_bytes)
     out: list[tuple[Path, int]] = []
     for i, part in enumerate(parts):

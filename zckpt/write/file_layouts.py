@@ -10,18 +10,16 @@ front-to-back writers use: the two ways give the same bytes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
-from zckpt.formats.ckpt_encoding import map_value, string_value, value_header, value_rows
-from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, header_bytes
+from zckpt.formats.ckpt_encoding import map_value, string_value, tensor_values
+from zckpt.formats.safetensors import header_bytes
 from zckpt.plan.values import Slice
 from zckpt.write.boxes import BoxReader
-from zckpt.write.safetensors_file import tensor_headers
+from zckpt.write.safetensors_file import file_metadata, tensor_headers
 
 
 class Segment(NamedTuple):
@@ -70,18 +68,13 @@ def ckpt_layout(reader: BoxReader, slices: Sequence[Slice]) -> FileLayout:
             framing.append((pos, data))
             pos += len(data)
             continue
-        ms_type = reader.ms_type(s.name)
-        itemsize = ms_dtype(ms_type).storage.itemsize
-        shape = s.box.shape
-        row_bytes = (math.prod(shape[1:]) if shape else 1) * itemsize
         parts, at = [], 0
-        for rows in value_rows(shape, itemsize):
-            header = value_header(s.name, ms_type, list(shape), rows * row_bytes)
+        for header, length in tensor_values(s.name, reader.ms_type(s.name), s.box.shape):
             framing.append((pos, header))
             pos += len(header)
-            parts.append(Segment(at, pos, rows * row_bytes))
-            pos += rows * row_bytes
-            at += rows * row_bytes
+            parts.append(Segment(at, pos, length))
+            pos += length
+            at += length
         segments[s.name] = tuple(parts)
     return FileLayout(pos, tuple(framing), segments, len(segments))
 
@@ -89,11 +82,7 @@ def ckpt_layout(reader: BoxReader, slices: Sequence[Slice]) -> FileLayout:
 def safetensors_layout(reader: BoxReader, slices: Sequence[Slice]) -> FileLayout:
     """The one ``.safetensors`` file :class:`~zckpt.write.safetensors_file.SafetensorsFileWriter`
     writes for ``slices`` (without ``crc_num``: a file with one is written front to back)."""
-    meta = dict(MS_METADATA)
-    for s in slices:
-        if reader.kind(s.name) == "str":
-            meta[STRING_PREFIX + s.name] = reader.string(s.name)
-    header, order = header_bytes(tensor_headers(reader, slices), meta)
+    header, order = header_bytes(tensor_headers(reader, slices), file_metadata(reader, slices))
     pos = len(header)
     segments: dict[str, tuple[Segment, ...]] = {}
     for t in order:

@@ -9,9 +9,9 @@ and every file's part of a band is written at the offset its layout gives
 (:mod:`zckpt.write.file_layouts`). Each file is still one new file, unnamed or under a
 temporary name, published only when complete; each of its byte ranges has one writer.
 
-Whether a group pays is the plan's choice (:func:`pays`), from what the reader says reading
-costs: files that share nothing, or that the reader hands out as whole file ranges, are
-cheaper front to back (kernel copies, no pass through memory).
+Whether a group pays is decided from what the reader says reading costs (:func:`costs`, used by
+:func:`zckpt.write.writers.source_major`): files that share nothing, or that the reader hands
+out as whole file ranges, are cheaper front to back (kernel copies, no pass through memory).
 """
 
 from __future__ import annotations

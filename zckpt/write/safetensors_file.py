@@ -15,7 +15,7 @@ band by band from a :class:`~zckpt.write.boxes.BandSource` into a new file named
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +51,16 @@ def tensor_headers(reader: BoxReader, slices: Sequence[Slice]) -> list[TensorHea
             if reader.kind(s.name) == "tensor"]
 
 
+def file_metadata(reader: BoxReader, slices: Sequence[Slice]) -> dict[str, str]:
+    """The header's ``__metadata__`` for ``slices``: MindSpore's, and their string entries."""
+    return string_metadata({s.name: reader.string(s.name) for s in slices if reader.kind(s.name) == "str"})
+
+
+def string_metadata(strings: Mapping[str, str]) -> dict[str, str]:
+    """MindSpore's ``__metadata__`` with string entries under ``zckpt.str:<name>``."""
+    return {**MS_METADATA, **{STRING_PREFIX + name: value for name, value in strings.items()}}
+
+
 @dataclass(frozen=True)
 class SafetensorsFileWriter:
     """Writes a rank's slices as the one file ``target`` (a :class:`~zckpt.write.writers.RankWriter`)."""
@@ -74,10 +84,7 @@ class SafetensorsFileWriter:
         """Write ``slices`` (tensors and strings; no maps) as ``target``; the number of tensors."""
         tensors = tensor_headers(reader, slices)
         boxes = {s.name: s.box for s in slices}
-        meta = dict(MS_METADATA)
-        for s in slices:
-            if reader.kind(s.name) == "str":
-                meta[STRING_PREFIX + s.name] = reader.string(s.name)
+        meta = file_metadata(reader, slices)
         with SafetensorsWriter(target, tensors, meta, crc=self.settings.crc, fsync=self.settings.fsync) as w:
             source = BandSource(reader, [(t.name, boxes[t.name]) for t in w.order], helper)
             for t in w.order:
