@@ -57,3 +57,4 @@ def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     from zckpt.write import group_writer
 
     monkeypatch.setattr(group_writer, "GAIN", float("inf"))
+    monkeypatch.setattr(group_writer, "SMALL_PIECE", 0)

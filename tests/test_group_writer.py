@@ -42,6 +42,7 @@ def groups_written(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _force(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setattr(group_writer, "GAIN", MODES[mode])
+    monkeypatch.setattr(group_writer, "SMALL_PIECE", 0)
 
 
 def _ranks(expected: Path) -> int:

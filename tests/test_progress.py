@@ -114,6 +114,7 @@ def test_cli_json_progress_names_parameters_and_ends_complete(
     assert {x["param"] for x in ing} >= {f"layer{i}.weight" for i in range(6)}
     assert ing[-1]["bytes_done"] == ing[-1]["bytes_total"] == 6 * 16 * 8 * 4
     monkeypatch.setattr(group_writer, "GAIN", math.inf)  # one task per file
+    monkeypatch.setattr(group_writer, "SMALL_PIECE", 0)
     assert cli_main(["export", str(store), "--strategy", str(dst), "--out", str(tmp_path / "o"), "--json"]) == 0
     exp = _progress_lines(capsys.readouterr().err)
     assert {x["task"] for x in exp} == {f"rank {r} checkpoint_{r}.ckpt" for r in range(4)}

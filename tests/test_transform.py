@@ -154,8 +154,9 @@ def test_damaged_crc_refused_before_writing(tmp_path: Path) -> None:
     assert not list((tmp_path / "o").rglob("*.ckpt")) if (tmp_path / "o").exists() else True
 
 
-def test_row_pieces_are_copied_by_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Row-split sources to row-split destinations: every tensor goes out as file ranges."""
+def test_row_pieces_are_copied_by_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_by_one: None) -> None:
+    """Row-split sources to row-split destinations written one by one (as slices of some size
+    are): every tensor goes out as file ranges."""
     lay8 = make_layout((8,), [[0], []])
     tensors = [TensorDef("emb", (64, 24), "Float32", lay8),
                TensorDef("bias", (64,), "BFloat16", make_layout((8,), [[0]]))]

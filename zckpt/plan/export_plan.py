@@ -99,6 +99,8 @@ def build_export_plan(
     if strategy is not None:
         _refuse_unlisted_stages(strategy, wanted, stage_dev)
     shardings: dict[tuple[str, int], Sharding] = {}
+    same: dict[Sharding, Sharding] = {}  # equal shardings as one object: their boxes are built once
+    boxes: dict[tuple[int, int], Box] = {}
     out: list[RankExport] = []
     for r in wanted:
         stage = stage_of(r, stage_dev)
@@ -115,8 +117,13 @@ def build_export_plan(
                 continue
             key = (t.name, stage)
             if key not in shardings:
-                shardings[key] = resolve(lay, t.shape, param=t.name)
-            slices.append(Slice(t.name, rank_box(shardings[key], r % stage_dev)))
+                sh = resolve(lay, t.shape, param=t.name)
+                shardings[key] = same.setdefault(sh, sh)
+            sh = shardings[key]
+            box = boxes.get((id(sh), r))
+            if box is None:
+                box = boxes[id(sh), r] = rank_box(sh, r % stage_dev)
+            slices.append(Slice(t.name, box))
         out.append(RankExport(r, tuple(slices)))
     return ExportPlan(tuple(out), device_num)
 

@@ -144,8 +144,28 @@ class StoreReader:
         return c_order_pieces(box, max(1, self.band_bytes // itemsize))
 
     def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
-        """:meth:`read_cost` of each box, summed."""
-        return sum(self.read_cost(name, b) for b in boxes)
+        """:meth:`read_cost` of each box, summed: on arrays where the boxes are many (a plan
+        of 512 files prices 144 000 slices)."""
+        e = self._entries[name]
+        if len(boxes) < 8 or not e.shape or e.offset is not None:
+            return sum(self.read_cost(name, b) for b in boxes)
+        info = self.store.chunk_info(name)
+        itemsize = ms_dtype(e.ms_type).storage.itemsize
+        start = np.array([b.start for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
+        stop = np.array([b.stop for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
+        if not (stop > start).all():
+            return sum(self.read_cost(name, b) for b in boxes)
+        chunks = np.array(info.chunks, dtype=np.int64)
+        counts = (stop - 1) // chunks - start // chunks + 1
+        rows, touched = counts[:, 0], counts[:, 1:].prod(axis=1)
+        row = math.prod(info.chunks[1:]) * itemsize
+        if not info.raw or self.options.reader != "zarr":
+            return int((rows * info.chunks[0] * row * touched).sum())
+        span = (stop[:, 0] - start[:, 0]) * row * touched
+        if not self.options.verify_checksums:
+            return int(span.sum())
+        part = np.maximum(0, rows * touched * info.chunks[0] * row - span)
+        return int((span + np.minimum(part, rows * touched * BLOCK_BYTES)).sum())
 
     def read_cost(self, name: str, box: Box) -> int:
         """Bytes reading ``box`` takes from the store: whole chunk rows of every chunk it

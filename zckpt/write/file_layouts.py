@@ -40,11 +40,18 @@ class FileLayout:
     segments: Mapping[str, tuple[Segment, ...]]
     tensors: int
 
-    def places(self, name: str, at: int, length: int) -> Iterator[tuple[int, int, int]]:
+    def places(self, name: str, at: int, length: int) -> list[tuple[int, int, int]]:
         """Bytes ``[at, at + length)`` of tensor ``name``'s data as ``(file offset, start
         within those bytes, length)`` pieces (more than one where a ``.ckpt`` Value ends)."""
+        segments = self.segments[name]
+        if len(segments) == 1 and segments[0].at == 0 and at + length <= segments[0].length:
+            return [(segments[0].offset + at, 0, length)]
+        return list(self._places(segments, at, length))
+
+    @staticmethod
+    def _places(segments: tuple[Segment, ...], at: int, length: int) -> Iterator[tuple[int, int, int]]:
         stop = at + length
-        for seg in self.segments[name]:
+        for seg in segments:
             lo, hi = max(at, seg.at), min(stop, seg.at + seg.length)
             if lo < hi:
                 yield seg.offset + lo - seg.at, lo - at, hi - lo

@@ -104,14 +104,15 @@ def group_writer(options: FormatOptions) -> GroupWriter:
 def source_major(reader: CostedReader, ranks: Sequence[RankExport], options: FormatOptions,
                  tasks: int) -> list[list[int]] | None:
     """The groups of ``ranks`` (positions) to write source-major as at least ``tasks`` tasks,
-    when that reads far less than writing them one by one (:func:`zckpt.write.group_writer.pays`)
-    and the format and settings allow it; ``None``: one by one."""
+    when that reads far less than writing them one by one, or no more where the files' parts
+    are small (:data:`zckpt.write.group_writer.SMALL_PIECE`), and the format and settings
+    allow it; ``None``: one by one."""
     if len(ranks) < 2 or output_format(options.format).group(WriterSettings.of(options)) is None:
         return None
     whole = groups(ranks, 1)
     priced = [costs(reader, [ranks[i] for i in g]) for g in whole]
     alone, together = sum(a for a, _ in priced), sum(t for _, t in priced)
-    if together * grouping.GAIN >= alone:
+    if together * grouping.GAIN >= alone and not (together <= alone and grouping.small_pieces(reader, ranks)):
         return None
     cut = groups(ranks, tasks)
     if len(cut) > len(whole):
