@@ -79,9 +79,9 @@ def expected_pieces(iteration: Path) -> list[tuple[str, tuple[int, ...], np.ndar
     return out
 
 
-def _check(sid: str, out: Path) -> None:
-    d = FIXTURES / sid
-    iteration = _iteration(d / "dst" / "expected")
+def _check(expected: Path, out: Path) -> None:
+    """Every piece the save ``expected`` holds is in zckpt's rank files under ``out``, bit for bit."""
+    iteration = _iteration(expected)
     assert iteration is not None
     pieces = expected_pieces(iteration)
     assert pieces
@@ -116,4 +116,18 @@ def test_mindformers_own_saves_are_resharded_exactly(sid: str, path: str, tmp_pa
     else:
         ingest(d / "src", tmp_path / "s.zarr", None)
         export(tmp_path / "s.zarr", tmp_path / "out", dst)
-    _check(sid, tmp_path / "out")
+    _check(d / "dst" / "expected", tmp_path / "out")
+
+
+@pytest.mark.parametrize("path", ["transform", "ingest+export"])
+def test_a_single_card_save_is_a_source(path: str, tmp_path: Path) -> None:
+    """s26's destination (MindFormers' one-card save: no metadata.json, whole tensors) resharded
+    to s25's destination job gives what that job saved: both jobs come from one source job."""
+    src, dst = FIXTURES / "s26" / "dst" / "expected", str(FIXTURES / "s25" / "dst" / "strategy.ckpt")
+    assert not list(src.glob("*/metadata.json"))
+    if path == "transform":
+        transform(src, tmp_path / "out", None, dst)
+    else:
+        ingest(src, tmp_path / "s.zarr", None)
+        export(tmp_path / "s.zarr", tmp_path / "out", dst)
+    _check(FIXTURES / "s25" / "dst" / "expected", tmp_path / "out")

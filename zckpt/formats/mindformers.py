@@ -78,20 +78,46 @@ def find_iteration(root: Path) -> Path | None:
     ``metadata.json`` and rank files, else the tracker's iteration, else the highest one."""
     if (root / METADATA).is_file() and any(RANK_FILE.match(p.name) for p in root.iterdir()):
         return root
-    iters = {int(m.group(1)): p for p in root.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()}
+    if ITER_DIR.match(root.name) and is_single_card(root):
+        return root
+    iters = iteration_dirs(root)
     if not iters:
         return None
-    tracker = root / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text(encoding="utf-8").strip()
-        if not text.isdigit() or int(text) not in iters:
-            raise CheckpointFormatError(f"names iteration {text!r}, which has no directory here", path=tracker)
-        chosen = iters[int(text)]
-    else:
-        chosen = iters[max(iters)]
-    if not (chosen / METADATA).is_file():
-        raise CheckpointFormatError(f"iteration directory has no {METADATA}", path=chosen)
+    named = tracked_iteration(root)
+    chosen = iters[max(iters) if named is None else named]
+    if not (chosen / METADATA).is_file() and not is_single_card(chosen):
+        raise CheckpointFormatError(f"iteration directory has no {METADATA} (only a single card's save, files "
+                                    "numbered 0000000-0000001, may go without)", path=chosen)
     return chosen
+
+
+def is_single_card(iteration: Path) -> bool:
+    """A one-rank save: no ``metadata.json`` (MindFormers writes none for one card), and rank
+    files all numbered ``0000000-0000001``, holding their tensors whole."""
+    if (iteration / METADATA).exists():
+        return False
+    numbers = {(m.group("rank"), m.group("total")) for p in iteration.iterdir() if (m := RANK_FILE.match(p.name))}
+    return numbers == {("0000000", "0000001")}
+
+
+def iteration_dirs(root: Path) -> dict[int, Path]:
+    """Iteration number -> its ``iteration_<n>/`` (or ``iter_<n>/``) directory under ``root``."""
+    return {int(m.group(1)): p for p in sorted(root.iterdir()) if (m := ITER_DIR.match(p.name)) and p.is_dir()}
+
+
+def tracked_iteration(root: Path) -> int | None:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (``None`` without the file);
+    refused when it is not a number or names no iteration directory of ``root``."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    try:
+        text = tracker.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(f"cannot read: {err}", path=tracker) from None
+    if not text.isdigit() or int(text) not in iteration_dirs(root):
+        raise CheckpointFormatError(f"names iteration {text[:40]!r}, which has no directory here", path=tracker)
+    return int(text)
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -123,7 +149,7 @@ def _parse_metadata(where: str, stamp: tuple[int, int]) -> dict[str, Any]:
     return doc
 
 
-def _shard_param(key: str) -> str:
+def storage_param(key: str) -> str:
     """The parameter of a ``storage_data`` key ``"('name', (k,))"`` (``str`` of a tuple)."""
     try:
         name = ast.literal_eval(key)[0]
@@ -151,13 +177,13 @@ def _rank_file_sets(where: str, _dir: tuple[int, int], _meta: tuple[int, int]) -
                     fname, rank = str(rec["file_name"]), int(rec["storage_rank"])
                 except (KeyError, TypeError, ValueError):
                     raise CheckpointFormatError(f"storage_data record {rec!r} has no file_name and storage_rank",
-                                                path=iteration / METADATA, param=_shard_param(key)) from None
+                                                path=iteration / METADATA, param=storage_param(key)) from None
                 if fname not in files:
                     raise CheckpointFormatError(f"storage_data names {fname!r}, which is not a rank file of this "
-                                                "iteration", path=iteration / METADATA, param=_shard_param(key))
+                                                "iteration", path=iteration / METADATA, param=storage_param(key))
                 if owner.setdefault(fname, rank) != rank:
                     raise CheckpointFormatError(f"storage_data gives {fname} to ranks {owner[fname]} and {rank}",
-                                                path=iteration / METADATA, param=_shard_param(key))
+                                                path=iteration / METADATA, param=storage_param(key))
     per_rank: dict[int, dict[str, Path]] = {}
     totals: dict[str, set[int]] = {}
     for name, m in sorted(files.items()):
@@ -180,8 +206,10 @@ def rank_files(iteration: Path) -> dict[int, Path]:
 
 
 def is_rank_file(path: Path) -> bool:
-    """A MindFormers rank file in an iteration directory (``metadata.json`` beside it)."""
-    return RANK_FILE.match(path.name) is not None and (path.parent / METADATA).is_file()
+    """A MindFormers rank file in an iteration directory (``metadata.json`` beside it, or a
+    single card's save)."""
+    return RANK_FILE.match(path.name) is not None and ((path.parent / METADATA).is_file() or (
+        ITER_DIR.match(path.parent.name) is not None and is_single_card(path.parent)))
 
 
 def common_entries(iteration: Path) -> dict[str, np.ndarray]:
@@ -371,27 +399,36 @@ def _check_chunks(name: str, meta: dict[str, Any], shape: tuple[int, ...], piece
                                 "an interleaved layout zckpt cannot derive): refused", path=where, param=name)
 
 
+def parameter_layout(name: str, meta: Any, where: Path) -> tuple[tuple[int, ...], tuple[int, ParamLayout] | None]:
+    """One ``state_dict_metadata`` entry's global shape and ``(pipeline stage, layout)``
+    (``None``: held whole), checked against its chunks; refused with a :class:`StrategyError`
+    naming the parameter (interleaved parallel, chunks the layout cannot produce, ...)."""
+    if not isinstance(meta, dict):
+        raise StrategyError("entry is not a JSON object", path=where, param=name)
+    try:
+        shape = tuple(int(d) for d in meta.get("global_shape", ()))
+    except (TypeError, ValueError):
+        raise StrategyError(f"global_shape {meta.get('global_shape')!r} is not a list of ints", path=where,
+                            param=name) from None
+    if meta.get("layout") is None:
+        _check_chunks(name, meta, shape, (1,) * len(shape), where)
+        return shape, None
+    stage, layout = _layout(name, meta["layout"], where)
+    try:
+        resolve(layout, shape, param=name)
+    except LayoutError as err:
+        raise StrategyError(err.message, path=where, param=name) from None
+    _check_chunks(name, meta, shape, _pieces(layout), where)
+    return shape, (stage, layout)
+
+
 def metadata_strategy(iteration: Path) -> StrategyMap:
     """The source strategy a MindFormers iteration records, checked against its chunks.
     Tensors held whole (``layout`` ``null``) are left unlisted, as unsharded entries are."""
     where = iteration / METADATA
     layouts: dict[str, dict[int, ParamLayout]] = {}
     for name, meta in read_metadata(iteration)["state_dict_metadata"].items():
-        if not isinstance(meta, dict):
-            raise StrategyError("entry is not a JSON object", path=where, param=name)
-        try:
-            shape = tuple(int(d) for d in meta.get("global_shape", ()))
-        except (TypeError, ValueError):
-            raise StrategyError(f"global_shape {meta.get('global_shape')!r} is not a list of ints", path=where,
-                                param=name) from None
-        if meta.get("layout") is None:
-            _check_chunks(name, meta, shape, (1,) * len(shape), where)
-            continue
-        stage, layout = _layout(name, meta["layout"], where)
-        try:
-            resolve(layout, shape, param=name)
-        except LayoutError as err:
-            raise StrategyError(err.message, path=where, param=name) from None
-        _check_chunks(name, meta, shape, _pieces(layout), where)
-        layouts.setdefault(name, {})[stage] = layout
+        staged = parameter_layout(name, meta, where)[1]
+        if staged is not None:
+            layouts.setdefault(name, {})[staged[0]] = staged[1]
     return StrategyMap(layouts, (str(where),))
