@@ -96,6 +96,10 @@ def _describe_dir(path: Path) -> Described:
     return {**doc, "chosen_from": str(path)}, [f"{path}: checkpoint chosen as ingest would: {chosen.name}", *lines]
 
 
+SHOWN = 20
+"""Refusals a MindFormers directory's text shows (a layout wrong throughout can give thousands)."""
+
+
 def _describe_mindformers(path: Path) -> Described:
     doc = survey(path)
     tracker = doc["tracker"]
@@ -123,7 +127,9 @@ def _describe_mindformers(path: Path) -> Described:
     refused = doc["refused"]
     lines.append(f"refused ({len(refused)}): reading this directory stops at the first" if refused else
                  "nothing refused")
-    lines += ["  " + ZckptError(f["reason"] or "", path=f["file"], param=f["param"]).__str__() for f in refused]
+    lines += ["  " + str(ZckptError(f["reason"] or "", path=f["file"], param=f["param"])) for f in refused[:SHOWN]]
+    if len(refused) > SHOWN:
+        lines.append(f"  ... and {len(refused) - SHOWN} more (--json lists every one)")
     return doc, lines
 
 

@@ -26,6 +26,7 @@ from zckpt.formats.mindformers import (
     METADATA,
     RANK_FILE,
     TRACKER,
+    Checked,
     MindFormersRankReader,
     common_entries,
     is_single_card,
@@ -34,6 +35,7 @@ from zckpt.formats.mindformers import (
     rank_file_sets,
     read_metadata,
     storage_param,
+    storage_problems,
     tracked_iteration,
 )
 from zckpt.formats.safetensors import SafetensorsReader
@@ -89,7 +91,11 @@ def survey(path: Path) -> dict[str, Any]:
                               "reason": f"no {METADATA}, and the files are not a single card's save"})
     doc["files"] = _file_counts(iteration)
     sets = refused.attempt(partial(rank_file_sets, iteration)) or {}
-    doc["parameters"] = _parameters(iteration, meta, refused) if meta is not None else _whole(sets)
+    checked: dict[str, Checked] = {}
+    doc["parameters"] = _parameters(iteration, meta, refused, checked) if meta is not None else _whole(sets)
+    if meta is not None:
+        for problem in storage_problems(meta, checked, iteration / METADATA):
+            refused.found.append({"file": problem.path, "param": problem.param, "reason": problem.message})
     doc["job_ranks"] = _job_ranks(meta) or 1
     doc["saving"] = _saving(meta, doc["job_ranks"], doc["files"])
     known = {p["name"] for p in doc["parameters"]} | set(doc["common"] or ())
@@ -150,7 +156,9 @@ def _entries(first: Path) -> list[str]:
         return list(r.entries)
 
 
-def _parameters(iteration: Path, meta: dict[str, Any], refused: _Refusals) -> list[dict[str, Any]]:
+def _parameters(iteration: Path, meta: dict[str, Any], refused: _Refusals,
+                checked: dict[str, Checked]) -> list[dict[str, Any]]:
+    """Each parameter of ``metadata.json`` as reading checks it (those it accepts also into ``checked``)."""
     kinds: dict[str, set[str]] = {}
     for key, records in meta.get("storage_data", {}).items():
         for rec in records:
@@ -158,9 +166,11 @@ def _parameters(iteration: Path, meta: dict[str, Any], refused: _Refusals) -> li
                 kinds.setdefault(storage_param(key), set()).add(m.group("kind"))
     out = []
     for name, entry in meta["state_dict_metadata"].items():
-        checked = refused.attempt(partial(parameter_layout, name, entry, iteration / METADATA))
-        shape, staged = checked or ((), None)
-        why = refused.found[-1]["reason"] if checked is None else None
+        found = refused.attempt(partial(parameter_layout, name, entry, iteration / METADATA))
+        shape, staged = found or ((), None)
+        why = refused.found[-1]["reason"] if found is None else None
+        if found is not None:
+            checked[name] = found
         e = entry if isinstance(entry, dict) else {}
         props, chunks = e.get("properties"), e.get("chunk")
         out.append({"name": name, "file": "+".join(sorted(kinds.get(name, ()))) or None,
