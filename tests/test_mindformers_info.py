@@ -132,6 +132,9 @@ def test_refusals_are_listed_beside_everything_else(tmp_path: Path, capsys: pyte
     for line in ("parameter 'decoder.final_layernorm.weight': interleaved_parallel",
                  "latest_checkpointed_iteration.txt: names iteration '7'"):
         assert line in text
+    direct = _info(it, capsys, "--json")  # reading the iteration itself does not consult the tracker
+    assert len(direct["refused"]) == 2 and direct["tracker"]["iteration"] is None
+    assert "says '7' (names no iteration here)" in _info(it, capsys)
 
 
 def test_a_file_that_disagrees_with_metadata_is_refused_by_rank(tmp_path: Path,

@@ -103,9 +103,12 @@ SHOWN = 20
 def _describe_mindformers(path: Path) -> Described:
     doc = survey(path)
     tracker = doc["tracker"]
-    said = ("no latest_checkpointed_iteration.txt" if tracker is None else
-            f"latest_checkpointed_iteration.txt says {tracker['text']!r}"
-            + ("" if tracker["iteration"] is not None else " (no such iteration; the highest is shown)"))
+    said = "no latest_checkpointed_iteration.txt"
+    if tracker is not None:
+        said = f"latest_checkpointed_iteration.txt says {tracker['text']!r}"
+        if tracker["iteration"] is None:
+            given = doc["iteration_dir"] == str(path)
+            said += " (names no iteration here)" if given else " (no such iteration; the highest is shown)"
     where = Path(doc["iteration_dir"] or "-").name
     head = (f"MindFormers Checkpoint 2.0 {path}: iteration {doc['iteration']} ({where}); {said}; "
             f"iterations here: {doc['iterations']}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zckpt.core.errors import ZckptError
+from zckpt.formats.entries import EntryInfo
 from zckpt.formats.mindformers import (
     COMMON,
     ITER_DIR,
@@ -92,7 +93,10 @@ def survey(path: Path) -> dict[str, Any]:
     doc["files"] = _file_counts(iteration)
     sets = refused.attempt(partial(rank_file_sets, iteration)) or {}
     checked: dict[str, Checked] = {}
-    doc["parameters"] = _parameters(iteration, meta, refused, checked) if meta is not None else _whole(sets)
+    if meta is not None:
+        doc["parameters"] = _parameters(iteration, meta, refused, checked)
+    elif is_single_card(iteration):
+        doc["parameters"] = _whole(sets, refused)
     if meta is not None:
         for problem in storage_problems(meta, checked, iteration / METADATA):
             refused.found.append({"file": problem.path, "param": problem.param, "reason": problem.message})
@@ -109,16 +113,20 @@ def survey(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _whole(sets: dict[int, tuple[Path, ...]]) -> list[dict[str, Any]]:
+def _whole(sets: dict[int, tuple[Path, ...]], refused: _Refusals) -> list[dict[str, Any]]:
     """A single card's tensors, from its files' headers: each held whole."""
     out = []
-    for files in sets.values():
-        for f in files:
-            with SafetensorsReader(f, verify_crc=False) as r:
-                out += [{"name": e.name, "file": RANK_FILE.match(f.name).group("kind"),  # type: ignore[union-attr]
-                         "dtype": e.ms_type, "global_shape": list(e.shape), "layout": {"kind": "whole"},
-                         "chunks": 1, "refused": None} for e in r.entries.values() if e.kind == "tensor"]
+    for f in (f for files in sets.values() for f in files):
+        kind = m.group("kind") if (m := RANK_FILE.match(f.name)) else None
+        for e in refused.attempt(partial(_tensors, f)) or []:
+            out.append({"name": e.name, "file": kind, "dtype": e.ms_type, "global_shape": list(e.shape),
+                        "layout": {"kind": "whole"}, "chunks": 1, "refused": None})
     return out
+
+
+def _tensors(file: Path) -> list[EntryInfo]:
+    with SafetensorsReader(file, verify_crc=False) as r:
+        return [e for e in r.entries.values() if e.kind == "tensor"]
 
 
 def _tracker(root: Path, refused: _Refusals) -> dict[str, Any] | None:
