@@ -27,6 +27,11 @@ FIXTURES: Path = Path(
 )
 """Root of the MindSpore fixtures (may not exist)."""
 
+collect_ignore = ["fixtures"]  # data and their regenerators, never tests
+
+MINDFORMERS_FIXTURES: Path = Path(__file__).resolve().parent / "fixtures" / "mindformers"
+"""Checkpoint 2.0 directories MindFormers itself saved, kept in the repository (its README says why)."""
+
 NO_FIXTURES_REASON = f"MindSpore fixtures not found at {FIXTURES} (set ZCKPT_FIXTURES to their directory)"
 
 

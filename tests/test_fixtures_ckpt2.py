@@ -1,6 +1,6 @@
-"""MindFormers Checkpoint 2.0 directories that MindFormers itself saved (the fixtures made by
-``make/gen_mf_fixtures.py`` with its ``ckpt2`` key): zckpt transform, and ingest + export, from
-the source job's own save give every piece the destination job saved, bit for bit.
+"""MindFormers Checkpoint 2.0 directories that MindFormers itself saved (``tests/fixtures/mindformers``,
+kept in the repository so that these tests always run; its README says how they were made): zckpt
+transform, and ingest + export, from the source job's own save give every piece the destination job saved, bit for bit.
 
 The expected side is read without zckpt: ``dst/expected``'s ``metadata.json`` (json) says which
 file and which rank saved each piece of each parameter (``storage_data``: the file, the saving
@@ -8,28 +8,26 @@ rank and the ranks holding that same piece, ``rank_group``), and the ``safetenso
 the piece. Each rank of the group must hold it in zckpt's file. This holds for redundancy-free
 saves too, where the file a piece is in need not be its rank's. Entries zckpt writes beyond
 the saved pieces may only be ``common.json``'s numbers (:mod:`zckpt.formats.mindformers`).
-Scenarios are found by their layout (an iteration directory with ``metadata.json`` as source),
+Scenarios are found by their layout (an iteration directory with ``common.json`` on both sides),
 not by name.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, have_fixtures
+from conftest import MINDFORMERS_FIXTURES as FIXTURES
+from safetensors import numpy as safetensors_numpy
 
 from zckpt.formats.ckpt import CkptReader
 from zckpt.jobs.export import export
 from zckpt.jobs.ingest import ingest
 from zckpt.jobs.transform import transform
-
-pytestmark = pytest.mark.fixtures
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package reads the expected side")
-pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for bf16 in safetensors' numpy frontend")
 
 
 def _iteration(side: Path) -> Path | None:
@@ -39,13 +37,25 @@ def _iteration(side: Path) -> Path | None:
 
 def ckpt2_scenarios() -> list[str]:
     """Scenarios whose source and expected destination are Checkpoint 2.0 saves."""
-    if not have_fixtures():
-        return []
     return sorted(p.name for p in FIXTURES.iterdir()
                   if _iteration(p / "src") is not None and _iteration(p / "dst" / "expected") is not None)
 
 
 CKPT2 = ckpt2_scenarios()
+
+
+def test_the_fixtures_are_there_as_their_regenerator_describes_them() -> None:
+    """The four scenarios of the README (a missing one fails, never skips), made from the job
+    specs and descriptions ``make_ckpt2.py`` holds (it imports without MindFormers' machinery)."""
+    assert CKPT2 == ["s23", "s24", "s25", "s26"]
+    spec = importlib.util.spec_from_file_location("make_ckpt2", FIXTURES / "make_ckpt2.py")
+    assert spec is not None and spec.loader is not None
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    assert sorted(make.SCENARIOS) == CKPT2
+    for sid, (description, src, dst) in make.SCENARIOS.items():
+        meta = json.loads((FIXTURES / sid / "meta.json").read_text())
+        assert (meta["description"], meta["src_spec"], meta["dst_spec"]) == (description, src, dst), sid
 
 
 def expected_pieces(iteration: Path) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
@@ -69,9 +79,9 @@ def expected_pieces(iteration: Path) -> list[tuple[str, tuple[int, ...], np.ndar
     return out
 
 
-def _check(sid: str, out: Path) -> None:
-    d = FIXTURES / sid
-    iteration = _iteration(d / "dst" / "expected")
+def _check(expected: Path, out: Path) -> None:
+    """Every piece the save ``expected`` holds is in zckpt's rank files under ``out``, bit for bit."""
+    iteration = _iteration(expected)
     assert iteration is not None
     pieces = expected_pieces(iteration)
     assert pieces
@@ -96,7 +106,6 @@ def _check(sid: str, out: Path) -> None:
     assert not problems, "\n".join(problems[:20])
 
 
-@pytest.mark.skipif(not CKPT2, reason=f"no MindFormers Checkpoint 2.0 scenario under {FIXTURES}")
 @pytest.mark.parametrize("path", ["transform", "ingest+export"])
 @pytest.mark.parametrize("sid", CKPT2)
 def test_mindformers_own_saves_are_resharded_exactly(sid: str, path: str, tmp_path: Path) -> None:
@@ -107,4 +116,18 @@ def test_mindformers_own_saves_are_resharded_exactly(sid: str, path: str, tmp_pa
     else:
         ingest(d / "src", tmp_path / "s.zarr", None)
         export(tmp_path / "s.zarr", tmp_path / "out", dst)
-    _check(sid, tmp_path / "out")
+    _check(d / "dst" / "expected", tmp_path / "out")
+
+
+@pytest.mark.parametrize("path", ["transform", "ingest+export"])
+def test_a_single_card_save_is_a_source(path: str, tmp_path: Path) -> None:
+    """s26's destination (MindFormers' one-card save: no metadata.json, whole tensors) resharded
+    to s25's destination job gives what that job saved: both jobs come from one source job."""
+    src, dst = FIXTURES / "s26" / "dst" / "expected", str(FIXTURES / "s25" / "dst" / "strategy.ckpt")
+    assert not list(src.glob("*/metadata.json"))
+    if path == "transform":
+        transform(src, tmp_path / "out", None, dst)
+    else:
+        ingest(src, tmp_path / "s.zarr", None)
+        export(tmp_path / "s.zarr", tmp_path / "out", dst)
+    _check(FIXTURES / "s25" / "dst" / "expected", tmp_path / "out")

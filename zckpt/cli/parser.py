@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--file-suffix", help="with --src: MindSpore's file_suffix (which checkpoint of each rank_<r>)")
     _storage_args(pl)
 
-    inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file or a store")
-    inf.add_argument("path", help="file or store (a local path or a URL: s3://..., memory://...)")
+    inf = sub.add_parser("info", help="describe a .ckpt or .safetensors file, a strategy file, a store or a "
+                                      "MindFormers checkpoint directory")
+    inf.add_argument("path", help="file, directory or store (a local path or a URL: s3://..., memory://...)")
     inf.add_argument("--json", action="store_true", help="print the description as JSON")
     inf.add_argument("--svg", metavar="FILE", help="store only: draw --param's source boxes and chunk grid, and the "
                                                    "boxes of --dst-strategy's ranks, to an SVG file")

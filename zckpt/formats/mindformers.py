@@ -32,10 +32,16 @@ MindSpore Transformers (2.1) saves each checkpoint as one directory per iteratio
   by the ranks that received something, so the number in a name need not be the rank.
 
 zckpt reads such a directory as a sharded source: rank ``r`` is the files ``storage_data``
-gives to ``r`` (else the files numbered ``r``), read together by :class:`MindFormersRankReader`,
-and the strategy is the metadata's layouts (:func:`metadata_strategy`), checked against the
-chunks it records (slice numbers and shapes the layout cannot produce, or interleaved
-parallel, are refused, naming the parameter). ``common.json``'s numbers become entries of
+gives to ``r`` (else the files numbered ``r``; files linked from outside the iteration
+directory, or names that are not its rank files, are refused), read together by
+:class:`MindFormersRankReader`, and the strategy is the metadata's layouts
+(:func:`metadata_strategy`), checked against the chunks it records (slice numbers and shapes
+the layout cannot produce, a slice listed twice or not at all, or interleaved parallel, are
+refused, naming the parameter) and against ``storage_data`` (each record's slice must be the
+one the layout gives its ``storage_rank``: zckpt takes a rank's pieces where the layout puts
+them). Every file's header must hold the pieces ``metadata.json`` records for it, of its
+shapes and dtype. A single card's save (no ``metadata.json``, files ``0000000-0000001``) is
+one rank holding its tensors whole. ``common.json``'s numbers become entries of
 every rank as MindSpore's own checkpoints hold them (MindFormers' legacy ``CheckpointMonitor``
 saves them through ``append_dict``, i.e. ``Tensor(value)``): ``global_step`` an ``Int32``
 ``(1,)`` (the optimizer's counter), other integers ``Int64`` scalars, floats ``Float32``
@@ -52,7 +58,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +67,7 @@ import numpy as np
 
 from zckpt.core.dtypes import ms_name_for_numpy
 from zckpt.core.errors import CheckpointFormatError, LayoutError, SourceError, StrategyError
-from zckpt.core.layout import resolve
+from zckpt.core.layout import piece_index, resolve
 from zckpt.formats.safetensors import MS_METADATA, SafetensorsReader, TensorHeader, header_bytes
 from zckpt.formats.shard_reader import SafetensorsSetReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
@@ -78,20 +84,46 @@ def find_iteration(root: Path) -> Path | None:
     ``metadata.json`` and rank files, else the tracker's iteration, else the highest one."""
     if (root / METADATA).is_file() and any(RANK_FILE.match(p.name) for p in root.iterdir()):
         return root
-    iters = {int(m.group(1)): p for p in root.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()}
+    if ITER_DIR.match(root.name) and is_single_card(root):
+        return root
+    iters = iteration_dirs(root)
     if not iters:
         return None
-    tracker = root / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text(encoding="utf-8").strip()
-        if not text.isdigit() or int(text) not in iters:
-            raise CheckpointFormatError(f"names iteration {text!r}, which has no directory here", path=tracker)
-        chosen = iters[int(text)]
-    else:
-        chosen = iters[max(iters)]
-    if not (chosen / METADATA).is_file():
-        raise CheckpointFormatError(f"iteration directory has no {METADATA}", path=chosen)
+    named = tracked_iteration(root)
+    chosen = iters[max(iters) if named is None else named]
+    if not (chosen / METADATA).is_file() and not is_single_card(chosen):
+        raise CheckpointFormatError(f"iteration directory has no {METADATA} (only a single card's save, files "
+                                    "numbered 0000000-0000001, may go without)", path=chosen)
     return chosen
+
+
+def is_single_card(iteration: Path) -> bool:
+    """A one-rank save: no ``metadata.json`` (MindFormers writes none for one card), and rank
+    files all numbered ``0000000-0000001``, holding their tensors whole."""
+    if (iteration / METADATA).exists():
+        return False
+    numbers = {(m.group("rank"), m.group("total")) for p in iteration.iterdir() if (m := RANK_FILE.match(p.name))}
+    return numbers == {("0000000", "0000001")}
+
+
+def iteration_dirs(root: Path) -> dict[int, Path]:
+    """Iteration number -> its ``iteration_<n>/`` (or ``iter_<n>/``) directory under ``root``."""
+    return {int(m.group(1)): p for p in sorted(root.iterdir()) if (m := ITER_DIR.match(p.name)) and p.is_dir()}
+
+
+def tracked_iteration(root: Path) -> int | None:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (``None`` without the file);
+    refused when it is not a number or names no iteration directory of ``root``."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    try:
+        text = tracker.read_bytes()[:4096].decode("utf-8", "replace").strip()
+    except OSError as err:
+        raise CheckpointFormatError(f"cannot read: {err}", path=tracker) from None
+    if not text.isdigit() or int(text) not in iteration_dirs(root):
+        raise CheckpointFormatError(f"names iteration {text[:40]!r}, which has no directory here", path=tracker)
+    return int(text)
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -123,7 +155,7 @@ def _parse_metadata(where: str, stamp: tuple[int, int]) -> dict[str, Any]:
     return doc
 
 
-def _shard_param(key: str) -> str:
+def storage_param(key: str) -> str:
     """The parameter of a ``storage_data`` key ``"('name', (k,))"`` (``str`` of a tuple)."""
     try:
         name = ast.literal_eval(key)[0]
@@ -143,6 +175,12 @@ def rank_file_sets(iteration: Path) -> dict[int, tuple[Path, ...]]:
 def _rank_file_sets(where: str, _dir: tuple[int, int], _meta: tuple[int, int]) -> dict[int, tuple[Path, ...]]:
     iteration = Path(where)
     files = {p.name: m for p in iteration.iterdir() if (m := RANK_FILE.match(p.name)) and p.is_file()}
+    inside = iteration.resolve()
+    for name in files:
+        if (iteration / name).is_symlink() and (iteration / name).resolve().parent != inside:
+            raise CheckpointFormatError(f"is a symbolic link to {os.readlink(iteration / name)!r}, out of its "
+                                        "iteration directory: the files metadata.json names must be in it",
+                                        path=iteration / name)
     owner: dict[str, int] = {}
     if (iteration / METADATA).is_file():
         for key, records in read_metadata(iteration).get("storage_data", {}).items():
@@ -151,13 +189,13 @@ def _rank_file_sets(where: str, _dir: tuple[int, int], _meta: tuple[int, int]) -
                     fname, rank = str(rec["file_name"]), int(rec["storage_rank"])
                 except (KeyError, TypeError, ValueError):
                     raise CheckpointFormatError(f"storage_data record {rec!r} has no file_name and storage_rank",
-                                                path=iteration / METADATA, param=_shard_param(key)) from None
+                                                path=iteration / METADATA, param=storage_param(key)) from None
                 if fname not in files:
                     raise CheckpointFormatError(f"storage_data names {fname!r}, which is not a rank file of this "
-                                                "iteration", path=iteration / METADATA, param=_shard_param(key))
+                                                "iteration", path=iteration / METADATA, param=storage_param(key))
                 if owner.setdefault(fname, rank) != rank:
                     raise CheckpointFormatError(f"storage_data gives {fname} to ranks {owner[fname]} and {rank}",
-                                                path=iteration / METADATA, param=_shard_param(key))
+                                                path=iteration / METADATA, param=storage_param(key))
     per_rank: dict[int, dict[str, Path]] = {}
     totals: dict[str, set[int]] = {}
     for name, m in sorted(files.items()):
@@ -180,8 +218,10 @@ def rank_files(iteration: Path) -> dict[int, Path]:
 
 
 def is_rank_file(path: Path) -> bool:
-    """A MindFormers rank file in an iteration directory (``metadata.json`` beside it)."""
-    return RANK_FILE.match(path.name) is not None and (path.parent / METADATA).is_file()
+    """A MindFormers rank file in an iteration directory (``metadata.json`` beside it, or a
+    single card's save)."""
+    return RANK_FILE.match(path.name) is not None and ((path.parent / METADATA).is_file() or (
+        ITER_DIR.match(path.parent.name) is not None and is_single_card(path.parent)))
 
 
 def common_entries(iteration: Path) -> dict[str, np.ndarray]:
@@ -241,9 +281,13 @@ class MindFormersRankReader(SafetensorsSetReader):
         held: dict[str, np.ndarray] = {}
         common = common_entries(self.path.parent)
         meta = self.path.parent / METADATA
-        pieces = _pieces_held(str(self.path.parent), _stamp(meta) if meta.is_file() else (0, 0))
+        stamp = _stamp(meta) if meta.is_file() else (0, 0)
+        pieces, stored = _pieces_held(str(self.path.parent), stamp), _stored_in(str(self.path.parent), stamp)
         for p in self._files():
             with SafetensorsReader(p, verify_crc=False) as r:
+                if missing := sorted(stored.get(p.name, set()) - set(r.entries)):
+                    raise CheckpointFormatError(f"{METADATA}'s storage_data puts a piece of it in this file, which "
+                                                "does not hold it", path=p, param=missing[0])
                 for n, e in r.entries.items():
                     if e.kind != "tensor":
                         continue
@@ -287,6 +331,20 @@ class _Piece:
             if tuple(shape) != want:
                 raise SourceError(f"holds a piece of shape {list(shape)} but {what} is {list(want)} (the pieces "
                                   f"the files hold must be those {METADATA} records)", path=file, param=self.name)
+
+
+@functools.lru_cache(maxsize=4)
+def _stored_in(where: str, _meta: tuple[int, int]) -> dict[str, set[str]]:
+    """File name -> the parameters ``storage_data`` says it holds a piece of."""
+    iteration = Path(where)
+    if not (iteration / METADATA).is_file():
+        return {}
+    out: dict[str, set[str]] = {}
+    for key, records in read_metadata(iteration).get("storage_data", {}).items():
+        for rec in records:
+            if isinstance(rec, dict) and isinstance(rec.get("file_name"), str):
+                out.setdefault(rec["file_name"], set()).add(storage_param(key))
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -358,6 +416,7 @@ def _check_chunks(name: str, meta: dict[str, Any], shape: tuple[int, ...], piece
     chunks = meta.get("chunk", [])
     if not isinstance(chunks, list):
         raise StrategyError("chunk is not a list", path=where, param=name)
+    slices = []
     for chunk in chunks:
         try:
             offset = [int(x) for x in chunk["global_offset"]]
@@ -369,29 +428,102 @@ def _check_chunks(name: str, meta: dict[str, Any], shape: tuple[int, ...], piece
             raise StrategyError(f"chunk (slice {offset}, shape {list(got)}) is not a piece of its layout, which cuts "
                                 f"{list(shape)} into {list(pieces)} pieces of {list(local)} (an optimizer split or "
                                 "an interleaved layout zckpt cannot derive): refused", path=where, param=name)
+        slices.append(offset[0])
+    if chunks and sorted(slices) != list(range(math.prod(pieces))):
+        raise StrategyError(f"chunks give slices {sorted(slices)[:64]}: each of the layout's {math.prod(pieces)} "
+                            "pieces must be listed once", path=where, param=name)
+
+
+def parameter_layout(name: str, meta: Any, where: Path) -> tuple[tuple[int, ...], tuple[int, ParamLayout] | None]:
+    """One ``state_dict_metadata`` entry's global shape and ``(pipeline stage, layout)``
+    (``None``: held whole), checked against its chunks; refused with a :class:`StrategyError`
+    naming the parameter (interleaved parallel, chunks the layout cannot produce, ...)."""
+    if not isinstance(meta, dict):
+        raise StrategyError("entry is not a JSON object", path=where, param=name)
+    try:
+        shape = tuple(int(d) for d in meta.get("global_shape", ()))
+    except (TypeError, ValueError):
+        raise StrategyError(f"global_shape {meta.get('global_shape')!r} is not a list of ints", path=where,
+                            param=name) from None
+    if meta.get("layout") is None:
+        _check_chunks(name, meta, shape, (1,) * len(shape), where)
+        return shape, None
+    stage, layout = _layout(name, meta["layout"], where)
+    try:
+        resolve(layout, shape, param=name)
+    except LayoutError as err:
+        raise StrategyError(err.message, path=where, param=name) from None
+    _check_chunks(name, meta, shape, _pieces(layout), where)
+    return shape, (stage, layout)
+
+
+Checked = tuple[tuple[int, ...], tuple[int, ParamLayout] | None]
+"""A parameter's global shape and ``(stage, layout)`` (:func:`parameter_layout`)."""
+
+
+def storage_problems(doc: dict[str, Any], checked: Mapping[str, Checked], where: Path) -> Iterator[StrategyError]:
+    """Each ``storage_data`` record that contradicts the layouts: a slice number other than the
+    one the parameter's layout gives the record's ``storage_rank`` (zckpt takes a rank's pieces
+    where its layout puts them), a rank outside the parameter's stage, a key naming no
+    parameter. Parameters of ``state_dict_metadata`` missing from ``checked`` are skipped."""
+    names = doc["state_dict_metadata"]
+    cuts: dict[str, Any] = {}
+    for key, records in doc.get("storage_data", {}).items():
+        try:
+            name, (piece,) = ast.literal_eval(key)
+            piece = int(piece)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            name = piece = None
+        if not isinstance(name, str) or name not in names:
+            yield StrategyError(f"storage_data key {key[:200]!r} is not (parameter, (slice,)) of a parameter "
+                                f"{METADATA} describes", path=where, param=name if isinstance(name, str) else None)
+            continue
+        if name not in checked:
+            continue
+        for rec in records:
+            rank = rec.get("storage_rank") if isinstance(rec, dict) else None
+            want = _slice_of(name, checked[name], rank, cuts) if isinstance(rank, int) else None
+            if want != piece:
+                held = f"the layout gives rank {rank} slice {want}" if want is not None else \
+                    f"rank {rank!r} holds no slice of it (its layout's ranks: {_stage_ranks(checked[name])})"
+                yield StrategyError(f"storage_data says rank {rank!r} saved slice {piece}, but {held}: storage_data "
+                                    "and the layout disagree", path=where, param=name)
+
+
+def _stage_ranks(checked: Checked) -> str:
+    staged = checked[1]
+    if staged is None:
+        return "all"
+    stage, layout = staged
+    return f"{stage * layout.device_num}-{(stage + 1) * layout.device_num - 1}"
+
+
+def _slice_of(name: str, checked: Checked, rank: int, cuts: dict[str, Any]) -> int | None:
+    """The slice number (row-major in the layout's pieces) a rank holds, ``None`` outside the stage."""
+    shape, staged = checked
+    if staged is None:
+        return 0
+    stage, layout = staged
+    local = rank - stage * layout.device_num
+    if not 0 <= local < layout.device_num:
+        return None
+    if name not in cuts:
+        cuts[name] = resolve(layout, shape, param=name)
+    index = piece_index(cuts[name], local)[0]
+    return int(np.ravel_multi_index(index, _pieces(layout))) if index else 0
 
 
 def metadata_strategy(iteration: Path) -> StrategyMap:
-    """The source strategy a MindFormers iteration records, checked against its chunks.
-    Tensors held whole (``layout`` ``null``) are left unlisted, as unsharded entries are."""
+    """The source strategy a MindFormers iteration records, checked against its chunks and
+    against ``storage_data``. Tensors held whole (``layout`` ``null``) are left unlisted, as
+    unsharded entries are."""
     where = iteration / METADATA
+    doc = read_metadata(iteration)
+    checked = {name: parameter_layout(name, meta, where) for name, meta in doc["state_dict_metadata"].items()}
+    for problem in storage_problems(doc, checked, where):
+        raise problem
     layouts: dict[str, dict[int, ParamLayout]] = {}
-    for name, meta in read_metadata(iteration)["state_dict_metadata"].items():
-        if not isinstance(meta, dict):
-            raise StrategyError("entry is not a JSON object", path=where, param=name)
-        try:
-            shape = tuple(int(d) for d in meta.get("global_shape", ()))
-        except (TypeError, ValueError):
-            raise StrategyError(f"global_shape {meta.get('global_shape')!r} is not a list of ints", path=where,
-                                param=name) from None
-        if meta.get("layout") is None:
-            _check_chunks(name, meta, shape, (1,) * len(shape), where)
-            continue
-        stage, layout = _layout(name, meta["layout"], where)
-        try:
-            resolve(layout, shape, param=name)
-        except LayoutError as err:
-            raise StrategyError(err.message, path=where, param=name) from None
-        _check_chunks(name, meta, shape, _pieces(layout), where)
-        layouts.setdefault(name, {})[stage] = layout
+    for name, (_, staged) in checked.items():
+        if staged is not None:
+            layouts.setdefault(name, {})[staged[0]] = staged[1]
     return StrategyMap(layouts, (str(where),))

@@ -1,18 +1,21 @@
-"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file or a store,
-on a local disk or at a URL (``s3://...``, ``memory://...``: a store is read through zarr, a
-file is copied to a temporary local file first, as ingest does with remote shards)."""
+"""``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file, a store or a
+MindFormers Checkpoint 2.0 directory (:mod:`zckpt.jobs.info_mindformers`), on a local disk or at a
+URL (``s3://...``, ``memory://...``: a store is read through zarr, a file is copied to a temporary
+local file first, as ingest does with remote shards)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from zckpt.core.errors import CheckpointFormatError, UsageError
+from zckpt.core.errors import CheckpointFormatError, UsageError, ZckptError
 from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.strategy import read_strategy
 from zckpt.io import remote
+from zckpt.jobs.info_mindformers import is_mindformers_dir, survey
 from zckpt.sources.discovery import discover_sources, spool
 from zckpt.sources.layouts import discover_other_layout
 
@@ -71,7 +74,10 @@ def _describe_file(path: Path, shown: str) -> Described:
 
 def _describe_dir(path: Path) -> Described:
     """A job directory (``rank_<r>/`` folders): the checkpoint each rank's folder gives, as
-    ingest would choose it. A rank folder alone: its chosen checkpoint, described."""
+    ingest would choose it. A rank folder alone: its chosen checkpoint, described. A MindFormers
+    checkpoint directory or iteration: :func:`_describe_mindformers`."""
+    if is_mindformers_dir(path):
+        return _describe_mindformers(path)
     ranks = any(p.is_dir() and p.name.startswith("rank_") for p in path.iterdir())
     if ranks or discover_other_layout(path) is not None:
         found = discover_sources(path)
@@ -88,6 +94,55 @@ def _describe_dir(path: Path) -> Described:
         raise UsageError("directory holds no store, no rank_<r>/ folders and no checkpoint file", path=path)
     doc, lines = _describe_file(chosen, str(chosen))
     return {**doc, "chosen_from": str(path)}, [f"{path}: checkpoint chosen as ingest would: {chosen.name}", *lines]
+
+
+SHOWN = 20
+"""Refusals a MindFormers directory's text shows (a layout wrong throughout can give thousands)."""
+
+
+def _describe_mindformers(path: Path) -> Described:
+    doc = survey(path)
+    tracker = doc["tracker"]
+    said = "no latest_checkpointed_iteration.txt"
+    if tracker is not None:
+        said = f"latest_checkpointed_iteration.txt says {tracker['text']!r}"
+        if tracker["iteration"] is None:
+            given = doc["iteration_dir"] == str(path)
+            said += " (names no iteration here)" if given else " (no such iteration; the highest is shown)"
+    where = Path(doc["iteration_dir"] or "-").name
+    head = (f"MindFormers Checkpoint 2.0 {path}: iteration {doc['iteration']} ({where}); {said}; "
+            f"iterations here: {doc['iterations']}")
+    lines = [head]
+    if doc["common"] is not None:
+        lines.append("common.json: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in doc["common"].items()))
+    if doc["saving"] is not None:
+        lines.append(f"saving: {doc['saving']}")
+    ranks = doc["ranks"]
+    lines += _table([["rank", "files", "bytes", "entries"]] + [
+        [r, " ".join(d["files"]), str(d["bytes"]), str(d["entries"])] for r, d in ranks.items()])
+    params = doc["parameters"]
+    bad = sum(p["refused"] is not None for p in params)
+    also = f"; in the files but not in metadata.json: {', '.join(doc['not_in_metadata'])}" \
+        if doc["not_in_metadata"] else ""
+    lines.append(f"{len(params)} parameters, {bad} refused{also}")
+    lines += _table([["name", "file", "dtype", "global shape", "layout", "device matrix", "tensor map", "pieces",
+                      "stage", "chunks"]] + [_param_row(p) for p in params])
+    refused = doc["refused"]
+    lines.append(f"refused ({len(refused)}): reading this directory stops at the first" if refused else
+                 "nothing refused")
+    lines += ["  " + str(ZckptError(f["reason"] or "", path=f["file"], param=f["param"])) for f in refused[:SHOWN]]
+    if len(refused) > SHOWN:
+        lines.append(f"  ... and {len(refused) - SHOWN} more (--json lists every one)")
+    return doc, lines
+
+
+def _param_row(p: dict[str, Any]) -> list[str]:
+    lay = p["layout"]
+    cut = lay.get("device_matrix") is not None
+    return [p["name"], str(p["file"]), str(p["dtype"]), str(p["global_shape"]), lay["kind"],
+            json.dumps(lay["device_matrix"]) if cut else "-",
+            json.dumps(lay["tensor_map"], separators=(",", ":")) if cut else "-",
+            str(lay.get("pieces", "-")), str(lay.get("stage", "-")), str(p["chunks"])]
 
 
 def _looks_like_strategy(path: Path) -> bool:

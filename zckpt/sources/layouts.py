@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zckpt.formats.mindformers import find_iteration, metadata_strategy, rank_files
+from zckpt.formats.mindformers import find_iteration, is_single_card, metadata_strategy, rank_files
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import find_unified
 
@@ -34,4 +34,6 @@ def implied_strategy(src: object) -> StrategyMap | None:
     if not isinstance(src, (str, Path)) or "://" in str(src) or not Path(src).is_dir():
         return None
     iteration = find_iteration(Path(src))
-    return metadata_strategy(iteration) if iteration is not None else None
+    if iteration is None or is_single_card(iteration):  # one rank, whole tensors: no strategy
+        return None
+    return metadata_strategy(iteration)
