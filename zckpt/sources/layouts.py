@@ -30,8 +30,10 @@ def discover_other_layout(root: Path) -> dict[int, Path | str] | None:
 
 
 def implied_strategy(src: object) -> StrategyMap | None:
-    """The strategy a source directory records itself (MindFormers' ``metadata.json``), if any."""
+    """The strategy a source directory records itself (MindFormers' ``metadata.json``), if any;
+    none where it lists no layout (every tensor held whole: a single card's job)."""
     if not isinstance(src, (str, Path)) or "://" in str(src) or not Path(src).is_dir():
         return None
     iteration = find_iteration(Path(src))
-    return metadata_strategy(iteration) if iteration is not None else None
+    smap = metadata_strategy(iteration) if iteration is not None else None
+    return smap if smap is not None and smap.layouts else None
