@@ -34,7 +34,7 @@ MF = Path(__file__).parent / "fixtures" / "mindformers"
 CHECKER = MF / "mf_load_check.py"
 
 
-def mf_environment() -> tuple[str, str]:
+def mf_environment(scratch: Path) -> tuple[str, str]:
     """MindFormers' python and the dryrun environment, or a skip naming what is missing."""
     python, env = os.environ.get("ZCKPT_MF_PYTHON"), os.environ.get("ZCKPT_MF_ENV")
     if not python or not env:
@@ -44,7 +44,9 @@ def mf_environment() -> tuple[str, str]:
         pytest.skip(f"ZCKPT_MF_PYTHON {python} is not an executable")
     if not (Path(env) / "cann").is_dir() or not (Path(env) / "py").is_dir():
         pytest.skip(f"ZCKPT_MF_ENV {env} is not a dryrun environment (no cann/ and py/)")
-    probe = subprocess.run([python, "-c", "import mindformers, mindspore"], capture_output=True, text=True)
+    # (MindFormers makes output/log in the working directory on import)
+    probe = subprocess.run([python, "-c", "import mindformers, mindspore"], capture_output=True, text=True,
+                           cwd=scratch)
     if probe.returncode:
         pytest.skip(f"ZCKPT_MF_PYTHON {python} cannot import mindformers and mindspore")
     return python, env
@@ -52,7 +54,7 @@ def mf_environment() -> tuple[str, str]:
 
 @pytest.mark.parametrize("sid", ["s23", "s25", "s24", "s26"])
 def test_mindformers_loads_zckpt_output(sid: str, tmp_path: Path) -> None:
-    python, env = mf_environment()
+    python, env = mf_environment(tmp_path)
     d = MF / sid
     if not (d / "meta.json").is_file():
         pytest.skip(f"fixture {d} is not there")
