@@ -230,3 +230,33 @@ def test_existing_iteration_kept_unless_overwrite(tmp_path: Path) -> None:
     transform(src, out, None, dst, options=TransformOptions(format="mindformers", prefix=prefix, iteration=7))
     assert (out / TRACKER).read_text() == "7"
     assert sorted(os.listdir(out)) == ["iteration_00000001", "iteration_00000007", TRACKER]
+
+
+def test_from_a_legacy_checkpoint(tmp_path: Path) -> None:
+    """A legacy ``.ckpt`` source (s23's stand-alone reference job, values set by name as in
+    every job of the scenario): the same pieces and ``metadata.json`` as MindFormers' save;
+    model and optimizer entries split by name, ``scale_sense`` only in a model file (no
+    metadata records it); ``common.json`` from the entries there are (``global_step``), the
+    iteration from ``global_step`` (0)."""
+    d, _ = scenario("s23")
+    src = tmp_path / "legacy" / "rank_0"
+    src.mkdir(parents=True)
+    (src / "checkpoint_0.ckpt").symlink_to(d / "reference" / "global.ckpt")
+    out = tmp_path / "out"
+    transform(src.parent, out, None, d / "dst" / "strategy.ckpt",
+              options=TransformOptions(format="mindformers", prefix="qwen3"))
+    assert (out / TRACKER).read_text() == "0"
+    mine, theirs = iteration_of(out), iteration_of(d / "dst" / "expected")
+    assert mine.name == "iteration_00000000"
+    want, got = pieces(theirs), pieces(mine)
+    assert sorted(got) == sorted(want)
+    assert all(got[k][0] == g and got[k][1].tobytes() == v.tobytes() for k, (g, v) in want.items())
+    assert (mine / "metadata.json").read_bytes() == (theirs / "metadata.json").read_bytes()
+    common = json.loads((mine / "common.json").read_text())
+    assert common == {"epoch_num": None, "step_num": None, "global_step": 0, "loss_scale": None,
+                      "global_batch_size": None, "consumed_samples": None, "ckpt_status": None}
+    model = safetensors_numpy.load_file(str(mine / "qwen3-model-0000000-0000004.safetensors"))
+    opt = safetensors_numpy.load_file(str(mine / "qwen3-opt-0000000-0000004.safetensors"))
+    assert "scale_sense" in model and "global_step" in opt
+    assert not any(n.startswith("adam_") for n in model) and all(n.startswith("adam_") or n == "global_step"
+                                                                 for n in opt)
