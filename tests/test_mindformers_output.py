@@ -260,3 +260,18 @@ def test_from_a_legacy_checkpoint(tmp_path: Path) -> None:
     assert "scale_sense" in model and "global_step" in opt
     assert not any(n.startswith("adam_") for n in model) and all(n.startswith("adam_") or n == "global_step"
                                                                  for n in opt)
+
+
+def test_a_killed_run_leaves_nothing_that_looks_complete(tmp_path: Path) -> None:
+    """What a run killed while writing leaves is a hidden directory: no reader takes it for an
+    iteration, and the next run of that iteration removes it."""
+    src, dst, prefix, _ = settings("s23")
+    out = tmp_path / "out"
+    left = out / ".iteration_00000001.zckpt-999999"
+    left.mkdir(parents=True)
+    (left / "qwen3-model-0000000-0000004.safetensors").write_bytes(b"half")
+    from zckpt.formats.mindformers import find_iteration
+
+    assert find_iteration(out) is None
+    transform(src, out, None, dst, options=TransformOptions(format="mindformers", prefix=prefix))
+    assert sorted(os.listdir(out)) == ["iteration_00000001", TRACKER]

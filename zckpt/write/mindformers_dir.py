@@ -4,12 +4,14 @@ MindFormers resumes from the iteration ``latest_checkpointed_iteration.txt`` nam
 takes any ``iteration_XXXXXXXX/`` with a ``metadata.json`` for a checkpoint. So the rank
 files, ``metadata.json`` and ``common.json`` are written into a hidden sibling,
 ``.iteration_XXXXXXXX.zckpt-<pid>`` (no MindFormers or zckpt reader takes it for an
-iteration), each synced; then that directory is synced and renamed into place, its parent
-synced, and only then is the tracker written (a new file renamed over the old one). A run
-that fails before the rename leaves no iteration and removes its hidden directory; one that
-fails after it leaves the previous tracker, naming the previous iteration. An existing
-iteration of the same number is replaced only when asked (``overwrite``): it is first
-renamed aside, removed once the new one is in place.
+iteration; the next run of that iteration removes one a killed run left), each synced;
+then that directory is synced and renamed into place, its parent synced, and only then is
+the tracker written (a new file renamed over the old one). A run that fails before the
+rename leaves no iteration and removes its hidden directory; one that fails after it leaves
+the previous tracker, naming the previous iteration. An existing iteration of the same
+number is replaced only when asked (``overwrite``): swapped with the new one in one step
+where the system can (``renameat2``), else renamed aside first; removed once the new one is
+in place.
 
 The files themselves are written by the safetensors writer (:mod:`zckpt.write.writers`
 row ``mindformers``): MindSpore's ``save_checkpoint(format="safetensors")``, which MindFormers
@@ -19,6 +21,8 @@ calls, writes the same header metadata (``{"format": "ms"}``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -86,6 +90,21 @@ def choose_iteration(asked: int | None, sources: Iterable[str | os.PathLike[str]
     return int(step) if isinstance(step, int) and step >= 0 else 0
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so that an
+    iteration replaced in place is never missing; ``False`` where the system cannot."""
+    rename = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if rename is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if rename(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def published(results: Iterable[RankResult], final: Path) -> tuple[RankResult, ...]:
     """The files' results as they are named once the directory is in place."""
     return tuple(replace(r, path=str(final / Path(r.path).name)) for r in results)
@@ -113,12 +132,15 @@ class IterationDir:
 
     @contextlib.contextmanager
     def building_dir(self) -> Iterator[Path]:
-        """The hidden directory to write into; removed, with all it holds, if the block fails."""
+        """The hidden directory to write into; removed, with all it holds, if the block fails.
+        What a killed run of this iteration left (its hidden directories) goes first: the
+        caller holds the output directory, so no other run is writing them."""
         self.check()
         self.root.mkdir(parents=True, exist_ok=True)
         refuse_link(self.root, OutputError)
-        if self.building.exists():
-            shutil.rmtree(self.building)
+        for stale in self.root.glob(f".{self.final.name}.zckpt-*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
         self.building.mkdir()
         try:
             yield self.building
@@ -138,8 +160,13 @@ class IterationDir:
             old = self.root / f".{self.final.name}.zckpt-old-{os.getpid()}"
             if self.final.exists():
                 self.check()
-                os.replace(self.final, old)
-            os.replace(self.building, self.final)
+                if exchange(self.building, self.final):  # the old iteration is now the hidden one
+                    old = self.building
+                else:
+                    os.replace(self.final, old)
+                    os.replace(self.building, self.final)
+            else:
+                os.replace(self.building, self.final)
         except BaseException:
             shutil.rmtree(self.building, ignore_errors=True)
             raise
