@@ -284,18 +284,14 @@ def _balanced(pieces: Mapping[int, list[_Piece]], unrecorded: Mapping[int, list[
         size: dict[str, int] = {}
         what: dict[str, tuple[str, Box, bool]] = {}
         for rank in sorted(pieces):
-            for p in pieces[rank]:
-                if opt_of(p.name) == (kind == "opt"):
-                    sid = _shard_id(p.name, p.slice_no)
+            held = [(p.name, p.slice_no, p.box, True) for p in pieces[rank]]
+            held += [(x.name, 0, x.box, False) for x in unrecorded.get(rank, ())]
+            for name, k, box, recorded in held:
+                if opt_of(name) == (kind == "opt"):
+                    sid = _shard_id(name, k)
                     coverage.setdefault(sid, []).append(rank)
-                    size[sid] = p.box.size * ms_dtype(specs[p.name].ms_type).storage.itemsize
-                    what[sid] = (p.name, p.box, True)
-            for s in unrecorded.get(rank, ()):
-                if opt_of(s.name) == (kind == "opt"):
-                    sid = _shard_id(s.name, 0)
-                    coverage.setdefault(sid, []).append(rank)
-                    size[sid] = s.box.size * ms_dtype(specs[s.name].ms_type).storage.itemsize
-                    what[sid] = (s.name, s.box, False)
+                    size[sid] = box.size * ms_dtype(specs[name].ms_type).storage.itemsize
+                    what[sid] = (name, box, recorded)
         loads = dict.fromkeys(range(device_num), 0)
         assigned: dict[int, dict[str, list[int]]] = {}
         for sid, group in sorted(((k, sorted(v)) for k, v in coverage.items()),
