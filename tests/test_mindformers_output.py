@@ -275,3 +275,35 @@ def test_a_killed_run_leaves_nothing_that_looks_complete(tmp_path: Path) -> None
     assert find_iteration(out) is None
     transform(src, out, None, dst, options=TransformOptions(format="mindformers", prefix=prefix))
     assert sorted(os.listdir(out)) == ["iteration_00000001", TRACKER]
+
+
+def test_command_line_and_api(tmp_path: Path) -> None:
+    """``zckpt transform/export --format mindformers`` (no prefix unless given, ``--iteration``,
+    ``--remove-redundancy``) and ``transform_checkpoints(output_format="mindformers")``."""
+    from zckpt.api import transform_checkpoints
+    from zckpt.cli.main import main as cli_main
+
+    src, dst, _, _ = settings("s24")
+    out = tmp_path / "cli"
+    assert cli_main(["transform", str(src), "--out", str(out), "--dst-strategy", str(dst), "--format", "mindformers",
+                     "--iteration", "5", "--remove-redundancy", "--quiet"]) == 0
+    assert (out / TRACKER).read_text() == "5"
+    names = sorted(p.name for p in (out / "iteration_00000005").glob("*.safetensors"))
+    assert names[0] == "model-0000000-0000004.safetensors" and len(names) == 8
+    meta = json.loads((out / "iteration_00000005" / "metadata.json").read_text())
+    assert all(len(places) == 1 for places in meta["storage_data"].values())  # each piece saved once
+    store, exported = tmp_path / "store.zarr", tmp_path / "exported"
+    assert cli_main(["ingest", str(src), "--store", str(store), "--quiet"]) == 0
+    assert cli_main(["export", str(store), "--out", str(exported), "--dst-strategy", str(dst), "--format",
+                     "mindformers", "--iteration", "5", "--remove-redundancy", "--quiet"]) == 0
+    for p in (out / "iteration_00000005").iterdir():
+        assert p.read_bytes() == (exported / "iteration_00000005" / p.name).read_bytes(), p.name
+    assert cli_main(["transform", str(src), "--out", str(tmp_path / "r"), "--dst-strategy", str(dst), "--format",
+                     "mindformers", "--rank", "1", "--quiet"]) != 0
+    api_out = tmp_path / "api"
+    transform_checkpoints(str(src), str(api_out), "qwen3", None, str(dst), output_format="mindformers",
+                          remove_redundancy=True)
+    want = pieces(iteration_of(scenario("s24")[0] / "dst" / "expected"))
+    got = pieces(iteration_of(api_out))
+    assert sorted(got) == sorted(want)
+    assert all(got[k][1].tobytes() == v.tobytes() for k, (_, v) in want.items())
