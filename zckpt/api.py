@@ -78,6 +78,8 @@ def transform_checkpoints(
     *,
     storage_options: remote.StorageOptions = None,
     file_suffix: str | None = None,
+    iteration: int | None = None,
+    remove_redundancy: bool = False,
 ) -> None:
     """Convert a whole job: ``dst_checkpoints_dir/rank_<r>/<ckpt_prefix><r>.ckpt`` for every rank.
 
@@ -87,7 +89,10 @@ def transform_checkpoints(
     that would be a guess (``net-9_100.ckpt`` against ``net-10_100.ckpt``): then this refuses,
     and ``file_suffix`` (keyword only, as in MindSpore's ``unified_safetensors``) chooses.
     ``process_num`` files are written at once (Dask thread workers); ``output_format``
-    ``"safetensors"`` writes ``<ckpt_prefix><r>.safetensors`` from any source. Local paths take
+    ``"safetensors"`` writes ``<ckpt_prefix><r>.safetensors`` from any source, ``"mindformers"`` a
+    MindFormers Checkpoint 2.0 ``iteration_XXXXXXXX/`` of the whole destination job
+    (``<ckpt_prefix>-model-RRRRRRR-NNNNNNN.safetensors``, ...; ``iteration`` and
+    ``remove_redundancy``, keyword only: see :class:`~zckpt.jobs.export_job.ExportOptions`). Local paths take
     the direct path (:mod:`zckpt.jobs.transform`), URLs a temporary store.
     """
     if not isinstance(ckpt_prefix, str):
@@ -96,8 +101,8 @@ def transform_checkpoints(
     _check_strategy_arg(dst_strategy_file, "dst_strategy_file", storage_options)
     if not _is_dir(src_checkpoints_dir, storage_options):
         raise NotADirectoryError(f"src_checkpoints_dir {src_checkpoints_dir} is not a directory.")
-    if output_format not in ("ckpt", "safetensors"):
-        raise UsageError(f"output_format must be 'ckpt' or 'safetensors', got {output_format!r}")
+    if output_format not in ("ckpt", "safetensors", "mindformers"):
+        raise UsageError(f"output_format must be 'ckpt', 'safetensors' or 'mindformers', got {output_format!r}")
     if not isinstance(process_num, int) or isinstance(process_num, bool) or process_num < 1:
         raise UsageError(f"process_num must be a positive int, got {process_num!r}")
     dest = destination(os.fspath(dst_checkpoints_dir), storage_options)
@@ -109,14 +114,17 @@ def transform_checkpoints(
     if dest.local and not _any_remote(src_checkpoints_dir):
         transform(src_checkpoints_dir, dest.url, src_map, dst_map,
                   options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
-                                           workers=process_num, file_suffix=file_suffix))
+                                           workers=process_num, file_suffix=file_suffix, iteration=iteration,
+                                           remove_redundancy=remove_redundancy))
         return
     with dest.scratch() as tmp:  # URLs: through a temporary store
         store = Path(tmp) / "store.zarr"
         ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options,
                                                                   file_suffix=file_suffix, workers=process_num))
-        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=is_single_stage_conversion(src_map, dst_map),
-                             storage_options=storage_options, format=output_format, workers=process_num)
+        per_stage = output_format != "mindformers" and is_single_stage_conversion(src_map, dst_map)
+        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=per_stage,
+                             storage_options=storage_options, format=output_format, workers=process_num,
+                             iteration=iteration, remove_redundancy=remove_redundancy)
         export(store, dest.url, dst_map, options=opts)
 
 

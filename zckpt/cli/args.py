@@ -63,6 +63,8 @@ def size_type(minimum: int = 1, zero: bool = False) -> Callable[[str], int]:
 def check_values(args: argparse.Namespace) -> None:
     """Checks of option values that need zckpt's own rules, made before any file is read: a
     wrong value is a :class:`CommandLineError` (exit 2), as argparse's are."""
+    if hasattr(args, "prefix") and args.prefix is None:  # MindFormers names its files without a prefix by default
+        args.prefix = "" if getattr(args, "format", None) == "mindformers" else "checkpoint_"
     if getattr(args, "command", None) in ("export", "transform"):
         from zckpt.jobs.export_job import check_prefix  # export's modules (numpy): only for export, transform
 

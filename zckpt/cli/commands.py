@@ -119,7 +119,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
                          reader=a.reader, workers=a.workers, processes=a.processes, scheduler=a.scheduler,
                          overlap=a.overlap, per_stage=a.per_stage, helper=a.helper,
                          progress=_progress(a), verify_checksums=not a.no_verify_checksums)
-    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_bytes,
+    opts = replace(opts, format=a.format, max_file_bytes=a.max_file_bytes, iteration=a.iteration,
+                   remove_redundancy=a.remove_redundancy,
                    storage_options=parse_storage_options(a.storage_option) or None)
     if a.dry_run:
         from zckpt.jobs.dryrun import dry_run_export  # --dry-run's modules: only when asked
@@ -142,7 +143,8 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             per_stage=a.per_stage, progress=_progress(a), format=a.format,
                             max_file_bytes=a.max_file_bytes, verify_crc=not a.no_verify_checksums,
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
-                            choice_func=_choice_func(a), helper=a.helper)
+                            choice_func=_choice_func(a), helper=a.helper, iteration=a.iteration,
+                            remove_redundancy=a.remove_redundancy)
     if a.dry_run:
         from zckpt.jobs.dryrun import dry_run_transform  # --dry-run's modules: only when asked
 

@@ -154,7 +154,7 @@ def _output_args(p: argparse.ArgumentParser, out_help: str) -> None:
     """Where and how destination rank files are named: shared by ``export`` and ``transform``."""
     p.add_argument("--out", required=True, help=out_help)
     p.add_argument("--rank", type=int, action="append", metavar="K", help="only this destination rank (repeatable)")
-    p.add_argument("--prefix", default="checkpoint_", help="file name prefix (default: checkpoint_)")
+    p.add_argument("--prefix", help="file name prefix (default: checkpoint_; --format mindformers: none)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--crc", action="store_true", help="append MindSpore's crc_num trailer")
     old_spelling(p, "--block-mb", like=p.add_argument(
@@ -165,8 +165,17 @@ def _output_args(p: argparse.ArgumentParser, out_help: str) -> None:
 def _format_args(p: argparse.ArgumentParser, per_stage_help: str) -> None:
     """The destination files' format options: shared by ``export`` and ``transform``."""
     p.add_argument("--per-stage", action="store_true", help=per_stage_help)
-    p.add_argument("--format", choices=["ckpt", "safetensors"], default="ckpt",
-                   help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors")
+    p.add_argument("--format", choices=["ckpt", "safetensors", "mindformers"], default="ckpt",
+                   help="output format (default: ckpt); safetensors writes rank_<r>/<prefix><r>.safetensors; "
+                        "mindformers writes a MindFormers Checkpoint 2.0 iteration: iteration_XXXXXXXX/ "
+                        "([prefix-]model-/opt-RRRRRRR-NNNNNNN.safetensors, metadata.json, common.json) and "
+                        "latest_checkpointed_iteration.txt (--prefix: none unless given)")
+    p.add_argument("--iteration", type=int, metavar="N",
+                   help="mindformers: the iteration to write (default: the source's iteration directory, else its "
+                        "global_step, else 0)")
+    p.add_argument("--remove-redundancy", action="store_true",
+                   help="mindformers: save each piece once, by the rank MindFormers' balancing picks "
+                        "(as its save_remove_redundancy)")
     old_spelling(p, "--max-file-mb", like=p.add_argument(
         "--max-file-size", dest="max_file_bytes", type=size_type(zero=True), default=0, metavar="SIZE",
         help="safetensors: split a rank larger than this into HF-style parts plus "

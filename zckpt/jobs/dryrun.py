@@ -260,6 +260,12 @@ def _safetensors_jobs(jobs: list[tuple[RankExport, Path]], maps: Sequence[str], 
 # --- the three commands -------------------------------------------------------------------
 
 
+def _refuse_iteration(format: str) -> None:
+    if format == "mindformers":
+        raise UsageError("--dry-run does not describe a MindFormers iteration yet: run without it (a failed run "
+                         "leaves no iteration behind)")
+
+
 def dry_run_transform(
     src: str | Path, out_dir: str | Path, src_strategy: StrategyArg = None, dst_strategy: StrategyArg = None, *,
     ranks: Iterable[int] | None = None, options: TransformOptions | None = None,
@@ -267,6 +273,7 @@ def dry_run_transform(
     """:func:`zckpt.jobs.transform.transform` up to its first write."""
 
     options = options if options is not None else TransformOptions()
+    _refuse_iteration(options.format)
     if options.format not in ("ckpt", "safetensors"):
         raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     refuse_remote(src, out_dir)
@@ -360,6 +367,7 @@ def dry_run_export(
     """:func:`zckpt.jobs.export.export` up to its first write (the store is read, not locked)."""
 
     options = options if options is not None else ExportOptions()
+    _refuse_iteration(options.format)
     if options.format not in ("ckpt", "safetensors"):
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
     so = options.storage_options

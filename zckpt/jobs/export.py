@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zckpt.core.dtypes import ms_dtype
-from zckpt.core.errors import OutputError
+from zckpt.core.errors import OutputError, UsageError
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export_job import (
     ExportOptions,
@@ -42,14 +42,16 @@ from zckpt.jobs.export_job import (
     plan_export,
     task_name,
 )
+from zckpt.plan.mf_iteration import plan_iteration
 from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
 from zckpt.run.progress import Report, Ticker
-from zckpt.sources.strategies import StrategyArg
+from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_file, refuse_present
+from zckpt.write.mindformers_dir import IterationDir, choose_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import group_writer, rank_writer, source_major
 
@@ -67,6 +69,10 @@ def export(
     options: ExportOptions = ExportOptions(),
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
+    if options.format == "mindformers":
+        if ranks is not None:
+            raise UsageError("a MindFormers iteration holds every destination rank: --rank does not apply")
+        return export_iteration(store_or_path, out_dir, strategy, options=options)
     if options.format != "ckpt":  # safetensors output: export_safetensors below
         return export_safetensors(store_or_path, out_dir, strategy, ranks=ranks, options=options)
     t0 = time.perf_counter()
@@ -81,6 +87,29 @@ def _export(store: Store, plan: ExportPlan, dest: OutputDir, options: ExportOpti
     report = _write_jobs(store, todo, dest, options, t0)
     dest.finish(jobs, fingerprint, options.fsync)
     return replace(report, kept=len(jobs) - len(todo))
+
+
+def export_iteration(store_or_path: Store | str | Path, out_dir: str | Path, strategy: StrategyArg = None, *,
+                     options: ExportOptions = ExportOptions(format="mindformers")) -> ExportReport:
+    """A MindFormers iteration directory (:mod:`zckpt.write.mindformers_dir`) for every destination rank."""
+    t0 = time.perf_counter()
+    if options.per_stage:
+        raise UsageError("--per-stage has no MindFormers form: an iteration holds every rank's files")
+    with export_session(store_or_path, out_dir, strategy, None, options) as (store, plan, dest):
+        if not dest.local:
+            raise UsageError("a MindFormers iteration is written to a local directory", path=dest.url)
+        specs = {t.name: t for t in store.specs()}
+        it = plan_iteration(plan.ranks, specs, load_strategy(strategy, options.storage_options), options.prefix,
+                            remove_redundancy=options.remove_redundancy)
+        common = common_document(StoreReader(store, options), specs)
+        rank_files = (store.manifest.get("source") or {}).get("rank_files") or {}
+        sources = [f.get("path", "") if isinstance(f, dict) else str(f) for f in rank_files.values()]
+        out = IterationDir(dest.path, choose_iteration(options.iteration, sources, common),
+                           overwrite=options.overwrite, fsync=options.fsync)
+        with out.building_dir() as tmp:
+            report = _write_jobs(store, [(f.rank, tmp / f.name) for f in it.files], dest, options, t0)
+            final = out.publish(it.metadata, common)
+    return replace(report, out_dir=str(final), ranks=published(report.ranks, final))
 
 
 def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputDir, options: ExportOptions,

@@ -67,11 +67,17 @@ class ExportOptions:
     conversion): the parts of a rank together hold what the single file would."""
     # --- safetensors output (zckpt.jobs.export) ---
     format: str = "ckpt"
-    """``"ckpt"`` or ``"safetensors"`` (``rank_<r>/<prefix><r>.safetensors``, MindSpore's layout)."""
+    """``"ckpt"``, ``"safetensors"`` (``rank_<r>/<prefix><r>.safetensors``, MindSpore's layout) or
+    ``"mindformers"`` (an ``iteration_XXXXXXXX/`` directory, :mod:`zckpt.write.mindformers_dir`)."""
     max_file_bytes: int = 0
     """safetensors only: split a rank above this size into HF-style parts + index (0: never)."""
     storage_options: Mapping[str, Any] | None = None
     """fsspec filesystem options for every URL involved (``endpoint_url``, ``key``, ...)."""
+    # --- MindFormers output (format "mindformers") ---
+    iteration: int | None = None
+    """The iteration directory to write (default: the source's iteration, else its ``global_step``, else 0)."""
+    remove_redundancy: bool = False
+    """Save each piece once (MindFormers' ``save_remove_redundancy``), by the rank its balancing picks."""
 
     def __post_init__(self) -> None:
         check_prefix(self.prefix)

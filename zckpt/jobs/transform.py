@@ -32,6 +32,7 @@ from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
+from zckpt.plan.mf_iteration import COMMON_FIELDS, plan_iteration
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
 from zckpt.run.choose import placement
 from zckpt.run.engines import wants_overlap
@@ -43,6 +44,7 @@ from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, refuse_present
+from zckpt.write.mindformers_dir import IterationDir, choose_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import OUTPUTS, group_writer, rank_writer, source_major
 
@@ -179,17 +181,42 @@ def transform(
     t0 = time.perf_counter()
     if options.format not in OUTPUTS:
         raise UsageError(f"unknown output format {options.format!r} ({' or '.join(OUTPUTS)})")
+    if options.format == "mindformers" and ranks is not None:
+        raise UsageError("a MindFormers iteration holds every destination rank: --rank does not apply")
     refuse_remote(src, out_dir)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func)
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     dest = output_dir(out_dir, None)  # local (refuse_remote)
+    if options.format == "mindformers":
+        refuse_source_unsupplied(plan, src)
+        with dest.holding():
+            return _transform_iteration(plan, dest, options, t0)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
     if not per_stage:
         refuse_source_unsupplied(plan, src)
     with dest.holding():
         return _transform_into(plan, dest, options, t0)
+
+
+def _transform_iteration(plan: TransformPlan, dest: OutputDir, options: TransformOptions,
+                         t0: float) -> TransformReport:
+    """A MindFormers iteration directory (:mod:`zckpt.write.mindformers_dir`) for every destination rank."""
+    if options.per_stage:
+        raise UsageError("--per-stage has no MindFormers form: an iteration holds every rank's files")
+    specs = {t.name: t for t in plan.source.tensors}
+    it = plan_iteration(plan.export.ranks, specs, plan.dst_strategy, options.prefix,
+                        remove_redundancy=options.remove_redundancy)
+    names = [Slice(n, Box.full(specs[n].shape)) for n in COMMON_FIELDS if n in specs]
+    with SourceReader(union_boxes(plan, [RankExport(-1, tuple(names))]), options.block_bytes) as reader:
+        common = common_document(reader, specs)
+    out = IterationDir(dest.path, choose_iteration(options.iteration, plan.source.rank_files.values(), common),
+                       overwrite=options.overwrite, fsync=options.fsync)
+    with out.building_dir() as tmp:
+        report = _run(plan, [(f.rank, str(tmp / f.name)) for f in it.files], dest.url, options, t0)
+        final = out.publish(it.metadata, common)
+    return replace(report, out_dir=str(final), ranks=published(report.ranks, final))
 
 
 def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOptions, t0: float) -> TransformReport:

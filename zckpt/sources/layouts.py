@@ -30,10 +30,12 @@ def discover_other_layout(root: Path) -> dict[int, Path | str] | None:
 
 
 def implied_strategy(src: object) -> StrategyMap | None:
-    """The strategy a source directory records itself (MindFormers' ``metadata.json``), if any."""
+    """The strategy a source directory records itself (MindFormers' ``metadata.json``), if any;
+    none where it lists no layout (every tensor held whole: a single card's job)."""
     if not isinstance(src, (str, Path)) or "://" in str(src) or not Path(src).is_dir():
         return None
     iteration = find_iteration(Path(src))
     if iteration is None or is_single_card(iteration):  # one rank, whole tensors: no strategy
         return None
-    return metadata_strategy(iteration)
+    smap = metadata_strategy(iteration)
+    return smap if smap.layouts else None  # a metadata.json of whole tensors (zckpt's one-rank save)

@@ -70,6 +70,10 @@ OUTPUTS: dict[str, OutputFormat] = {f.name: f for f in (
     OutputFormat("ckpt", ckpt_rank.SUFFIX, CkptRankWriter, CkptRankWriter, ckpt_layout),
     OutputFormat("safetensors", safetensors_file.SUFFIX, SafetensorsRankWriter, SafetensorsFileWriter,
                  safetensors_layout),
+    # a MindFormers iteration's model and optimizer files: each exactly the file named
+    # (zckpt.plan.mf_iteration names them, zckpt.write.mindformers_dir publishes the directory)
+    OutputFormat("mindformers", safetensors_file.SUFFIX, SafetensorsFileWriter, SafetensorsFileWriter,
+                 safetensors_layout),
 )}
 
 
