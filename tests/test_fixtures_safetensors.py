@@ -121,4 +121,6 @@ def test_every_scenario_with_an_expected_destination_is_converted() -> None:
     if not have_fixtures():
         pytest.skip(f"MindSpore fixtures not found at {FIXTURES}")
     with_expected = {p.name for p in FIXTURES.iterdir() if (p / "dst" / "expected").is_dir()}
-    assert with_expected == set(PLAIN) | set(PIPELINE) | set(REFUSED) | set(CKPT2)
+    # the shared set plus any MindFormers Checkpoint 2.0 save placed there (those in the
+    # repository, CKPT2, are checked piece by piece in tests/test_fixtures_ckpt2.py)
+    assert with_expected - set(CKPT2) == set(PLAIN) | set(PIPELINE) | set(REFUSED)
