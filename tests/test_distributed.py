@@ -80,15 +80,18 @@ def _free_port() -> int:
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[str]:
-    """A Dask scheduler and two worker processes on loopback, stopped after the test."""
+    """A Dask scheduler and two worker processes on loopback, stopped after the test; the
+    workers work in a directory of their own, as on another host."""
     port = _free_port()
+    elsewhere = tmp_path / "worker-home"
+    elsewhere.mkdir()
     address = f"tcp://127.0.0.1:{port}"
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                "--port", str(port), "--no-dashboard"], cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2",
-                                       "--nthreads", "1", "--no-dashboard", "--memory-limit", "0"], cwd=tmp_path,
+                                       "--nthreads", "1", "--no-dashboard", "--memory-limit", "0"], cwd=elsewhere,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         from distributed import Client
 
@@ -123,6 +126,25 @@ def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None
     assert cli_main(["transform", SRC, "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
                      str(tmp_path / "direct"), "--scheduler", scheduler, "--verify-replicas"]) == 0
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "direct") == []
+
+
+def test_relative_paths_reach_workers_working_elsewhere(scheduler: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paths as a user types them, relative to the user's directory: the workers, started in
+    another directory, get them made absolute (before, the export failed there with "not a
+    zarr store" and left empty rank folders behind)."""
+    user = tmp_path / "user"
+    shutil.copytree(EXAMPLE / "src", user / "src")
+    monkeypatch.chdir(user)
+    src = ["src/checkpoints", "--strategy", "src/strategy.ckpt"]
+    assert cli_main(["ingest", *src, "--store", "s.zarr", "--scheduler", scheduler, "--quiet"]) == 0
+    assert cli_main(["export", "s.zarr", "--strategy", DST_S, "--out", "o", "--scheduler", scheduler,
+                     "--quiet"]) == 0
+    assert cli_main(["transform", "src/checkpoints", "--src-strategy", "src/strategy.ckpt", "--dst-strategy", DST_S,
+                     "--out", "direct", "--scheduler", scheduler, "--quiet"]) == 0
+    for out in ("o", "direct"):
+        assert diff_dirs(EXAMPLE / "dst" / "expected", user / out) == [], out
+    assert not list((tmp_path / "worker-home").iterdir())  # nothing written where the workers run
 
 
 def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

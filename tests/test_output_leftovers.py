@@ -99,6 +99,29 @@ def test_a_finished_export_to_object_storage_leaves_only_the_rank_files(store: P
 
 @pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
 @pytest.mark.parametrize("kind", ["export", "transform"])
+def test_a_killed_tasks_temporary_file_goes_when_the_run_completes(store: Path, tmp_path: Path, kind: str,
+                                                                   fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Dask worker killed while writing rank 1 leaves its temporary file (named, on a file
+    system without unnamed files); the task runs again elsewhere and the run completes: the
+    directory then holds the rank files only."""
+    from zckpt.io import safe_paths
+    from zckpt.write import out_dirs
+
+    real = out_dirs.output_folders
+
+    def killed_worker_was_here(out: Path, paths: object) -> None:
+        real(out, paths)  # type: ignore[arg-type]
+        target = out / "rank_1" / f"checkpoint_1.{fmt}"
+        safe_paths.temp_name(target).write_bytes(b"half a rank file")
+
+    monkeypatch.setattr(out_dirs, "output_folders", killed_worker_was_here)
+    out = tmp_path / "out"
+    assert cli_main(_run(kind, out, store, "--format", fmt, "--quiet")) == 0
+    assert _tree(out) == _expected("." + fmt)
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+@pytest.mark.parametrize("kind", ["export", "transform"])
 def test_a_rerun_on_a_complete_directory_writes_nothing(store: Path, tmp_path: Path, kind: str, fmt: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"

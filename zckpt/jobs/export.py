@@ -46,6 +46,7 @@ from zckpt.plan.mf_iteration import plan_iteration
 from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
+from zckpt.run.engines import travelling
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
@@ -69,6 +70,7 @@ def export(
     options: ExportOptions = ExportOptions(),
 ) -> ExportReport:
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` for every (or each requested) destination rank."""
+    store_or_path, out_dir = travelling(store_or_path, options.scheduler), travelling(out_dir, options.scheduler)
     if options.format == "mindformers":
         if ranks is not None:
             raise UsageError("a MindFormers iteration holds every destination rank: --rank does not apply")
@@ -228,6 +230,7 @@ def export_safetensors(
     options = options if options is not None else ExportOptions(format="safetensors")
     if options.format != "safetensors":
         raise OutputError(f"unknown output format {options.format!r} (ckpt or safetensors)")
+    store_or_path, out_dir = travelling(store_or_path, options.scheduler), travelling(out_dir, options.scheduler)
     t0 = time.perf_counter()
     with export_session(store_or_path, out_dir, strategy, ranks, options) as (store, plan, dest):
         return _export_safetensors(store, plan, dest, options, t0)

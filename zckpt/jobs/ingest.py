@@ -32,7 +32,7 @@ from zckpt.plan.export_plan import served_boxes
 from zckpt.plan.values import IngestPlan, ReplicaCheck, Write
 from zckpt.run.choose import Placement, placement
 from zckpt.run.collect import fewer_collections
-from zckpt.run.engines import wants_overlap
+from zckpt.run.engines import travelling, wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import SourceFile, open_source
 from zckpt.sources.prepare import PreparedIngest, find_sources, plan_sources, store_source
@@ -158,6 +158,7 @@ def ingest(
     incomplete store is removed; after an interruption it is kept, marked incomplete.
     """
     t0 = time.perf_counter()
+    src, store_path = travelling(src, options.scheduler), travelling(store_path, options.scheduler)
     is_remote = isinstance(store_path, str) and remote.is_remote(store_path)
     found = find_sources(src, strategy, require_complete=options.require_complete,
                          storage_options=options.storage_options, file_suffix=options.file_suffix,

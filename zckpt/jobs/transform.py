@@ -35,7 +35,7 @@ from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.mf_iteration import COMMON_FIELDS, plan_iteration
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
 from zckpt.run.choose import placement
-from zckpt.run.engines import wants_overlap
+from zckpt.run.engines import travelling, wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.prepare import prepare_ingest
@@ -179,6 +179,7 @@ def transform(
     """Write ``out_dir/rank_<r>/<prefix><r>.ckpt`` (or ``.safetensors``) for every (or each
     requested) destination rank straight from the source job in ``src``."""
     t0 = time.perf_counter()
+    src, out_dir = travelling(src, options.scheduler), travelling(out_dir, options.scheduler)
     if options.format not in OUTPUTS:
         raise UsageError(f"unknown output format {options.format!r} ({' or '.join(OUTPUTS)})")
     if options.format == "mindformers" and ranks is not None:

@@ -9,15 +9,18 @@ with Dask distributed (never a home-made cluster) and reports progress.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
 
 from zckpt.core.errors import UsageError
 from zckpt.run.progress import OFF, DaskTopic, View, mode_of
 
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -31,6 +34,29 @@ class RunOptions(Protocol):
     def scheduler(self) -> str | None: ...
     @property
     def processes(self) -> bool: ...
+
+
+P = TypeVar("P")
+
+
+def travelling(path: P, scheduler: str | None) -> P:
+    """``path`` as the workers of ``scheduler`` must be given it: a relative local path made
+    absolute, since a Dask worker started elsewhere (another host, another directory) reads it
+    from its own working directory (``file s.zarr: not a zarr store`` there, and a half-made
+    output here). URLs, objects (an open store) and every path of a run without a scheduler
+    are returned as they are."""
+    if scheduler is None:
+        return path
+    if isinstance(path, Mapping):
+        return cast(P, {k: travelling(v, scheduler) for k, v in path.items()})
+    if isinstance(path, str) and _SCHEME.match(path) and not path.lower().startswith("file://"):
+        return path
+    if isinstance(path, (str, os.PathLike)):
+        text: str = os.fspath(cast("str | os.PathLike[str]", path))
+        text = text[len("file://"):] if text.lower().startswith("file://") else text
+        absolute = os.path.abspath(text)
+        return cast(P, absolute if isinstance(path, str) else Path(absolute))
+    return path
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class LocalOutputDir:
         out_dirs.check_folders(self.path, paths)
 
     def remember_all(self, fingerprint: str) -> None:
+        out_dirs.drop_temporaries(self.path)
         out_records.remember_all(self.path, fingerprint)
 
     def probe(self) -> None:

@@ -208,13 +208,24 @@ def _planned(out: Path, jobs: Jobs) -> list[str]:
 def finish_local(out: Path, jobs: Jobs, fingerprint: str, fsync: bool = True) -> None:
     """The last step of a successful export or transform: remember the directory as this
     job's (outside it: :mod:`zckpt.write.out_records`), then remove the marker, so that the
-    directory holds the rank files and nothing else of zckpt's."""
+    directory holds the rank files and nothing else of zckpt's: a task killed on a Dask worker
+    and run again elsewhere leaves its file's temporary name behind (the run holds the directory,
+    so no other run is writing it), which goes too."""
+    drop_temporaries(out)
     out_records.remember(out_records.local_key(out), fingerprint, out_records.local_files(out, _planned(out, jobs)))
     marker = out / MARKER
     if os.path.lexists(marker):
         marker.unlink()
         if fsync:
             fsync_dir(out)
+
+
+def drop_temporaries(out: Path) -> None:
+    """Remove the temporary files below ``out`` at the end of a run that held it: what a task
+    killed on a Dask worker (and run again elsewhere) left behind."""
+    for stray in out.rglob("*.tmp-zckpt"):
+        if stray.is_file() and not stray.is_symlink():
+            stray.unlink(missing_ok=True)
 
 
 def finish_remote(out: remote.Location, jobs: Jobs, fingerprint: str) -> None:
