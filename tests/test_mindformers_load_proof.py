@@ -11,10 +11,12 @@ parallel 8 -> tensor parallel 4), s25 (Qwen3-MoE expert x tensor parallel 8 -> 4
 redundancy-free) and s26 (one card) are checked.
 
 It needs MindFormers' environment, not zckpt's: ``ZCKPT_MF_PYTHON`` (a python with mindformers
-2.1.0 and mindspore 2.10.0, as ``setup_mf_venv.sh`` makes it) and ``ZCKPT_MF_ENV`` (the dryrun
-environment ``make_dryrun_env_mf.py`` builds: stub CANN libraries and Python shims). Without
-them the tests skip, saying which is missing. ``ZCKPT_MF_JOBS`` ranks are loaded at once
-(default 2); a rank of a 4-rank job takes about 35 s of compiling.
+2.1.0 and mindspore 2.10.0) and ``ZCKPT_MF_ENV`` (the dryrun environment: stub CANN libraries and
+Python shims), both built by ``tests/fixtures/mindformers/env/setup.sh VENV ENV``. Without them
+the tests skip, saying which is missing; with ``ZCKPT_MF_REQUIRED`` set (``.ci/run`` sets it,
+after running that script) they fail instead, so that CI cannot pass without the proof.
+``ZCKPT_MF_JOBS`` ranks are loaded at once (default 2); a rank of a 4-rank job takes about 35 s of
+compiling.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -34,21 +37,29 @@ MF = Path(__file__).parent / "fixtures" / "mindformers"
 CHECKER = MF / "mf_load_check.py"
 
 
+def unavailable(reason: str) -> NoReturn:
+    """Skip, or fail where the proof is required (``ZCKPT_MF_REQUIRED``: ``.ci/run``)."""
+    if os.environ.get("ZCKPT_MF_REQUIRED"):
+        pytest.fail(f"ZCKPT_MF_REQUIRED is set but {reason}")
+    pytest.skip(reason)
+
+
 def mf_environment(scratch: Path) -> tuple[str, str]:
     """MindFormers' python and the dryrun environment, or a skip naming what is missing."""
     python, env = os.environ.get("ZCKPT_MF_PYTHON"), os.environ.get("ZCKPT_MF_ENV")
     if not python or not env:
-        pytest.skip("MindFormers' own loader is run only with ZCKPT_MF_PYTHON (a python with mindformers 2.1.0 "
-                    "and mindspore 2.10.0) and ZCKPT_MF_ENV (the dryrun environment of make_dryrun_env_mf.py) set")
+        unavailable("MindFormers' own loader is run only with ZCKPT_MF_PYTHON (a python with mindformers 2.1.0 "
+                    "and mindspore 2.10.0) and ZCKPT_MF_ENV (the dryrun environment) set, as "
+                    "tests/fixtures/mindformers/env/setup.sh builds them")
     if not os.access(python, os.X_OK):
-        pytest.skip(f"ZCKPT_MF_PYTHON {python} is not an executable")
+        unavailable(f"ZCKPT_MF_PYTHON {python} is not an executable")
     if not (Path(env) / "cann").is_dir() or not (Path(env) / "py").is_dir():
-        pytest.skip(f"ZCKPT_MF_ENV {env} is not a dryrun environment (no cann/ and py/)")
+        unavailable(f"ZCKPT_MF_ENV {env} is not a dryrun environment (no cann/ and py/)")
     # (MindFormers makes output/log in the working directory on import)
     probe = subprocess.run([python, "-c", "import mindformers, mindspore"], capture_output=True, text=True,
                            cwd=scratch)
     if probe.returncode:
-        pytest.skip(f"ZCKPT_MF_PYTHON {python} cannot import mindformers and mindspore")
+        unavailable(f"ZCKPT_MF_PYTHON {python} cannot import mindformers and mindspore")
     return python, env
 
 
@@ -57,7 +68,7 @@ def test_mindformers_loads_zckpt_output(sid: str, tmp_path: Path) -> None:
     python, env = mf_environment(tmp_path)
     d = MF / sid
     if not (d / "meta.json").is_file():
-        pytest.skip(f"fixture {d} is not there")
+        unavailable(f"fixture {d} is not there")
     ck = json.loads((d / "meta.json").read_text())["dst_spec"]["ckpt2"]
     dst = d / "dst" / "strategy.ckpt"
     out = tmp_path / "ckpt"
