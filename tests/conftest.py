@@ -63,3 +63,20 @@ def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(group_writer, "GAIN", float("inf"))
     monkeypatch.setattr(group_writer, "SMALL_PIECE", 0)
+
+
+@pytest.fixture
+def groups_written(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the files of every group written source-major (zckpt/write/group_writer.py)."""
+    from zckpt.write import group_writer
+
+    seen: list[int] = []
+    write = group_writer.GroupWriter.write
+
+    def counted(self: group_writer.GroupWriter, reader: object, files: list[object], *a: object,
+                **k: object) -> object:
+        seen.append(len(files))
+        return write(self, reader, files, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(group_writer.GroupWriter, "write", counted)
+    return seen

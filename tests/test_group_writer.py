@@ -25,21 +25,6 @@ from zckpt.write import group_writer
 MODES = {"source_major": 0.0, "one_by_one": math.inf}
 
 
-@pytest.fixture
-def groups_written(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the files of every group written source-major."""
-    seen: list[int] = []
-    write = group_writer.GroupWriter.write
-
-    def counted(self: group_writer.GroupWriter, reader: object, files: list[object], *a: object,
-                **k: object) -> object:
-        seen.append(len(files))
-        return write(self, reader, files, *a, **k)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(group_writer.GroupWriter, "write", counted)
-    return seen
-
-
 def _force(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setattr(group_writer, "GAIN", MODES[mode])
     monkeypatch.setattr(group_writer, "SMALL_PIECE", 0)
