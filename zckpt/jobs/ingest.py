@@ -217,6 +217,7 @@ def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, o
             done = ((0, 0, ()) if state == "complete"
                     else _run(plan, layout, store, options, place, prepared.indexes))
             if not plan.uncovered and state != "complete":
+                drop_temporaries(target)  # a task killed on a Dask worker, run again elsewhere, left its own
                 store.mark_complete()
         except DiskFullError:
             drop_temporaries(target)

@@ -120,8 +120,8 @@ def _open_remote_for_ingest(
     return Store.create(url, overwrite=overwrite, storage_options=storage_options), "new"
 
 def drop_temporaries(target: str | Path) -> None:
-    """After a full disk: the store stays, never marked complete (a rerun resumes once space
-    is freed); only the temporary files of the writes that failed are removed."""
+    """The temporary files of writes that did not finish (after a full disk, or of a task
+    killed on a Dask worker and run again elsewhere), removed by the run holding the store."""
     if isinstance(target, Path):
         remove_partial_files(target)
 
