@@ -168,9 +168,9 @@ def transform_checkpoint_by_rank(
             raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    if not _any_remote(save_checkpoint_file_name, *checkpoint_files_map.values()):
+    if not _any_remote(save_checkpoint_file_name):  # sources local or read by byte range where they are
         transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
-                       options=TransformOptions(overwrite=True))
+                       options=TransformOptions(overwrite=True, storage_options=storage_options))
         return
     target = output_file(save_checkpoint_file_name, storage_options)
     if target.is_dir():

@@ -14,14 +14,19 @@ every byte of a shard to check it is what range reads avoid.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path, PosixPath
 from typing import Any
 
+import numpy as np
+
+from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import CheckpointFormatError, SourceError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.formats.entries import EntryInfo
+from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.shard_reader import INDEX_SUFFIX, SafetensorsSetReader
 from zckpt.io import remote
@@ -51,6 +56,7 @@ class RemoteShard:
 
     url: str
     path: Path
+    entries: dict[str, EntryInfo]
     _obj: RangedObject
     _buf: Any
     _map: Any
@@ -98,6 +104,24 @@ class RemoteShard:
     @property
     def fetched_bytes(self) -> int:
         return self._obj.fetched_bytes
+
+    def read_region(self, name: str, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray:
+        """The box ``[start, stop)`` (the shard's own coordinates) of tensor ``name``: only its
+        C-order runs are fetched (together: coalesced, in parallel), not the rows around them."""
+        e = self.entries.get(name)
+        if e is None or e.kind != "tensor":
+            raise self._fail("no such tensor in the checkpoint", name)
+        dt = ms_dtype(e.ms_type).storage
+        shape = tuple(b - a for a, b in zip(start, stop, strict=True))
+        runs = box_runs(e.shape, start, stop, dt.itemsize)
+        out = np.empty(shape, dtype=dt)
+        flat = out.reshape(-1).view(np.uint8)
+        spans = [sp for off, n in runs for sp in _file_spans(e.segments, off, n)]
+        pos = 0
+        for (_, n), got in zip(spans, self._spans(spans), strict=True):
+            flat[pos : pos + n] = np.frombuffer(got, np.uint8)
+            pos += n
+        return out
 
 
 class RemoteCkptReader(RemoteShard, CkptReader):
@@ -161,6 +185,45 @@ class RemoteSafetensorsSetReader(SafetensorsSetReader):
 
     def _open_part(self, fname: str, verify_crc: bool) -> SafetensorsReader:
         return RemoteSafetensorsReader(RangedObject(self._loc.sibling(fname), SourceError))
+
+
+MAX_RUNS = 1 << 16
+"""A region cut in more runs than this is read as whole rows (fewer, longer requests)."""
+
+
+def box_runs(shape: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...],
+             itemsize: int) -> list[tuple[int, int]]:
+    """``(byte offset, length)`` of the C-order runs of the box ``[start, stop)`` of an array of
+    ``shape``, in order (one per index of the dimensions before the last one the box cuts);
+    whole rows of the box's first dimension when that would be more than :data:`MAX_RUNS`."""
+    if not shape:
+        return [(0, itemsize)]
+    if any(b <= a for a, b in zip(start, stop, strict=True)):
+        return []
+    cut = max((d for d in range(len(shape)) if (start[d], stop[d]) != (0, shape[d])), default=0)
+    inner = math.prod(shape[cut + 1:])
+    run = (stop[cut] - start[cut]) * inner * itemsize
+    outer = [range(start[d], stop[d]) for d in range(cut)]
+    if math.prod(len(r) for r in outer) > MAX_RUNS:
+        row = math.prod(shape[1:]) * itemsize
+        return [(start[0] * row, (stop[0] - start[0]) * row)]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    base = start[cut] * strides[cut]
+    return [((base + sum(i * st for i, st in zip(idx, strides, strict=False))) * itemsize, run)
+            for idx in itertools.product(*outer)]
+
+
+def _file_spans(segments: tuple[Segment, ...], offset: int, length: int) -> list[tuple[int, int]]:
+    """File ranges of the logical payload bytes ``[offset, offset + length)`` of an entry."""
+    if len(segments) == 1:
+        return [(segments[0].offset + offset, length)]
+    out, pos, stop = [], 0, offset + length
+    for seg in segments:
+        lo, hi = max(offset, pos), min(stop, pos + seg.length)
+        if lo < hi:
+            out.append((seg.offset + lo - pos, hi - lo))
+        pos += seg.length
+    return out
 
 
 def open_remote(url: str, storage_options: remote.StorageOptions, *,

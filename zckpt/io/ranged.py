@@ -18,6 +18,7 @@ as fast as s3fs's own batched ``cat_ranges`` on the same ranges (``bench/bench_r
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections import OrderedDict
@@ -49,7 +50,7 @@ class RangePolicy:
     """Seconds before the first retry, doubled before each next one."""
     stall_seconds: float = 120.0
     """A request taking longer is given up and retried (a stalled response)."""
-    block_bytes: int = 4 * KiB
+    block_bytes: int = 1 * KiB
     """Block of a :class:`BlockBytes` walk (a ``.ckpt`` Value's framing fits in one)."""
 
 
@@ -60,6 +61,11 @@ class ShortRead(OSError):
     """The server sent fewer bytes than the range asked for (a body cut short)."""
 
 
+TRANSIENT_ERRNOS = frozenset({errno.EREMOTEIO, errno.EIO, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+                              errno.EAGAIN, errno.EBUSY, errno.EPIPE})
+"""What s3fs and gcsfs raise for a 5xx answer (``EREMOTEIO``) and for broken connections."""
+
+
 def transient(err: BaseException) -> bool:
     """Whether a failed request may succeed when tried again: network errors, timeouts, short
     bodies and 5xx / throttling answers; not a missing object or a refused credential."""
@@ -67,19 +73,31 @@ def transient(err: BaseException) -> bool:
         return False
     if isinstance(err, (ConnectionError, TimeoutError, ShortRead, FutureTimeout)):
         return True
+    if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
+        return True
     text = f"{type(err).__name__} {err}".lower()
-    marks = ("slowdown", "serviceunavailable", "internalerror", "503", "500", "502", "504", "reset",
-             "timeout", "timed out", "payload", "incomplete", "connection", "throttl", "broken pipe")
+    marks = ("slowdown", "serviceunavailable", "service unavailable", "internalerror", "internal error",
+             "try again", "reduce your request rate", "503", "500", "502", "504", "reset", "timeout",
+             "timed out", "payload", "incomplete", "connection", "throttl", "broken pipe")
     return any(m in text for m in marks)
+
+
+READ_AHEAD_BYTES = 1 * MiB
+"""Most a :class:`BlockBytes` miss fetches (after misses that follow each other)."""
+WASTE_FLOOR = 512
+"""A gap this short is always read through (a ``.ckpt``'s framing between two payloads)."""
 
 
 def coalesce(ranges: Sequence[tuple[int, int]], gap: int, part: int) -> list[tuple[int, int]]:
     """``(start, stop)`` requests covering ``(offset, length)`` ranges: sorted, merged where the gap
-    between them is at most ``gap``, cut so none is longer than ``part`` (unless one range is)."""
+    between them is at most ``gap`` and small next to the request, cut so none is longer than
+    ``part`` (unless one range is)."""
     spans = sorted((o, o + n) for o, n in ranges if n > 0)
     merged: list[list[int]] = []
     for a, b in spans:
-        if merged and a - merged[-1][1] <= gap:
+        # a gap is read only when it is short next to what it joins: at most 1/16 of the
+        # request (framing between payloads always), so reads stay within ~6 % of what is asked
+        if merged and a - merged[-1][1] <= min(gap, max(WASTE_FLOOR, (b - merged[-1][0]) // 16)):
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
@@ -106,7 +124,7 @@ class RangedObject:
         self.size = self._size() if size is None else size
 
     def _size(self) -> int:
-        info = self._retry(lambda: self.loc.fs.info(self.loc.path), "cannot read the size of")
+        info = self._retry(lambda: self.loc.fs.info(self.loc.path), "cannot read the object's size")
         return int(info.get("size") or 0)
 
     def close(self) -> None:
@@ -127,7 +145,7 @@ class RangedObject:
 
     def _fail(self, what: str, err: BaseException) -> ZckptError:
         detail = str(err) or type(err).__name__
-        return self.err_cls(f"{what} the object: {type(err).__name__}: {detail}", path=self.url)
+        return self.err_cls(f"{what}: {type(err).__name__}: {detail}", path=self.url)
 
     def _retry(self, call: Callable[[], Mapping[str, Any]], what: str) -> dict[str, Any]:
         """``call()`` with the retries of the policy (for metadata calls)."""
@@ -139,7 +157,7 @@ class RangedObject:
                 raise
             except Exception as err:  # backends raise many unrelated types (botocore, aiohttp, ...)
                 if not transient(err) or attempt + 1 == self.policy.attempts:
-                    raise self._fail(what, err) from err
+                    raise self._fail(f"{what} (after {attempt + 1} tries)", err) from err
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
@@ -166,8 +184,8 @@ class RangedObject:
                 raise
             except Exception as err:  # backends raise many unrelated types (botocore, aiohttp, ...)
                 if not transient(err) or attempt + 1 == self.policy.attempts:
-                    raise self._fail(f"cannot read bytes [{start}, {stop}) of "
-                                     f"(after {attempt + 1} tries)", err) from err
+                    raise self._fail(f"cannot read bytes [{start}, {stop}) of the object (after {attempt + 1} "
+                                     "tries)", err) from err
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
@@ -232,30 +250,40 @@ def _cut(requests: list[tuple[int, int]], starts: list[int], got: dict[tuple[int
 
 class BlockBytes:
     """A remote object as a read-only byte string, fetched in blocks on first touch: ``buf[i]``
-    is an int, ``buf[a:b]`` bytes, as the ``.ckpt`` and safetensors walks use a mapping. A few
-    recent blocks are kept, so a walk over framing bytes reads each block once."""
+    is an int, ``buf[a:b]`` bytes, as the ``.ckpt`` and safetensors walks use a mapping.
 
-    KEEP = 64
+    A miss fetches one block (a ``.ckpt`` Value's framing, the payload stepped over); misses
+    that follow each other fetch twice as many blocks each time, up to
+    :data:`READ_AHEAD_BYTES` (a file of small tensors is walked in few requests). Recent blocks
+    are kept, so a walk reads each block once."""
 
     def __init__(self, obj: RangedObject, block: int | None = None) -> None:
         self.obj = obj
         self.block = block or obj.policy.block_bytes
+        self.keep = max(64, 2 * READ_AHEAD_BYTES // self.block)
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._next_miss = -1
+        self._ahead = 1
 
     def __len__(self) -> int:
         return self.obj.size
 
     def _blk(self, i: int) -> bytes:
         got = self._blocks.get(i)
-        if got is None:
-            start = i * self.block
-            got = self.obj.read(start, min(self.block, self.obj.size - start))
-            self._blocks[i] = got
-            if len(self._blocks) > self.KEEP:
-                self._blocks.popitem(last=False)
-        else:
+        if got is not None:
             self._blocks.move_to_end(i)
-        return got
+            return got
+        last = (self.obj.size - 1) // self.block
+        self._ahead = min(self._ahead * 2, READ_AHEAD_BYTES // self.block) if i == self._next_miss else 1
+        stop = min(last + 1, i + self._ahead)
+        start = i * self.block
+        data = self.obj.read(start, min(stop * self.block, self.obj.size) - start)
+        for k in range(i, stop):
+            self._blocks[k] = data[(k - i) * self.block : (k - i + 1) * self.block]
+        self._next_miss = stop
+        while len(self._blocks) > self.keep:
+            self._blocks.popitem(last=False)
+        return self._blocks[i]
 
     def __getitem__(self, key: int | slice) -> int | bytes:
         if isinstance(key, slice):

@@ -185,6 +185,15 @@ def size(loc: Location, err_cls: type[ZckptError]) -> int:
         return int(loc.fs.size(loc.path))
 
 
+def identity(loc: Location, err_cls: type[ZckptError]) -> tuple[int, str]:
+    """Size and version of an object (its ETag, else its modification time): what a resumed
+    job compares to see that a remote source is the one it started from."""
+    with remote_errors(err_cls, loc.url, "cannot read"):
+        info = loc.fs.info(loc.path)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return int(info.get("size") or 0), str(version)
+
+
 def download(loc: Location, target: Path, err_cls: type[ZckptError]) -> None:
     """Copy a remote file to a local one in ``COPY_BLOCK`` pieces (bounded memory)."""
     with remote_errors(err_cls, loc.url, "cannot download"), loc.fs.open(loc.path, "rb") as src, \

@@ -372,6 +372,10 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
     destination files with the same slices. A rerun after a crash resumes on it."""
     files = {}
     for rank, p in sorted(plan.source.rank_files.items()):
+        if remote.is_remote(str(p)):
+            size, version = remote.identity(remote.locate(str(p), options.storage_options, SourceError), SourceError)
+            files[str(rank)] = [str(p), size, version]
+            continue
         st = os.stat(p)
         files[str(rank)] = [str(Path(p).resolve()), st.st_size, st.st_mtime_ns]
     doc = {

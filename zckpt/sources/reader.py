@@ -207,6 +207,11 @@ class ShardFiles:
         holds ``holder``: the shard rows it lies in are read (into ``buffer`` when given and
         large enough) and the part cut from them (a view of the rows)."""
         dt = ms_dtype(self.entries[rank][name].ms_type).storage
+        if holder.ndim and remote.is_remote(self.files[rank]):
+            reader = self.reader(rank)
+            assert isinstance(reader, RemoteShard)
+            local = part.relative_to(holder)
+            return reader.read_region(name, local.start, local.stop)  # its runs only, not whole rows
         if holder.ndim == 0:
             out = np.empty((), dtype=dt)
             self.read(rank, name, 0, dt.itemsize, out.reshape(-1).view(np.uint8))
