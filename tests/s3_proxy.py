@@ -79,6 +79,8 @@ class Proxy:
         self.requests: Counter[str] = Counter()
         self.body_bytes: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
+        self.ranges: list[tuple[str, int, int]] = []
+        """``(object path, start, stop)`` of every ranged ``GET`` answered (a benchmark replays them)."""
         self._lock = threading.Lock()
         proxy = self
 
@@ -109,6 +111,7 @@ class Proxy:
             self.requests.clear()
             self.body_bytes.clear()
             self.injected.clear()
+            self.ranges.clear()
 
     def fetched(self, where: str = "") -> int:
         """Body bytes of ``GET`` answers for objects whose path contains ``where``."""
@@ -118,7 +121,7 @@ class Proxy:
     def options(self, **extra: Any) -> dict[str, Any]:
         """s3fs options that reach the server through this proxy, with the client's own retries
         off (so that zckpt's are the ones tried) and a short read timeout (a stall is seen)."""
-        return {"endpoint_url": self.url, "skip_instance_cache": True,
+        return {"endpoint_url": self.url,
                 "config_kwargs": {"retries": {"total_max_attempts": 1}, "read_timeout": 2, "connect_timeout": 2},
                 **extra}
 
@@ -186,6 +189,10 @@ class Proxy:
         if method == "GET" and obj and path.count("/") >= 2:
             with self._lock:
                 self.body_bytes[path] += len(data)
+                asked = hmap.get("range", "")
+                if asked.startswith("bytes=") and status == 206:
+                    a = int(asked[6:].split("-", 1)[0])
+                    self.ranges.append((path, a, a + len(data)))
         head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in out_headers)
         length = resp.getheader("Content-Length", "0") if method == "HEAD" else str(len(data))
         head += f"Content-Length: {length}\r\n\r\n"

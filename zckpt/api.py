@@ -9,9 +9,9 @@ copy, bounded memory, any M -> N); ``process_num`` is the number of files writte
 Beyond MindSpore, every path may be an fsspec URL (``s3://bucket/ckpts``, ``memory://...``)
 with the filesystem's options in the keyword-only ``storage_options``. When a source or the
 destination is a URL the work goes through a temporary zckpt store instead (ingest, then
-export): sources and strategies are read where they are (shards spooled one at a time),
-and for a URL destination the temporary store lives in the local temporary directory and
-each file is uploaded once complete.
+export; ``transform_checkpoint_by_rank`` to a local file reads URL sources directly): shards
+are read where they are, by byte range, and for a URL destination the temporary store
+lives in the local temporary directory and each file is uploaded once complete.
 """
 
 from __future__ import annotations
