@@ -5,7 +5,9 @@ uploads a generated job, and runs, from its URLs:
 
 * ``transform_rank``: one destination rank (what ``transform_checkpoint_by_rank`` and a
   loading rank read), and ``transform``: every destination rank;
-* ``ingest`` into a local store.
+* ``ingest`` into a local store;
+* ``read_slice`` of one destination rank's slices from a store at a URL (chunks through
+  zarr, each checked against its recorded CRC-32C first).
 
 For each it prints the bytes the server sent (counted by the proxy) against the bytes the
 destination holds, the bytes written under ``$TMPDIR`` while it ran (a spool would show),
@@ -39,6 +41,7 @@ from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, ma
 from zckpt.jobs.generate import write_model  # noqa: E402
 from zckpt.jobs.generate_model import TensorDef  # noqa: E402
 from zckpt.jobs.ingest import IngestOptions, ingest  # noqa: E402
+from zckpt.jobs.segmented import read_slice  # noqa: E402
 from zckpt.jobs.transform import TransformOptions, plan_transform, transform, transform_rank  # noqa: E402
 
 MiB = 1024 * 1024
@@ -176,6 +179,11 @@ def main() -> None:
         run("ingest", proxy, fs, spool, total,
             lambda: ingest(url, str(root / "store.zarr"), f"{url}/strategy.ckpt",
                            IngestOptions(storage_options=opts, overwrite=True)))
+        store_url = f"s3://{BUCKET}/store.zarr"
+        ingest(url, store_url, f"{url}/strategy.ckpt", IngestOptions(storage_options=opts))
+        names = [t.name for t in plan.source.tensors if t.kind == "tensor"]
+        run("read_slice (1/N), store", proxy, fs, spool, need_one,
+            lambda: [read_slice(store_url, 1, dst, n, storage_options=opts) for n in names])
 
 
 if __name__ == "__main__":
