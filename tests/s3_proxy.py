@@ -147,6 +147,10 @@ class Proxy:
             k, v = raw.split(":", 1)
             headers.append((k.strip(), v.strip()))
         hmap = {k.lower(): v for k, v in headers}
+        if hmap.get("expect", "").lower() == "100-continue":  # answered here: the server gets the body at once
+            h.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            h.wfile.flush()
+            headers = [(k, v) for k, v in headers if k.lower() != "expect"]
         body = b""
         if "content-length" in hmap:
             body = h.rfile.read(int(hmap["content-length"]))
