@@ -35,16 +35,18 @@ ERRORS = {
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server on a free loopback port (its endpoint), credentials in the environment."""
+def moto_server(*, endpoint_in_env: bool = False) -> Iterator[str]:
+    """moto's S3 server on a free loopback port (its endpoint), credentials in the environment
+    (with ``endpoint_in_env`` the endpoint too, as ``AWS_ENDPOINT_URL``)."""
     from moto.server import ThreadedMotoServer  # (only the S3 tests start it)
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
+    env = {**CREDENTIALS, **({"AWS_ENDPOINT_URL": f"http://{host}:{port}"} if endpoint_in_env else {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield f"http://{host}:{port}"
     finally:

@@ -64,14 +64,18 @@ class CkptReader(CkptIndex):
         """A reader over an index parsed before (by the plan of an ingest): the file is mapped,
         not walked again. Refused when the file no longer holds the payloads (it shrank)."""
         self = cls.__new__(cls)
-        size = self._map_file(path)
+        self._adopt(self._map_file(path), entries)
+        return self
+
+    def _adopt(self, size: int, entries: Mapping[str, EntryInfo]) -> None:
+        """Take ``entries`` as the index of the file of ``size`` bytes just opened (closed and
+        refused when they reach past its end)."""
         self.has_crc, self.crc_expected, self.content_end = False, None, size
         self.entries = dict(entries)
         end = max((s.offset + s.length for e in self.entries.values() for s in e.segments), default=0)
         if end > size:
             self.close()
             raise self._fail(f"is {size} bytes but its index reaches byte {end}: the file changed after planning")
-        return self
 
     def __enter__(self) -> CkptReader:
         return self

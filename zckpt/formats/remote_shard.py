@@ -138,13 +138,7 @@ class RemoteCkptReader(RemoteShard, CkptReader):
     def indexed_object(cls, obj: RangedObject, entries: Mapping[str, EntryInfo]) -> RemoteCkptReader:
         """A reader over an index parsed before (not walked again)."""
         self = cls.__new__(cls)
-        size = self._attach(obj)
-        self.has_crc, self.crc_expected, self.content_end = False, None, size
-        self.entries = dict(entries)
-        end = max((s.offset + s.length for e in self.entries.values() for s in e.segments), default=0)
-        if end > size:
-            obj.close()
-            raise self._fail(f"is {size} bytes but its index reaches byte {end}: the object changed after planning")
+        self._adopt(self._attach(obj), entries)
         return self
 
 
@@ -165,23 +159,10 @@ class RemoteSafetensorsSetReader(SafetensorsSetReader):
     def __init__(self, url: str, storage_options: remote.StorageOptions) -> None:
         self.url = url
         self._loc = remote.locate(url, storage_options, SourceError)
-        super().__init__(url, verify_crc=False)
+        super().__init__(ObjectPath(url), verify_crc=False)
 
-    def _read_index(self) -> dict[str, str]:
-        import json  # (stdlib; the index is parsed here only)
-
-        try:
-            doc = json.loads(remote.read_bytes(self._loc, SourceError).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:
-            raise CheckpointFormatError(f"cannot read split-checkpoint index: {err}", path=self.url) from None
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointFormatError("index has no weight_map of tensor name -> file name", path=self.url)
-        for name, fname in wm.items():
-            if Path(fname).name != fname or not fname.endswith(".safetensors"):
-                raise CheckpointFormatError(f"weight_map names {fname!r}, not a .safetensors file beside the index",
-                                            path=self.url, param=name)
-        return dict(wm)
+    def _index_text(self) -> str:
+        return remote.read_bytes(self._loc, SourceError).decode("utf-8")
 
     def _open_part(self, fname: str, verify_crc: bool) -> SafetensorsReader:
         return RemoteSafetensorsReader(RangedObject(self._loc.sibling(fname), SourceError))
