@@ -277,3 +277,21 @@ def test_missing_object_is_not_retried(server: tuple[Any, Proxy], jobs: dict[str
     with pytest.raises(SourceError, match="nowhere/checkpoint_0.ckpt"):
         open_remote(url, proxy.options())
     assert sum(proxy.requests.values()) <= 3
+
+
+def test_split_safetensors_rank_by_range(server: tuple[Any, Proxy], jobs: dict[str, Any], tmp_path: Path) -> None:
+    """A rank saved as several safetensors parts and an index: read by range like one file."""
+    fs, proxy = server
+    local, _ = jobs["ckpt"]
+    transform(local, tmp_path / "split", local / "strategy.ckpt", jobs["dst"],
+              options=TransformOptions(format="safetensors", max_file_bytes=256 * 1024))
+    index = next((tmp_path / "split").rglob("*.safetensors.index.json"))
+    fs.put(str(index.parent), f"{BUCKET}/split", recursive=True)
+    url = f"s3://{BUCKET}/split/{index.name}"
+    with open_shard(index, verify_crc=False) as want, open_remote(url, proxy.options()) as got:
+        assert list(got.entries) == list(want.entries)
+        for name, e in want.entries.items():
+            if e.kind == "tensor":
+                assert got.array(name).tobytes() == want.array(name).tobytes(), name
+                if e.shape and e.shape[0] > 1:
+                    assert got.rows(name, 1, 2).tobytes() == want.rows(name, 1, 2).tobytes(), name
