@@ -88,7 +88,8 @@ def _job(root: Path) -> tuple[GeneratedModel, Path]:
     """4 row-split ranks -> 16 row-split ranks, written where the user works."""
     model = write_model(root / "src", [TensorDef(f"w{i}", (128, 96), "Float32", make_layout([4], [0, -1]))
                                        for i in range(6)], device_num=4)
-    dst = StrategyMap(layouts={t.name: {0: make_layout([FILES], [0, -1])} for t in model.tensors if t.name.startswith("w")})
+    dst = StrategyMap(layouts={t.name: {0: make_layout([FILES], [0, -1])} for t in model.tensors
+                               if t.name.startswith("w")})
     (root / "dst.ckpt").write_bytes(encode_strategy(dst))
     return model, root / "dst.ckpt"
 

@@ -10,8 +10,6 @@ the same job run on local paths.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import shutil
 import socket
 import uuid
@@ -35,8 +33,10 @@ from zckpt.jobs.generate_model import TensorDef
 from zckpt.sources.replicas import SAMPLE_BYTES
 from zckpt.store.store import Store
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
+pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
+
+from s3_proxy import moto_server  # noqa: E402  (after the skips: it needs moto)
 
 BUCKET = "zckpt-test"
 SRC_N, DST_N = 4, 3
@@ -46,26 +46,11 @@ MARKER = ".zckpt-export.json"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
     """moto's S3 server on loopback, the credentials and endpoint in the environment, a bucket."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with moto_server(endpoint_in_env=True) as endpoint:
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir(BUCKET)
-        fs.endpoint = env["AWS_ENDPOINT_URL"]
+        fs.endpoint = endpoint
         yield fs
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def _prefix() -> str:

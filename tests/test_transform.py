@@ -278,9 +278,10 @@ def test_existing_outputs_refused_then_resumed_or_overwritten(tmp_path: Path) ->
         (tmp_path / "o" / "rank_1" / "checkpoint_1.ckpt").read_bytes()
 
 
-def test_urls_refused_by_the_direct_path(tmp_path: Path) -> None:
+def test_output_urls_refused_by_the_direct_path(tmp_path: Path) -> None:
+    """The direct path writes local files; its sources may be URLs (tests/test_remote_ranges.py)."""
     with pytest.raises(UsageError, match="ingest then export"):
-        transform("s3://bucket/job", tmp_path / "o")
+        transform(tmp_path / "src", "s3://bucket/out")
 
 
 def test_segment_spans_follow_the_values() -> None:

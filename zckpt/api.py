@@ -9,9 +9,9 @@ copy, bounded memory, any M -> N); ``process_num`` is the number of files writte
 Beyond MindSpore, every path may be an fsspec URL (``s3://bucket/ckpts``, ``memory://...``)
 with the filesystem's options in the keyword-only ``storage_options``. When a source or the
 destination is a URL the work goes through a temporary zckpt store instead (ingest, then
-export): sources and strategies are read where they are (shards spooled one at a time),
-and for a URL destination the temporary store lives in the local temporary directory and
-each file is uploaded once complete.
+export; ``transform_checkpoint_by_rank`` to a local file reads URL sources directly): shards
+are read where they are, by byte range, and for a URL destination the temporary store
+lives in the local temporary directory and each file is uploaded once complete.
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ def transform_checkpoint_by_rank(
             raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    if not _any_remote(save_checkpoint_file_name, *checkpoint_files_map.values()):
+    if not _any_remote(save_checkpoint_file_name):  # sources local or read by byte range where they are
         transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
-                       options=TransformOptions(overwrite=True))
+                       options=TransformOptions(overwrite=True, storage_options=storage_options))
         return
     target = output_file(save_checkpoint_file_name, storage_options)
     if target.is_dir():

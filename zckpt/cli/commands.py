@@ -144,7 +144,8 @@ def _cmd_transform(a: argparse.Namespace) -> int:
                             max_file_bytes=a.max_file_bytes, verify_crc=not a.no_verify_checksums,
                             verify_replicas=a.verify_replicas, file_suffix=a.file_suffix,
                             choice_func=_choice_func(a), helper=a.helper, iteration=a.iteration,
-                            remove_redundancy=a.remove_redundancy)
+                            remove_redundancy=a.remove_redundancy,
+                            storage_options=parse_storage_options(a.storage_option) or None)
     if a.dry_run:
         from zckpt.jobs.dryrun import dry_run_transform  # --dry-run's modules: only when asked
 

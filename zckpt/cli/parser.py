@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(tr)
     _helper_arg(tr, "write part of the destination files")
     _dry_run_arg(tr)
+    _storage_args(tr)
 
     pl = sub.add_parser("plan", help="which source ranks each destination rank needs")
     pl.add_argument("--src-strategy", required=True, help="source strategy file or directory (local or URL)")

@@ -7,7 +7,8 @@ mapped and walked for its entries), ``ckpt`` (the reader) and ``ckpt_writer``; `
 (parallel strategy files), ``safetensors``, ``shard_reader`` (the
 :class:`~zckpt.formats.shard_reader.ShardReader` protocol every source reader satisfies, and
 the reader of a rank saved as several safetensors files), ``unified`` and ``mindformers``
-(MindSpore's unified directory, MindFormers' iterations), ``rank_files`` (which file of a rank
-directory is its checkpoint), and ``opener`` (which reader reads a path: the one module that
+(MindSpore's unified directory, MindFormers' iterations), ``remote_shard`` (the ``.ckpt`` and
+safetensors readers of a shard in object storage, read by byte range), ``rank_files`` (which
+file of a rank directory is its checkpoint), and ``opener`` (which reader reads a path: the one module that
 knows every format).
 """

@@ -14,7 +14,7 @@ import math
 import mmap
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 
 import numpy as np
@@ -64,14 +64,18 @@ class CkptReader(CkptIndex):
         """A reader over an index parsed before (by the plan of an ingest): the file is mapped,
         not walked again. Refused when the file no longer holds the payloads (it shrank)."""
         self = cls.__new__(cls)
-        size = self._map_file(path)
+        self._adopt(self._map_file(path), entries)
+        return self
+
+    def _adopt(self, size: int, entries: Mapping[str, EntryInfo]) -> None:
+        """Take ``entries`` as the index of the file of ``size`` bytes just opened (closed and
+        refused when they reach past its end)."""
         self.has_crc, self.crc_expected, self.content_end = False, None, size
         self.entries = dict(entries)
         end = max((s.offset + s.length for e in self.entries.values() for s in e.segments), default=0)
         if end > size:
             self.close()
             raise self._fail(f"is {size} bytes but its index reaches byte {end}: the file changed after planning")
-        return self
 
     def __enter__(self) -> CkptReader:
         return self
@@ -113,7 +117,7 @@ class CkptReader(CkptIndex):
     def string(self, name: str) -> str:
         """Value of a string entry (MindSpore stores numpy ``U`` data: UTF-32-LE)."""
         e = self.entry(name)
-        raw = b"".join(bytes(self._buf[s.offset : s.offset + s.length]) for s in e.segments)
+        raw = b"".join(bytes(b) for b in self._spans([(s.offset, s.length) for s in e.segments]))
         try:
             return raw.decode("utf-32-le").rstrip("\x00")
         except UnicodeDecodeError:
@@ -121,7 +125,7 @@ class CkptReader(CkptIndex):
 
     def map_bytes(self, name: str) -> bytes:
         e = self.entry(name)
-        return b"".join(bytes(self._buf[s.offset : s.offset + s.length]) for s in e.segments)
+        return b"".join(bytes(b) for b in self._spans([(s.offset, s.length) for s in e.segments]))
 
     def array(self, name: str) -> np.ndarray:
         """The whole tensor: a read-only view when it is stored in one segment, else a copy."""
@@ -129,13 +133,11 @@ class CkptReader(CkptIndex):
         if e.kind != "tensor":
             raise self._fail(f"entry is a {e.kind}, not a tensor", name)
         dt = ms_dtype(e.ms_type).storage
-        if len(e.segments) == 1:
-            s = e.segments[0]
-            flat = np.frombuffer(self._buf, dtype=dt, count=s.length // dt.itemsize, offset=s.offset)
+        spans = self._spans([(s.offset, s.length) for s in e.segments])
+        if len(spans) == 1:
+            flat = np.frombuffer(spans[0], dtype=dt)
         else:
-            flat = np.concatenate(
-                [np.frombuffer(self._buf, dtype=dt, count=s.length // dt.itemsize, offset=s.offset) for s in e.segments]
-            )
+            flat = np.concatenate([np.frombuffer(b, dtype=dt) for b in spans])
         return flat.reshape(e.shape)
 
     def fileno(self) -> int:
@@ -145,7 +147,7 @@ class CkptReader(CkptIndex):
         """The mapped bytes ``[offset, offset + length)`` of the file (no copy)."""
         if offset < 0 or length < 0 or offset + length > len(self._buf):
             raise self._fail(f"byte range {offset}+{length} lies outside the file")
-        return self._buf[offset : offset + length]
+        return memoryview(self._span(offset, length))
 
     def _segment_map(self, e: EntryInfo) -> _SegmentMap:
         # created on first use: subclasses with their own __init__ (safetensors) need no setup
@@ -194,9 +196,9 @@ class CkptReader(CkptIndex):
         segs = self._segment_map(e)
         off = segs.offset_within_one(start, stop)
         if off is not None:
-            return np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
+            return np.frombuffer(self._span(off, stop - start), dtype=dt)
         out = np.empty((stop - start) // dt.itemsize, dtype=dt)
-        segs.gather(self._buf, start, stop, out.view(np.uint8))
+        segs.gather(self._spans, start, stop, out.view(np.uint8))
         return out
 
     def row_blocks(self, name: str, max_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -244,14 +246,19 @@ class _SegmentMap:
             return self.segments[i].offset + start - self.starts[i]
         return None
 
-    def gather(self, buf: memoryview, start: int, stop: int, out: np.ndarray) -> None:
-        """Copy logical bytes ``[start, stop)`` into ``out`` (uint8, ``stop - start`` long)."""
-        done = 0
+    def gather(self, read: Callable[[list[tuple[int, int]]], list[memoryview | bytes]], start: int, stop: int,
+               out: np.ndarray) -> None:
+        """Copy logical bytes ``[start, stop)`` into ``out`` (uint8, ``stop - start`` long);
+        ``read`` gives the bytes of file ranges."""
+        ranges = []
         i = max(0, self._first(start))
         while i < len(self.segments) and self.starts[i] < stop:
             s, pos = self.segments[i], self.starts[i]
             lo, hi = max(start, pos), min(stop, pos + s.length)
             if lo < hi:
-                out[done : done + hi - lo] = np.frombuffer(buf, np.uint8, hi - lo, s.offset + lo - pos)
-                done += hi - lo
+                ranges.append((s.offset + lo - pos, hi - lo))
             i += 1
+        done = 0
+        for (_, n), b in zip(ranges, read(ranges), strict=True):
+            out[done : done + n] = np.frombuffer(b, np.uint8)
+            done += n

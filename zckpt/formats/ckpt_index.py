@@ -63,6 +63,15 @@ class CkptIndex:
     def _fail(self, message: str, param: str | None = None) -> CheckpointFormatError:
         return CheckpointFormatError(message, path=self.path, param=param)
 
+    def _span(self, offset: int, length: int) -> memoryview | bytes:
+        """Bytes ``[offset, offset + length)`` of the file: a view of the mapping here, fetched
+        bytes in a reader of a remote object (:mod:`zckpt.formats.remote_shard`)."""
+        return self._buf[offset : offset + length]
+
+    def _spans(self, ranges: list[tuple[int, int]]) -> list[memoryview | bytes]:
+        """:meth:`_span` of each ``(offset, length)`` (a remote reader fetches them together)."""
+        return [self._buf[o : o + n] for o, n in ranges]
+
     def release_pages(self) -> None:
         """Drop the mapped pages this process has touched (they stay in the page cache).
 

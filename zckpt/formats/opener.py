@@ -24,6 +24,7 @@ from zckpt.core.errors import SourceError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.mindformers import MindFormersRankReader, is_rank_file
+from zckpt.formats.remote_shard import open_remote
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.shard_reader import INDEX_SUFFIX, SafetensorsSetReader, ShardReader
 from zckpt.formats.unified import MAP_FILE, UnifiedSafetensorsReader
@@ -115,6 +116,9 @@ def open_indexed(path: str | os.PathLike[str], entries: Mapping[str, EntryInfo])
     if shard_format(path) == "ckpt":
         return CkptReader.indexed(path, entries)
     return open_shard(path, verify_crc=False)
+
+
+__all__ = ["FORMATS", "check_single_format", "format_of", "open_indexed", "open_remote", "open_shard", "shard_format"]
 
 
 def check_single_format(files: Mapping[int, str | Path], root: str | Path) -> None:

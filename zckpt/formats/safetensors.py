@@ -294,7 +294,7 @@ class SafetensorsReader(CkptReader):
         """The whole tensor: a read-only view of the mapping."""
         e, dt = self._tensor(name)
         s = e.segments[0]
-        return np.frombuffer(self._buf, dtype=dt, count=s.length // dt.itemsize, offset=s.offset).reshape(e.shape)
+        return np.frombuffer(self._span(s.offset, s.length), dtype=dt).reshape(e.shape)
 
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows ``[r0, r1)`` along axis 0: a read-only view of the mapping."""
@@ -306,7 +306,7 @@ class SafetensorsReader(CkptReader):
             raise self._fail(f"rows [{r0}, {r1}) outside {shape[0]} rows", name)
         row_elems = math.prod(shape[1:])
         off = e.segments[0].offset + r0 * row_elems * dt.itemsize
-        flat = np.frombuffer(self._buf, dtype=dt, count=(r1 - r0) * row_elems, offset=off)
+        flat = np.frombuffer(self._span(off, (r1 - r0) * row_elems * dt.itemsize), dtype=dt)
         return flat.reshape((r1 - r0,) + shape[1:])
 
     def row_bytes_range(self, name: str, r0: int, r1: int) -> tuple[int, int] | None:

@@ -93,7 +93,7 @@ class SafetensorsSetReader(SafetensorsReader):
 
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
         # No mapping of its own: every read is delegated to a part's reader.
-        self.path = Path(path)
+        self.path = path if isinstance(path, Path) else Path(path)
         self._parts: list[SafetensorsReader] = []
         self._owner: dict[str, SafetensorsReader] = {}
         try:
@@ -129,9 +129,13 @@ class SafetensorsSetReader(SafetensorsReader):
         """The reader of one part named by the index (a file beside it)."""
         return SafetensorsReader(self.path.parent / fname, verify_crc=verify_crc)
 
+    def _index_text(self) -> str:
+        """The index file's text (a remote rank's reader fetches it)."""
+        return self.path.read_text(encoding="utf-8")
+
     def _read_index(self) -> dict[str, str]:
         try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
+            doc = json.loads(self._index_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CheckpointFormatError(f"cannot read split-checkpoint index: {err}", path=self.path) from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -1,1 +1,2 @@
-"""Files and bytes: local and remote paths, safe paths, locks, new files, byte copies, checksums, zarr-python's door."""
+"""Files and bytes: local and remote paths, remote objects read by byte range, safe paths, locks,
+new files, byte copies, checksums, zarr-python's door."""

@@ -3,8 +3,8 @@
 zckpt's fast paths (raw chunk files, ``copy_file_range``, memory-mapped readers, the
 ``fcntl`` ingest lock) need a POSIX file. A URL with a scheme (``s3://``, ``gs://``,
 ``memory://``, ...) names a location in an fsspec filesystem instead: the store is then
-opened with zarr's own ``FsspecStore``, source shards are copied to a local temporary file
-before they are mapped, and output files are written locally and uploaded when complete.
+opened with zarr's own ``FsspecStore``, source shards are read by byte range
+(:mod:`zckpt.io.ranged`), and output files are written locally and uploaded when complete.
 ``file://`` URLs and plain paths are local.
 
 Every failure of a remote call (no bucket, no credentials, endpoint unreachable) becomes
@@ -185,6 +185,15 @@ def size(loc: Location, err_cls: type[ZckptError]) -> int:
         return int(loc.fs.size(loc.path))
 
 
+def identity(loc: Location, err_cls: type[ZckptError]) -> tuple[int, str]:
+    """Size and version of an object (its ETag, else its modification time): what a resumed
+    job compares to see that a remote source is the one it started from."""
+    with remote_errors(err_cls, loc.url, "cannot read"):
+        info = loc.fs.info(loc.path)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return int(info.get("size") or 0), str(version)
+
+
 def download(loc: Location, target: Path, err_cls: type[ZckptError]) -> None:
     """Copy a remote file to a local one in ``COPY_BLOCK`` pieces (bounded memory)."""
     with remote_errors(err_cls, loc.url, "cannot download"), loc.fs.open(loc.path, "rb") as src, \
@@ -214,8 +223,8 @@ def local_copy(
     path: str | os.PathLike[str], storage_options: StorageOptions, err_cls: type[ZckptError]
 ) -> Iterator[Path]:
     """A local file holding ``path``'s bytes: the path itself when local, else a temporary
-    copy (streamed in blocks, deleted on exit). Readers map files, so remote shards are
-    spooled one at a time rather than read over the network piecemeal."""
+    copy (streamed in blocks, deleted on exit), for small files read whole by code that
+    takes a path (strategy files, ``zckpt info FILE``); source shards are read by range."""
     if not is_remote(path):
         yield local_path(path)
         return

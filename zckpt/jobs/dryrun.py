@@ -276,9 +276,10 @@ def dry_run_transform(
     _refuse_iteration(options.format)
     if options.format not in ("ckpt", "safetensors"):
         raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
-    refuse_remote(src, out_dir)
+    refuse_remote(out_dir)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
-                          file_suffix=options.file_suffix, choice_func=options.choice_func)
+                          file_suffix=options.file_suffix, choice_func=options.choice_func,
+                          storage_options=options.storage_options)
     options = replace(options, choice_func=None)
     dest = output_dir(out_dir, None)  # local (refuse_remote)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)

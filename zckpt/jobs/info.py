@@ -16,7 +16,7 @@ from zckpt.formats.rank_files import pick_rank_file
 from zckpt.formats.strategy import read_strategy
 from zckpt.io import remote
 from zckpt.jobs.info_mindformers import is_mindformers_dir, survey
-from zckpt.sources.discovery import discover_sources, spool
+from zckpt.sources.discovery import discover_sources
 from zckpt.sources.layouts import discover_other_layout
 
 
@@ -52,7 +52,7 @@ def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Descri
         return _describe_store(url, storage_options)
     if not remote.isfile(loc, UsageError):
         raise UsageError("no such file or store", path=url)
-    with spool(url, storage_options) as local, remote.named_by_url(local.parent, url):
+    with remote.local_copy(url, storage_options, UsageError) as local, remote.named_by_url(local.parent, url):
         return _describe_file(local, url)
 
 

@@ -338,7 +338,8 @@ def _run(
         nbytes = sum(x.box.size * itemsizes[x.name] for x in ws)
         check_bytes = sum(c.box.size * itemsizes.get(c.name, 1) for c in cs)
         target = _target(store, layout, {x.name for x in ws}) if local else None
-        index = indexes.get(rank) if indexes and local and not remote.is_remote(plan.rank_files[rank]) else None
+        far = remote.is_remote(plan.rank_files[rank])  # walked once, in planning: only its framing was fetched
+        index = indexes.get(rank) if indexes and (far or local) else None
         jobs.append(RankJob(rank, plan.rank_files[rank], ws, cs, {n: chunks[n] for n in names}, nbytes, check_bytes,
                             {n: layout.shards[n] for n in names if n in layout.shards}, target, index))
     options = replace(options, block_bytes=place.share(options.block_bytes))

@@ -39,11 +39,12 @@ import numpy as np
 from zckpt.core.dtypes import ms_dtype, public_array
 from zckpt.core.errors import LayoutError, OutputError, SourceError, StrategyError, UsageError
 from zckpt.core.layout import Box
-from zckpt.formats.opener import open_shard
+from zckpt.formats.opener import open_remote, open_shard
+from zckpt.formats.remote_shard import RemoteShard
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.formats.strategy import ParamLayout, StrategyMap, make_layout
 from zckpt.formats.unified import find_unified
-from zckpt.io import safe_paths
+from zckpt.io import remote, safe_paths
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network
 from zckpt.plan.export_plan import build_export_plan
@@ -63,8 +64,12 @@ class ShardSlicer:
     bytes read only where a requested region overlaps a shard). Threads may share one: each
     opens (maps) the shards it reads itself."""
 
-    def __init__(self, files: Mapping[int, str | Path] | str | Path, strategy: StrategyArg) -> None:
-        plan = prepare_ingest(files, strategy).plan
+    def __init__(self, files: Mapping[int, str | Path] | str | Path, strategy: StrategyArg,
+                 storage_options: remote.StorageOptions = None) -> None:
+        prepared = prepare_ingest(files, strategy, storage_options=storage_options)
+        plan = prepared.plan
+        self.storage_options = storage_options
+        self._indexes = prepared.indexes
         self.plan: IngestPlan = plan
         self._writes: dict[str, list[tuple[int, Box]]] = {}
         for w in plan.writes:
@@ -80,7 +85,9 @@ class ShardSlicer:
     def _reader(self, rank: int) -> ShardReader:
         readers: dict[int, ShardReader] = self._local.__dict__.setdefault("readers", {})
         if rank not in readers:
-            readers[rank] = open_shard(self.plan.rank_files[rank], verify_crc=False)
+            path = self.plan.rank_files[rank]
+            readers[rank] = open_remote(str(path), self.storage_options, index=(self._indexes or {}).get(rank)) \
+                if remote.is_remote(str(path)) else open_shard(path, verify_crc=False)
             with self._lock:
                 self._opened.append(readers[rank])
         return readers[rank]
@@ -98,6 +105,11 @@ class ShardSlicer:
             if inter is None:
                 continue
             reader = self._reader(rank)
+            if isinstance(reader, RemoteShard) and box.ndim:  # the region's runs only
+                part = inter.relative_to(shard_box)
+                out[inter.relative_to(box).slices()] = reader.read_region(name, part.start, part.stop)
+                covered += inter.size
+                continue
             shard = reader.array(name).reshape(shard_box.shape)
             if box.ndim:
                 out[inter.relative_to(box).slices()] = shard[inter.relative_to(shard_box).slices()]
@@ -249,12 +261,20 @@ def _check_args(format: str, output_format: str, name_map: object, max_process_n
         raise TypeError(f"return_param_dict should be a bool, but got {type(return_param_dict).__name__}.")
 
 
-def _check_ckpt_files(files: object) -> list[str]:
+def _nonempty(path: str, storage_options: remote.StorageOptions) -> bool:
+    """Whether a local file or an object at a URL exists and holds bytes."""
+    if remote.is_remote(path):
+        loc = remote.locate(path, storage_options, SourceError)
+        return remote.isfile(loc, SourceError) and remote.size(loc, SourceError) > 0
+    return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def _check_ckpt_files(files: object, storage_options: remote.StorageOptions = None) -> list[str]:
     if not isinstance(files, (list, tuple)):
         raise TypeError(f"For 'load_distributed_checkpoint', checkpoint_filenames should be a list of str, but got "
                         f"{type(files).__name__}.")
     for i, f in enumerate(files):
-        if not isinstance(f, str) or not os.path.exists(f) or f[-5:] != ".ckpt" or os.path.getsize(f) == 0:
+        if not isinstance(f, str) or f[-5:] != ".ckpt" or not _nonempty(f, storage_options):
             raise UsageError(f"For 'load_distributed_checkpoint', please check 'checkpoint_filenames', and make sure "
                              f"the {f} at index {i} is a valid checkpoint file, it must be a string ending with "
                              "'.ckpt', and the checkpoint file it represents must be exist and not empty.")
@@ -294,9 +314,12 @@ def load_distributed_checkpoint(
     return_param_dict: bool = False,
     *,
     store: str | os.PathLike[str] | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> Any:
     """Load this rank's slices into ``network`` (see the module); MindSpore's signature, plus
-    ``store`` to read from a zckpt store instead of ``checkpoint_filenames``.
+    ``store`` to read from a zckpt store instead of ``checkpoint_filenames``. The store and
+    the checkpoint files may be URLs (``storage_options``: the filesystem's options): the rank
+    reads only the byte ranges of its slices.
 
     With a network: ``format="ckpt"`` returns True; ``format="safetensors"`` returns
     ``load_param_into_net``'s ``(param_not_load, ckpt_not_load)``, or the values
@@ -321,7 +344,7 @@ def load_distributed_checkpoint(
         if strict_load or dec_mode != "AES-GCM":
             raise UsageError("For 'load_distributed_checkpoint', strict_load and dec_mode must be default when "
                              "format is 'safetensors'.")
-        source: ShardSlicer | Store = (Store.open(store) if store is not None
+        source: ShardSlicer | Store = (Store.open(store, storage_options=storage_options) if store is not None
                                        else ShardSlicer(_unified_index(unified_safetensors_dir), None))
         try:
             if network is None:
@@ -345,16 +368,16 @@ def load_distributed_checkpoint(
     names = {p.name for _, p in network.parameters_and_names()}
     rank = rank_id if rank_id is not None else (current_rank() if dst is not None else 0)
     if store is not None:
-        values = read_rank(Store.open(store), dst, rank, names.__contains__)
+        values = read_rank(Store.open(store, storage_options=storage_options), dst, rank, names.__contains__)
     else:
-        files = _check_ckpt_files(checkpoint_filenames)
-        smap = load_strategy(_train_strategy(train_strategy_filename))
+        files = _check_ckpt_files(checkpoint_filenames, storage_options)
+        smap = load_strategy(_train_strategy(train_strategy_filename), storage_options)
         if smap is not None and smap.device_num() != len(files):
             raise UsageError("For 'Load_distributed_checkpoint', the length of 'checkpoint_filenames' should be equal "
                              "to the device count of training process. But got the length of 'checkpoint_filenames' "
                              f"is {len(files)} and the device count is {smap.device_num()}.")
         refuse_field_reorder(smap, names)
-        with ShardSlicer(dict(enumerate(files)), smap) as slicer:
+        with ShardSlicer(dict(enumerate(files)), smap, storage_options) as slicer:
             values = read_rank(slicer, dst, rank, names.__contains__)
     load_into_network(network, values, strict_load=strict_load)
     return True

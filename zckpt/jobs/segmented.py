@@ -49,6 +49,7 @@ from zckpt.core.errors import SourceError, UsageError
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.entries import EntryInfo
+from zckpt.io import remote
 from zckpt.io.new_files import NewFile
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network, require_mindspore
@@ -407,8 +408,11 @@ def read_slice(
     rank: int,
     strategy: StrategyArg,
     name: str,
+    *,
+    storage_options: remote.StorageOptions = None,
 ) -> SliceRead:
-    """Read rank ``rank``'s slice of ``name`` under the destination ``strategy`` from a store.
+    """Read rank ``rank``'s slice of ``name`` under the destination ``strategy`` from a store
+    (a path or a URL; ``storage_options``: the filesystem's options).
 
     Only the chunks the slice overlaps are read, and checked against their recorded CRC-32C
     as export checks them. The slice is the box that ``zckpt export`` would write into that
@@ -417,15 +421,17 @@ def read_slice(
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise TypeError(f"The rank should be an int, but got {type(rank).__name__}.")
     with reading(store):
-        return _read_slice(store if isinstance(store, Store) else Store.open(store), rank, strategy, name)
+        st = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
+        return _read_slice(st, rank, strategy, name, storage_options)
 
 
-def _read_slice(st: Store, rank: int, strategy: StrategyArg, name: str) -> SliceRead:
+def _read_slice(st: Store, rank: int, strategy: StrategyArg, name: str,
+                storage_options: remote.StorageOptions = None) -> SliceRead:
     st.check_integrity()
     entry = st.entry(name)
     if entry.kind == "str":
         raise UsageError(f"is a string entry, not a tensor (its value: {entry.value!r})", path=st.path, param=name)
-    smap = load_strategy(strategy)
+    smap = load_strategy(strategy, storage_options)
     # The whole entry list, as export plans it: a destination layout can depend on other
     # entries (an optimizer state follows its parameter), so one spec alone could differ.
     full = build_export_plan(st.specs(), smap, ranks=[rank])

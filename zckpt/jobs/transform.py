@@ -126,13 +126,11 @@ def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None)
     return src_keys < dst_keys
 
 
-def refuse_remote(src: str | Path | Mapping[int, str | Path], *outputs: str | Path) -> None:
-    """The direct path reads local shards (``pread``, kernel copies of file ranges) and
-    writes local files."""
-    paths = list(src.values()) if isinstance(src, Mapping) else [src]
-    for p in [*paths, *outputs]:
+def refuse_remote(*outputs: str | Path) -> None:
+    """The direct path writes local files (its sources may be URLs: read by byte range)."""
+    for p in outputs:
         if isinstance(p, str) and remote.is_remote(p):
-            raise UsageError("the direct path (transform) reads and writes local files only; for URLs run "
+            raise UsageError("the direct path (transform) writes local files only; for an output URL run "
                              "ingest then export (the MindSpore-named functions do so by themselves)", path=p)
 
 
@@ -146,13 +144,14 @@ def plan_transform(
     missing: str = "whose files are missing",
     file_suffix: str | None = None,
     choice_func: Callable[[str], bool] | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> TransformPlan:
     """Both plans, refusing any region a planned destination slice needs that no present
     source file holds (by parameter, with the source ranks that would hold it)."""
     prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc,
-                              file_suffix=file_suffix, choice_func=choice_func)
+                              file_suffix=file_suffix, choice_func=choice_func, storage_options=storage_options)
     source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes
-    dmap = load_strategy(dst_strategy)
+    dmap = load_strategy(dst_strategy, storage_options)
     export = build_export_plan(source.tensors, dmap, ranks=ranks)
     for rank in export.ranks:
         for s in rank.slices:
@@ -184,9 +183,10 @@ def transform(
         raise UsageError(f"unknown output format {options.format!r} ({' or '.join(OUTPUTS)})")
     if options.format == "mindformers" and ranks is not None:
         raise UsageError("a MindFormers iteration holds every destination rank: --rank does not apply")
-    refuse_remote(src, out_dir)
+    refuse_remote(out_dir)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
-                          file_suffix=options.file_suffix, choice_func=options.choice_func)
+                          file_suffix=options.file_suffix, choice_func=options.choice_func,
+                          storage_options=options.storage_options)
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     dest = output_dir(out_dir, None)  # local (refuse_remote)
     if options.format == "mindformers":
@@ -210,7 +210,8 @@ def _transform_iteration(plan: TransformPlan, dest: OutputDir, options: Transfor
     it = plan_iteration(plan.export.ranks, specs, plan.dst_strategy, options.prefix,
                         remove_redundancy=options.remove_redundancy)
     names = [Slice(n, Box.full(specs[n].shape)) for n in COMMON_FIELDS if n in specs]
-    with SourceReader(union_boxes(plan, [RankExport(-1, tuple(names))]), options.block_bytes) as reader:
+    with SourceReader(union_boxes(plan, [RankExport(-1, tuple(names))]), options.block_bytes,
+                      storage_options=options.storage_options) as reader:
         common = common_document(reader, specs)
     out = IterationDir(dest.path, choose_iteration(options.iteration, plan.source.rank_files.values(), common),
                        overwrite=options.overwrite, fsync=options.fsync)
@@ -257,9 +258,10 @@ def transform_rank(
     """Write destination ``rank`` to the file ``target`` from the source files given as
     ``{source rank: file}`` (``transform_checkpoint_by_rank``): only the ranks it needs."""
     t0 = time.perf_counter()
-    refuse_remote(files, target)
+    refuse_remote(target)
     plan = plan_transform(files, src_strategy, dst_strategy, [rank], verify_crc=options.verify_crc,
-                          missing="none of which is in checkpoint_files_map", choice_func=options.choice_func)
+                          missing="none of which is in checkpoint_files_map", choice_func=options.choice_func,
+                          storage_options=options.storage_options)
     options = replace(options, choice_func=None)
     path = remote.local_path(target)
     if path.is_dir():
@@ -325,7 +327,8 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
 def source_major_groups(plan: TransformPlan, ranks: Sequence[RankExport], options: TransformOptions,
                         tasks: int) -> list[list[int]] | None:
     """The groups of ``ranks`` to write source-major (:func:`zckpt.write.writers.source_major`), if any."""
-    with SourceReader(union_boxes(plan, ranks), options.block_bytes) as reader:
+    with SourceReader(union_boxes(plan, ranks), options.block_bytes,
+                      storage_options=options.storage_options) as reader:
         return source_major(reader, ranks, options, tasks)
 
 
@@ -348,7 +351,8 @@ def write_direct_group(unit: tuple[list[tuple[RankExport, str]], SourceBoxes], o
                        publisher: Publisher | None = None, report: Report | None = None) -> list[RankResult]:
     """Write a group of destination files from one pass over the source shards (a task)."""
     files, boxes = unit
-    with SourceReader(boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader:
+    with SourceReader(boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
+                      storage_options=options.storage_options) as reader:
         return group_writer(options).write(reader, [(r, Path(t)) for r, t in files], Ticker(report), publisher)
 
 
@@ -369,6 +373,10 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
     destination files with the same slices. A rerun after a crash resumes on it."""
     files = {}
     for rank, p in sorted(plan.source.rank_files.items()):
+        if remote.is_remote(str(p)):
+            size, version = remote.identity(remote.locate(str(p), options.storage_options, SourceError), SourceError)
+            files[str(rank)] = [str(p), size, version]
+            continue
         st = os.stat(p)
         files[str(rank)] = [str(Path(p).resolve()), st.st_size, st.st_mtime_ns]
     doc = {
@@ -393,7 +401,8 @@ def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publ
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
     with (disk_full_named(job.target),
-          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap)) as reader):
+          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
+                      storage_options=options.storage_options) as reader):
         return rank_writer(options).write(reader, job.rank, Path(job.target), ticker, publisher)
 
 

@@ -12,7 +12,6 @@ report (see :func:`zckpt.formats.rank_files.choose_rank_file`).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,9 +19,9 @@ from pathlib import Path
 
 from zckpt.core.errors import SourceError
 from zckpt.formats.entries import EntryInfo
-from zckpt.formats.opener import check_single_format, open_indexed, open_shard
+from zckpt.formats.opener import check_single_format, open_indexed, open_remote, open_shard
 from zckpt.formats.rank_files import RankFileChoice, choose_rank_file
-from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
+from zckpt.formats.shard_reader import ShardReader
 from zckpt.io import remote
 from zckpt.sources.layouts import discover_other_layout
 
@@ -179,10 +178,9 @@ def open_source(
 ) -> Iterator[ShardReader]:
     """Open a source shard, local or remote (a reader context).
 
-    A remote shard is first copied to a local temporary file (readers map their file; the
-    copy is streamed in blocks and deleted when the reader closes); a split safetensors
-    rank brings its parts along. Errors name the URL, not the temporary copy. ``index``:
-    the local shard's entries as planning parsed them (not parsed again, see
+    A remote shard is read by byte range where it lies (:mod:`zckpt.formats.remote_shard`:
+    its framing walked, payloads fetched when asked for; no local copy, no CRC check). ``index``:
+    the shard's entries as planning parsed them (not parsed again, see
     :func:`zckpt.formats.opener.open_indexed`). ``sparse``: opened for its index only
     (:func:`zckpt.formats.opener.open_shard`).
     """
@@ -191,31 +189,5 @@ def open_source(
                 open_indexed(path, index) as reader:
             yield reader
         return
-    with (spool(path, storage_options) as local, remote.named_by_url(local.parent, path),
-          open_shard(local, verify_crc=verify_crc) as reader):
+    with open_remote(path, storage_options, index=index, sparse=sparse) as reader:
         yield reader
-
-
-@contextlib.contextmanager
-def spool(url: str, storage_options: remote.StorageOptions) -> Iterator[Path]:
-    """A remote shard (with the parts its index lists, for a split safetensors checkpoint) as a
-    temporary local file, for readers that map files."""
-    with remote.local_copy(url, storage_options, SourceError) as local:
-        if local.name.endswith(INDEX_SUFFIX):
-            for part in _index_parts(local, url):
-                remote.download(remote.locate(url, storage_options, SourceError).sibling(part),
-                                local.parent / part, SourceError)
-        yield local
-
-
-def _index_parts(index: Path, url: str) -> list[str]:
-    """File names an HF-style index lists (only plain names beside the index are fetched;
-    the reader refuses anything else with its own message)."""
-    try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return []
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict):
-        return []
-    return sorted({v for v in wm.values() if isinstance(v, str) and Path(v).name == v and v.endswith(".safetensors")})

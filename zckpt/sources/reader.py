@@ -27,8 +27,10 @@ from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import SourceError
 from zckpt.core.layout import Box, c_order_pieces
 from zckpt.formats.entries import EntryInfo, FileRange
-from zckpt.formats.opener import open_shard, shard_format
+from zckpt.formats.opener import open_remote, open_shard, shard_format
+from zckpt.formats.remote_shard import RemoteShard
 from zckpt.formats.shard_reader import ShardReader
+from zckpt.io import remote
 from zckpt.plan.values import Slice, TensorSpec, Write
 from zckpt.write.boxes import batch_bytes
 
@@ -119,9 +121,11 @@ class ShardFiles:
     split safetensors rank, a unified directory, a MindFormers rank) is read through its
     reader instead. Thread safe."""
 
-    def __init__(self, files: Mapping[int, str], entries: Mapping[int, Mapping[str, EntryInfo]]) -> None:
+    def __init__(self, files: Mapping[int, str], entries: Mapping[int, Mapping[str, EntryInfo]],
+                 storage_options: remote.StorageOptions = None) -> None:
         self.files = files
         self.entries = entries
+        self.storage_options = storage_options
         self._fds: dict[int, int] = {}
         self._readers: dict[int, ShardReader] = {}
         self._split: dict[int, bool] = {}
@@ -144,7 +148,8 @@ class ShardFiles:
         with self._lock:
             got = self._split.get(rank)
             if got is None:
-                got = self._split[rank] = shard_format(self.files[rank]) not in ("ckpt", "safetensors")
+                got = self._split[rank] = remote.is_remote(self.files[rank]) or \
+                    shard_format(self.files[rank]) not in ("ckpt", "safetensors")
             return got
 
     def path(self, rank: int) -> Path:
@@ -160,7 +165,9 @@ class ShardFiles:
         with self._lock:
             r = self._readers.get(rank)
             if r is None:
-                r = self._readers[rank] = open_shard(self.files[rank], verify_crc=False)
+                path = self.files[rank]
+                r = self._readers[rank] = open_remote(path, self.storage_options, index=self.entries[rank]) \
+                    if remote.is_remote(path) else open_shard(path, verify_crc=False)
             return r
 
     def _fd(self, rank: int) -> int:
@@ -178,6 +185,13 @@ class ShardFiles:
         ``target`` (uint8, ``stop - start`` long)."""
         if self.split(rank):
             reader = self.reader(rank)
+            if isinstance(reader, RemoteShard):  # only the spans asked for, fetched together
+                pos = 0
+                spans = list(segment_spans(self.entries[rank][name], start, stop))
+                for (_, n), got in zip(spans, reader.read_spans(spans), strict=True):
+                    target[pos : pos + n] = np.frombuffer(got, np.uint8)
+                    pos += n
+                return
             target[...] = reader.array(name).reshape(-1).view(np.uint8)[start:stop]
             reader.release_pages()
             return
@@ -193,6 +207,11 @@ class ShardFiles:
         holds ``holder``: the shard rows it lies in are read (into ``buffer`` when given and
         large enough) and the part cut from them (a view of the rows)."""
         dt = ms_dtype(self.entries[rank][name].ms_type).storage
+        if holder.ndim and remote.is_remote(self.files[rank]):
+            reader = self.reader(rank)
+            assert isinstance(reader, RemoteShard)
+            local = part.relative_to(holder)
+            return reader.read_region(name, local.start, local.stop)  # its runs only, not whole rows
         if holder.ndim == 0:
             out = np.empty((), dtype=dt)
             self.read(rank, name, 0, dt.itemsize, out.reshape(-1).view(np.uint8))
@@ -210,9 +229,10 @@ class SourceReader:
     """A :class:`~zckpt.write.boxes.BoxReader` over source shards (use as a context manager:
     the files it opens are closed on leaving)."""
 
-    def __init__(self, boxes: SourceBoxes, block_bytes: int, *, overlap: bool = False) -> None:
+    def __init__(self, boxes: SourceBoxes, block_bytes: int, *, overlap: bool = False,
+                 storage_options: remote.StorageOptions = None) -> None:
         self.boxes = boxes
-        self.shards = ShardFiles(boxes.files, boxes.entries)
+        self.shards = ShardFiles(boxes.files, boxes.entries, storage_options)
         self.band_bytes = batch_bytes(block_bytes, overlap)
         """Largest batch of bands read at once (two are in flight when reading ahead)."""
         self.read_bytes = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,10 +32,12 @@ from zckpt.sources.reader import ShardFiles
 
 
 class HasBlockBytes(Protocol):
-    """Options of ingest or transform: only the comparison's block size is used."""
+    """Options of ingest or transform: the comparison's block size and the sources' filesystem options."""
 
     @property
     def block_bytes(self) -> int: ...
+    @property
+    def storage_options(self) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def compare_replicas(job: CheckJob, options: HasBlockBytes, report: Report | Non
     instead (a Dask task); returns the bytes compared."""
     ticker = Ticker(report)
     compared = 0
-    shards = ShardFiles(job.files, job.entries)
+    shards = ShardFiles(job.files, job.entries, options.storage_options)
     writes: dict[str, list[Write]] = {}
     for w in job.writes:
         writes.setdefault(w.name, []).append(w)
