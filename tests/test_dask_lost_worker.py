@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_compare import diff_dirs
+from dask_hosts import cluster
 
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
 from zckpt.jobs.export import export
@@ -32,56 +33,19 @@ HERE = Path(__file__).resolve().parent
 FILES = 16
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
     """A scheduler and two single-thread workers (no nanny: killing one kills its tasks),
     each worker in its own directory with its own environment."""
-    port = _port()
-    address = f"tcp://127.0.0.1:{port}"
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", str(port), "--no-dashboard"], cwd=tmp_path, **quiet)]
-    workers = []
-    try:
-        for name in ("host-a", "host-b"):
-            home = tmp_path / name
-            home.mkdir()
-            env = dict(os.environ, ZCKPT_TEST_PUBLISH_DELAY="0.25", HOME=str(home))
-            w = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
-                                  "--no-nanny", "--no-dashboard", "--memory-limit", "0", "--name", name,
-                                  "--preload", str(HERE / "dask_slow_worker.py")], cwd=home, env=env, **quiet)
-            procs.append(w)
-            workers.append(w)
-        from distributed import Client
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(address, timeout=5) as c:
-                    c.wait_for_workers(2, timeout=30)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    spec = []
+    for name in ("host-a", "host-b"):
+        home = tmp_path / name
+        home.mkdir()
+        env = dict(os.environ, ZCKPT_TEST_PUBLISH_DELAY="0.25", HOME=str(home))
+        spec.append((["--nthreads", "1", "--no-nanny", "--name", name,
+                      "--preload", str(HERE / "dask_slow_worker.py")], home, env))
+    with cluster(tmp_path, spec, expect=2) as (address, workers):
         yield address, workers
-    finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def _job(root: Path) -> tuple[GeneratedModel, Path]:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ckpt_compare import diff_dirs
+from dask_hosts import cluster
 
 import zckpt
 from zckpt.cli.main import main as cli_main
@@ -72,48 +69,14 @@ def test_errors_cross_the_cluster_with_their_class(tmp_path: Path) -> None:
     assert not list((tmp_path / "direct").rglob("*.ckpt")) if (tmp_path / "direct").exists() else True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[str]:
     """A Dask scheduler and two worker processes on loopback, stopped after the test; the
     workers work in a directory of their own, as on another host."""
-    port = _free_port()
     elsewhere = tmp_path / "worker-home"
     elsewhere.mkdir()
-    address = f"tcp://127.0.0.1:{port}"
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", str(port), "--no-dashboard"], cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2",
-                                       "--nthreads", "1", "--no-dashboard", "--memory-limit", "0"], cwd=elsewhere,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        from distributed import Client
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(address, timeout=5) as c:
-                    c.wait_for_workers(2, timeout=30)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    with cluster(tmp_path, [(["--nworkers", "2", "--nthreads", "1"], elsewhere, None)], expect=2) as (address, _):
         yield address
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_cli_on_a_scheduler_with_workers(scheduler: str, tmp_path: Path) -> None:
