@@ -169,3 +169,19 @@ def test_small_parts_are_written_source_major_when_that_reads_no_more(
         transform(model.root, out, model.strategy_path, dst, options=TransformOptions(helper=False))
     _check(model, out)
     assert (sum(groups_written) == 32) if small else (groups_written == []), groups_written
+
+
+def test_a_group_holds_at_most_half_the_files_the_process_may_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1024 destination files are one group where descriptors allow it (groups cut at 256
+    read the chunks at their borders in part, 1.27x what was needed); with a limit of 1024
+    open files, at most 448 a group."""
+    import resource
+
+    from zckpt.plan.values import RankExport
+
+    ranks = [RankExport(r, ()) for r in range(1024)]
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (20000, 20000))
+    assert [len(g) for g in group_writer.groups(ranks)] == [1024]
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    assert group_writer.max_files() == 448
+    assert [len(g) for g in group_writer.groups(ranks)] == [342, 342, 340]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,11 @@ SPLIT_COST = 1.25
 """Cut a group in two (one per process) only when the halves read at most this many times
 what the whole group reads: halves of a column split each read every row."""
 
-MAX_FILES = 256
-"""Files of one group (each holds an open descriptor while the group is written)."""
+MAX_FILES = 1024
+"""Files of one group at most (each holds an open descriptor and a gathering buffer while
+the group is written): 1024 destination ranks cut into groups of 256 read the chunks at the
+groups' borders in part, each part with a checksum block more (1.27x what was needed); fewer
+where the process may not open that many files (:func:`max_files`)."""
 
 
 class CostedReader(BoxReader, Protocol):
@@ -134,11 +138,22 @@ def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
     return alone, together
 
 
+def max_files() -> int:
+    """:data:`MAX_FILES`, or half the descriptors this process may open where that is fewer."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return min(MAX_FILES, 256)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FILES
+    return max(16, min(MAX_FILES, (soft - 128) // 2))
+
+
 def groups(ranks: Sequence[RankExport], count: int = 1) -> list[list[int]]:
     """Positions of ``ranks`` cut into ``count`` (or more, of at most :data:`MAX_FILES`) runs
     of neighbours: neighbouring ranks share the most."""
     n = len(ranks)
-    parts = max(count, -(-n // MAX_FILES), 1)
+    parts = max(count, -(-n // max_files()), 1)
     size = -(-n // parts)
     return [list(range(a, min(n, a + size))) for a in range(0, n, size)]
 
