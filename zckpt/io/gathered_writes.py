@@ -16,8 +16,9 @@ reaches it, inside the same runs. Nothing is ever written twice or read back.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+
+from zckpt.io.fileio import write_at
 
 LIMIT = 128 * 1024
 """Bytes gathered for one file before they are written."""
@@ -36,7 +37,7 @@ class GatheredWrites:
         self._used = 0
         self._start = 0
         self.calls = 0
-        """Write calls made (for tests and benchmarks)."""
+        """Writes made (for tests and benchmarks)."""
 
     def add(self, offset: int, data: memoryview | bytes) -> None:
         """Write ``data`` at ``offset``, now or with the next call (framing before it first)."""
@@ -76,9 +77,6 @@ class GatheredWrites:
         self.flush()
         self._buf = None
 
-    def _write(self, data: memoryview | bytes | bytearray, at: int) -> None:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], at + done)
-            self.calls += 1
+    def _write(self, data: memoryview | bytes, at: int) -> None:
+        write_at(self.fd, data, at)
+        self.calls += 1

@@ -22,16 +22,17 @@ import errno
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from zckpt.core.errors import ZckptError
 from zckpt.io.remote import Location
 
 KiB, MiB = 1024, 1024 * 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class RangedObject:
         self.size = self._size() if size is None else size
 
     def _size(self) -> int:
-        info = self._retry(lambda: self.loc.fs.info(self.loc.path), "cannot read the object's size")
+        info = self._retried(lambda: dict(self.loc.fs.info(self.loc.path)), "cannot read the object's size")
         return int(info.get("size") or 0)
 
     def close(self) -> None:
@@ -147,12 +148,17 @@ class RangedObject:
         detail = str(err) or type(err).__name__
         return self.err_cls(f"{what}: {type(err).__name__}: {detail}", path=self.url)
 
-    def _retry(self, call: Callable[[], Mapping[str, Any]], what: str) -> dict[str, Any]:
-        """``call()`` with the retries of the policy (for metadata calls)."""
+    def _retried(self, call: Callable[[], T], what: str, *, request: bool = False) -> T:
+        """``call()`` with the retries of the policy: a transient failure is tried again after
+        a doubling backoff, the last one becomes a zckpt error naming the object. ``request``:
+        each try counts as a request."""
         delay = self.policy.backoff
         for attempt in range(self.policy.attempts):
+            if request:
+                with self._lock:
+                    self.requests += 1
             try:
-                return dict(call())
+                return call()
             except ZckptError:
                 raise
             except Exception as err:  # backends raise many unrelated types (botocore, aiohttp, ...)
@@ -169,26 +175,14 @@ class RangedObject:
         return bytes(data)
 
     def _get(self, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` in one request, retried with backoff; a request that stalls
-        past :attr:`RangePolicy.stall_seconds` counts as failed (its thread is left to end)."""
-        delay = self.policy.backoff
-        for attempt in range(self.policy.attempts):
-            with self._lock:
-                self.requests += 1
-            try:
-                data = self._watched(start, stop) if self.policy.stall_seconds else self._get_once(start, stop)
-                with self._lock:
-                    self.fetched_bytes += len(data)
-                return data
-            except ZckptError:
-                raise
-            except Exception as err:  # backends raise many unrelated types (botocore, aiohttp, ...)
-                if not transient(err) or attempt + 1 == self.policy.attempts:
-                    raise self._fail(f"cannot read bytes [{start}, {stop}) of the object (after {attempt + 1} "
-                                     "tries)", err) from err
-            time.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+        """Bytes ``[start, stop)`` in one request, retried; a request that stalls past
+        :attr:`RangePolicy.stall_seconds` counts as failed (its thread is left to end)."""
+        once = self._watched if self.policy.stall_seconds else self._get_once
+        data = self._retried(lambda: once(start, stop), f"cannot read bytes [{start}, {stop}) of the object",
+                             request=True)
+        with self._lock:
+            self.fetched_bytes += len(data)
+        return data
 
     def _watched(self, start: int, stop: int) -> bytes:
         """One request on a worker thread, given up after the stall timeout."""

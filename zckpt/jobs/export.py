@@ -42,7 +42,6 @@ from zckpt.jobs.export_job import (
     plan_export,
     task_name,
 )
-from zckpt.plan.mf_iteration import plan_iteration
 from zckpt.plan.values import ExportPlan, RankExport
 from zckpt.run.choose import placement
 from zckpt.run.collect import fewer_collections
@@ -52,7 +51,7 @@ from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_file, refuse_present
-from zckpt.write.mindformers_dir import IterationDir, choose_iteration, common_document, published
+from zckpt.write.mindformers_dir import build_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import group_writer, rank_writer, source_major
 
@@ -101,16 +100,11 @@ def export_iteration(store_or_path: Store | str | Path, out_dir: str | Path, str
         if not dest.local:
             raise UsageError("a MindFormers iteration is written to a local directory", path=dest.url)
         specs = {t.name: t for t in store.specs()}
-        it = plan_iteration(plan.ranks, specs, load_strategy(strategy, options.storage_options), options.prefix,
-                            remove_redundancy=options.remove_redundancy)
-        common = common_document(StoreReader(store, options), specs)
         rank_files = (store.manifest.get("source") or {}).get("rank_files") or {}
         sources = [f.get("path", "") if isinstance(f, dict) else str(f) for f in rank_files.values()]
-        out = IterationDir(dest.path, choose_iteration(options.iteration, sources, common),
-                           overwrite=options.overwrite, fsync=options.fsync)
-        with out.building_dir() as tmp:
-            report = _write_jobs(store, [(f.rank, tmp / f.name) for f in it.files], dest, options, t0)
-            final = out.publish(it.metadata, common)
+        report, final = build_iteration(dest.path, plan.ranks, specs, load_strategy(strategy, options.storage_options),
+                                        common_document(StoreReader(store, options), specs), sources, options,
+                                        lambda jobs: _write_jobs(store, jobs, dest, options, t0))
     return replace(report, out_dir=str(final), ranks=published(report.ranks, final))
 
 

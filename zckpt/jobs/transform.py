@@ -32,7 +32,7 @@ from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
-from zckpt.plan.mf_iteration import COMMON_FIELDS, plan_iteration
+from zckpt.plan.mf_iteration import COMMON_FIELDS
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
 from zckpt.run.choose import placement
 from zckpt.run.engines import travelling, wants_overlap
@@ -44,7 +44,7 @@ from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, refuse_present
-from zckpt.write.mindformers_dir import IterationDir, choose_iteration, common_document, published
+from zckpt.write.mindformers_dir import build_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import OUTPUTS, group_writer, rank_writer, source_major
 
@@ -207,17 +207,13 @@ def _transform_iteration(plan: TransformPlan, dest: OutputDir, options: Transfor
     if options.per_stage:
         raise UsageError("--per-stage has no MindFormers form: an iteration holds every rank's files")
     specs = {t.name: t for t in plan.source.tensors}
-    it = plan_iteration(plan.export.ranks, specs, plan.dst_strategy, options.prefix,
-                        remove_redundancy=options.remove_redundancy)
     names = [Slice(n, Box.full(specs[n].shape)) for n in COMMON_FIELDS if n in specs]
     with SourceReader(union_boxes(plan, [RankExport(-1, tuple(names))]), options.block_bytes,
                       storage_options=options.storage_options) as reader:
         common = common_document(reader, specs)
-    out = IterationDir(dest.path, choose_iteration(options.iteration, plan.source.rank_files.values(), common),
-                       overwrite=options.overwrite, fsync=options.fsync)
-    with out.building_dir() as tmp:
-        report = _run(plan, [(f.rank, str(tmp / f.name)) for f in it.files], dest.url, options, t0)
-        final = out.publish(it.metadata, common)
+    report, final = build_iteration(dest.path, plan.export.ranks, specs, plan.dst_strategy, common,
+                                    plan.source.rank_files.values(), options,
+                                    lambda jobs: _run(plan, [(r, str(p)) for r, p in jobs], dest.url, options, t0))
     return replace(report, out_dir=str(final), ranks=published(report.ranks, final))
 
 

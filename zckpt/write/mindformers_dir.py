@@ -26,18 +26,19 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from zckpt.core.errors import OutputError
 from zckpt.core.layout import Box
 from zckpt.formats.mindformers import ITER_DIR
+from zckpt.formats.strategy import StrategyMap
 from zckpt.io import fileio
 from zckpt.io.safe_paths import refuse_link
-from zckpt.plan.mf_iteration import COMMON_FIELDS
-from zckpt.plan.values import TensorSpec
+from zckpt.plan.mf_iteration import COMMON_FIELDS, plan_iteration
+from zckpt.plan.values import RankExport, TensorSpec
 from zckpt.write.boxes import BoxReader, RankResult
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -176,3 +177,37 @@ class IterationDir:
             shutil.rmtree(old)
         fileio.write_atomic(self.root / TRACKER, str(self.iteration).encode("ascii"), fsync=self.fsync)
         return self.final
+
+
+class IterationOptions(Protocol):
+    """What :func:`build_iteration` reads from ``ExportOptions`` and ``TransformOptions``."""
+
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def remove_redundancy(self) -> bool: ...
+    @property
+    def iteration(self) -> int | None: ...
+    @property
+    def overwrite(self) -> bool: ...
+    @property
+    def fsync(self) -> bool: ...
+
+
+R = TypeVar("R")
+
+
+def build_iteration(root: Path, ranks: Sequence[RankExport], specs: Mapping[str, TensorSpec],
+                    dst_strategy: StrategyMap | None, common: Mapping[str, Any],
+                    sources: Iterable[str | os.PathLike[str]], options: IterationOptions,
+                    write: Callable[[list[tuple[RankExport, Path]]], R]) -> tuple[R, Path]:
+    """The iteration directory for ``ranks`` below ``root``: its files planned, written by
+    ``write`` (export's or transform's tasks) into the hidden directory, then published.
+    ``write``'s report and the final directory."""
+    it = plan_iteration(ranks, specs, dst_strategy, options.prefix, remove_redundancy=options.remove_redundancy)
+    out = IterationDir(root, choose_iteration(options.iteration, sources, common),
+                       overwrite=options.overwrite, fsync=options.fsync)
+    with out.building_dir() as tmp:
+        report = write([(f.rank, tmp / f.name) for f in it.files])
+        final = out.publish(it.metadata, common)
+    return report, final
