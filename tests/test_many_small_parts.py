@@ -74,10 +74,12 @@ def _layout(sizes: list[int]) -> FileLayout:
     ((40, 6, 3), [Box((5, 1, 0), (17, 4, 3)), Box((17, 4, 0), (40, 6, 3)), Box((0, 0, 0), (40, 6, 3))]),
     ((64,), [Box((0,), (3,)), Box((3,), (64,)), Box((10,), (20,))]),
 ])
+@pytest.mark.parametrize("offsets", ["on arrays", "by places"])
 def test_a_bands_parts_found_on_arrays_match_box_by_box(tmp_path: Path, shape: tuple[int, ...],
-                                                        parts: list[Box]) -> None:
+                                                        parts: list[Box], offsets: str) -> None:
     """Bands of 7 rows (most parts start and end inside one): each file gets the C-order bytes
-    of its box of the tensor, whether the parts are found on arrays or box by box."""
+    of its box of the tensor, whether the parts are found on arrays (their file offsets too,
+    or through each layout's ``places``) or box by box."""
     from zckpt.io.new_files import NewFile
 
     value = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
@@ -89,8 +91,8 @@ def test_a_bands_parts_found_on_arrays_match_box_by_box(tmp_path: Path, shape: t
         fills = [GatheredWrites(n.file.fileno(), lay.framing, limit=256) for n, lay in zip(news, layouts, strict=True)]
         for n, lay in zip(news, layouts, strict=True):
             os.ftruncate(n.file.fileno(), lay.size)
-        found = blocks(region, 4)
-        assert found is not None
+        found = blocks(region, 4, layouts if offsets == "on arrays" else ())
+        assert found is not None and (found.base is not None) == (offsets == "on arrays")
         for a in range(0, shape[0], 7):
             band = Box((a, *([0] * (len(shape) - 1))), (min(shape[0], a + 7), *shape[1:]))
             data = value[band.slices()]

@@ -23,6 +23,9 @@ from zckpt.io.fileio import write_at
 LIMIT = 128 * 1024
 """Bytes gathered for one file before they are written."""
 
+_END = 1 << 62
+"""Past the end of any file: the offset after the last frame."""
+
 
 class GatheredWrites:
     """The writes of one open file: :meth:`add` data at an offset, :meth:`close` to write
@@ -31,7 +34,9 @@ class GatheredWrites:
     def __init__(self, fd: int, framing: Sequence[tuple[int, bytes]] = (), limit: int = LIMIT) -> None:
         self.fd = fd
         self.limit = limit
-        self._framing = sorted(framing)
+        frames = sorted(framing)
+        self._frame_at = [at for at, _ in frames] + [_END]
+        self._frames = [header for _, header in frames]
         self._next_frame = 0
         self._buf: memoryview | None = None  # allocated at the first small write, then reused
         self._used = 0
@@ -41,26 +46,27 @@ class GatheredWrites:
 
     def add(self, offset: int, data: memoryview | bytes) -> None:
         """Write ``data`` at ``offset``, now or with the next call (framing before it first)."""
-        frames = self._framing
-        while self._next_frame < len(frames) and frames[self._next_frame][0] < offset:
-            at, header = frames[self._next_frame]
-            self._next_frame += 1
-            self._put(at, header)
+        while self._frame_at[self._next_frame] < offset:
+            k = self._next_frame
+            self._next_frame = k + 1
+            self._put(self._frame_at[k], self._frames[k])
         self._put(offset, data)
 
     def _put(self, offset: int, data: memoryview | bytes) -> None:
         n = len(data) if isinstance(data, bytes) else data.nbytes
-        if self._used and (offset != self._start + self._used or self._used + n > self.limit):
+        used = self._used
+        if used and (offset != self._start + used or used + n > self.limit):
             self.flush()
+            used = 0
         if n >= self.limit:
             self._write(data, offset)
             return
         if self._buf is None:
             self._buf = memoryview(bytearray(self.limit))
-        if not self._used:
+        if not used:
             self._start = offset
-        self._buf[self._used : self._used + n] = data
-        self._used += n
+        self._buf[used : used + n] = data
+        self._used = used + n
 
     def flush(self) -> None:
         """Write what is gathered."""
@@ -71,9 +77,9 @@ class GatheredWrites:
 
     def close(self) -> None:
         """Write the framing not yet written and everything gathered."""
-        for at, header in self._framing[self._next_frame :]:
-            self._put(at, header)
-        self._next_frame = len(self._framing)
+        for k in range(self._next_frame, len(self._frames)):
+            self._put(self._frame_at[k], self._frames[k])
+        self._next_frame = len(self._frames)
         self.flush()
         self._buf = None
 

@@ -14,6 +14,7 @@ part goes through :func:`scatter_boxes`, box by box.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,8 @@ class Region:
 @dataclass(frozen=True)
 class Blocks:
     """A region's parts as row ranges and column ranges (region coordinates) of its rows,
-    all of them spanning the region past the second dimension."""
+    all of them spanning the region past the second dimension; ``base`` holds the file
+    offset of each part's first byte where every part lies in one run of its file."""
 
     files: list[int]
     first: np.ndarray
@@ -47,14 +49,16 @@ class Blocks:
     cols: int
     inner: int
     itemsize: int
+    base: np.ndarray | None = None
 
     def part_row_bytes(self, k: int) -> int:
         return (self.col1[k] - self.col0[k]) * self.inner * self.itemsize
 
 
-def blocks(g: Region, itemsize: int) -> Blocks | None:
+def blocks(g: Region, itemsize: int, layouts: Sequence[FileLayout] = ()) -> Blocks | None:
     """The parts of ``g`` as :class:`Blocks`, or ``None`` where one is cut past the second
-    dimension (or the tensor is a scalar)."""
+    dimension (or the tensor is a scalar). Given the files' ``layouts``, each part's file
+    offset is kept where its tensor is one run of its file (one ``.ckpt`` Value)."""
     box = g.box
     if box.ndim == 0:
         return None
@@ -62,8 +66,9 @@ def blocks(g: Region, itemsize: int) -> Blocks | None:
     if any((b.start[2:], b.stop[2:]) != rest for _, b in g.parts):
         return None
     c = box.start[1] if box.ndim > 1 else 0
+    files = [i for i, _ in g.parts]
     return Blocks(
-        files=[i for i, _ in g.parts],
+        files=files,
         first=np.array([b.start[0] for _, b in g.parts], dtype=np.int64),
         stop=np.array([b.stop[0] for _, b in g.parts], dtype=np.int64),
         col0=[b.start[1] - c if box.ndim > 1 else 0 for _, b in g.parts],
@@ -71,7 +76,20 @@ def blocks(g: Region, itemsize: int) -> Blocks | None:
         cols=box.shape[1] if box.ndim > 1 else 1,
         inner=math.prod(box.shape[2:]),
         itemsize=itemsize,
+        base=_bases(g.name, files, layouts) if layouts else None,
     )
+
+
+def _bases(name: str, files: list[int], layouts: Sequence[FileLayout]) -> np.ndarray | None:
+    """File offset of the tensor's data in each of ``files``, or ``None`` where one file
+    holds it in several Values."""
+    out = []
+    for i in files:
+        segments = layouts[i].segments[name]
+        if len(segments) != 1:
+            return None
+        out.append(segments[0].offset)
+    return np.array(out, dtype=np.int64)
 
 
 def whole_rows(band: Box, region: Box) -> bool:
@@ -92,25 +110,47 @@ def scatter_blocks(name: str, parts: Blocks, band: Box, data: np.ndarray, news: 
     grid = np.ascontiguousarray(data).reshape(b1 - b0, parts.cols, parts.inner)
     flat = grid.reshape(-1).view(np.uint8).data
     full_row = parts.cols * parts.inner * parts.itemsize
+    row_bytes = (np.array(parts.col1)[hit] - np.array(parts.col0)[hit]) * (parts.inner * parts.itemsize)
+    at = (lo[hit] - parts.first[hit]) * row_bytes
     i = -1
     try:
-        for k, r0, r1, first in zip(hit.tolist(), (lo[hit] - b0).tolist(), (hi[hit] - b0).tolist(),
-                                    parts.first[hit].tolist(), strict=True):
+        if parts.base is not None:
+            for i, part in _runs(parts, hit, (lo[hit] - b0).tolist(), (hi[hit] - b0).tolist(),
+                                 (parts.base[hit] + at).tolist(), grid, flat, full_row):
+                fills[i].add(*part)
+            return
+        for k, r0, r1, start in zip(hit.tolist(), (lo[hit] - b0).tolist(), (hi[hit] - b0).tolist(), at.tolist(),
+                                    strict=True):
             i = parts.files[k]
-            c0, c1 = parts.col0[k], parts.col1[k]
-            if c1 - c0 == parts.cols:
-                raw = flat[r0 * full_row : r1 * full_row]
-            else:
-                raw = np.ascontiguousarray(grid[r0:r1, c0:c1]).reshape(-1).view(np.uint8).data
-            at = (r0 + b0 - first) * parts.part_row_bytes(k)
+            raw = _rows(parts, k, r0, r1, grid, flat, full_row)
             fill = fills[i]
-            for offset, start, length in layouts[i].places(name, at, len(raw)):
-                fill.add(offset, raw[start : start + length])
+            for offset, s0, length in layouts[i].places(name, start, len(raw)):
+                fill.add(offset, raw[s0 : s0 + length])
     except OSError as err:
         full = fileio.as_disk_full(err, news[i].path) if i >= 0 else None
         if full is None:
             raise
         raise full from None
+
+
+def _runs(parts: Blocks, hit: np.ndarray, r0s: list[int], r1s: list[int], offsets: list[int], grid: np.ndarray,
+          flat: memoryview, full_row: int) -> Iterator[tuple[int, tuple[int, memoryview]]]:
+    """Each hit part's file and ``(file offset, bytes)``, the offsets worked out on arrays:
+    one slice per part (the common case, where each part is one run of its file)."""
+    files, col0, col1, cols = parts.files, parts.col0, parts.col1, parts.cols
+    for k, r0, r1, offset in zip(hit.tolist(), r0s, r1s, offsets, strict=True):
+        if col1[k] - col0[k] == cols:
+            yield files[k], (offset, flat[r0 * full_row : r1 * full_row])
+        else:
+            yield files[k], (offset, _rows(parts, k, r0, r1, grid, flat, full_row))
+
+
+def _rows(parts: Blocks, k: int, r0: int, r1: int, grid: np.ndarray, flat: memoryview, full_row: int) -> memoryview:
+    """Part ``k``'s bytes in rows ``[r0, r1)`` of the band."""
+    c0, c1 = parts.col0[k], parts.col1[k]
+    if c1 - c0 == parts.cols:
+        return flat[r0 * full_row : r1 * full_row]
+    return np.ascontiguousarray(grid[r0:r1, c0:c1]).reshape(-1).view(np.uint8).data
 
 
 def scatter_boxes(g: Region, band: Box, data: np.ndarray, itemsize: int, news: list[NewFile],

@@ -184,7 +184,7 @@ class GroupWriter:
             source = BandSource(reader, [(g.name, g.box) for g in todo], helper)
             for g in todo:
                 itemsize = ms_dtype(reader.ms_type(g.name)).storage.itemsize
-                parts = blocks(g, itemsize)
+                parts = blocks(g, itemsize, layouts)
                 for band in reader.bands(g.name, g.box):
                     data = source.next(g.name)
                     if parts is None or not whole_rows(band, g.box):
