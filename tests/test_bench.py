@@ -169,3 +169,24 @@ def test_bench_matrix_runs_a_case_and_renders_the_targets(tmp_path: Path) -> Non
     assert names == [c.name for c in CASES] and len(set(names)) == len(names)
     assert "| replicate | replicate | 2 | bf16 | tp8xdp2 | tp8xdp2:noopt |" in listed
     assert "| yes |" in listed.splitlines()[2 + names.index("replicate")]  # writes more, and done
+
+
+def test_where_time_goes_sorts_perf_samples_into_categories() -> None:
+    """``perf report --sort dso,sym`` lines, as perf prints them, summed per category."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from where_time_goes import CATEGORIES, shares
+
+    report = """# Samples: 22K of event 'cpu-clock:ppp'
+    40.00%  libpython3.11.so.1.0  [.] _PyEval_EvalFrameDefault
+    20.00%  [kernel.kallsyms]     [k] copy_folio_from_iter_atomic
+     5.00%  [kernel.kallsyms]     [k] __pi_memcpy
+    10.00%  [kernel.kallsyms]     [k] ext4_da_get_block_prep
+     8.00%  libc.so.6             [.] __memmove_avx512_unaligned_erms
+     7.00%  libcrc32c-7ebc40c5.so.1.1.0  [.] crc32c::ExtendSse42
+     6.00%  _multiarray_umath.cpython-311-x86_64-linux-gnu.so  [.] npy_copy
+     4.00%  libc.so.6             [.] malloc
+"""
+    got = shares(report)
+    assert [round(got[c]) for c in CATEGORIES] == [25, 10, 40, 8, 7, 6, 4]
