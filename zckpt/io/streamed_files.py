@@ -8,7 +8,8 @@ under its final name only when the upload completes (``close``) and is aborted o
 (``discard``): a final name never holds a partial object. The writers append front to back
 (a remote output is written destination-major, one file at a time per task; source-major
 groups, which write at offsets of many files at once, are for local outputs), so memory stays
-at one part plus the writer's last write per file being written.
+bounded per file being written: the part being filled (:data:`PART` plus the writer's last
+write, a band at most) and, while it goes up, s3fs's copy of it.
 
 Written by hand here is only what fsspec does not do: a multipart upload whose process was
 killed outlives it on the server (invisible, billed, never completed). :func:`abort_uploads`
@@ -76,8 +77,6 @@ class StreamedFile:
     """A file uploaded as it is written (an :class:`~zckpt.io.new_files.Unpublished`): named
     ``path`` for the writers (a path that exists nowhere), ``location`` on the server."""
 
-    temp = None
-
     def __init__(self, path: Path, location: remote.Location, on_publish: Callable[[remote.Location], None]) -> None:
         self.path = path
         self.location = location
@@ -124,7 +123,6 @@ class SpooledFile:
         self._tmp = Path(tempfile.mkdtemp(prefix="zckpt-out-"))
         self._new = NewFile(self._tmp / path.name)
         self.file = self._new.file
-        self.temp = self._new.temp
 
     def publish(self, fsync: bool, *, sync_dir: bool = True) -> None:
         try:
