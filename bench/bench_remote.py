@@ -15,8 +15,9 @@ and the throughput against replaying the same ranges with the same client (s3fs)
 ranged GETs: ``cat_ranges`` (s3fs's batched async GETs), and a plain loop of ``cat_file``.
 Then ``export`` of the local store to an S3 directory, the rank files streamed up as
 multipart uploads: the bytes sent (counted by the proxy) against the bytes of the files,
-the bytes written under ``$TMPDIR`` while it ran, and the time against a plain s3fs ``put``
-of the same files (a local export of the same job) with the same client.
+the bytes written under ``$TMPDIR`` while it ran, and the time against plain uploads of
+the same files (a local export of the same job) with the same client: ``put_file`` one file
+at a time (as one export task writes them), and ``put`` (s3fs uploads the files at once).
 The figures are of loopback and moto (a Python server): relative, not absolute.
 
     python bench/bench_remote.py [--mib 64] [--src 8] [--dst 4]
@@ -162,11 +163,15 @@ def run_write(proxy: Proxy, fs: Any, tmp: Path, store: Path, dst: Path, opts: di
     parts = sum(n for k, n in proxy.requests.items() if k.startswith(f"PUT /{BUCKET}/out/rank_"))
     print(f"export to S3 (streamed): files {files / MiB:.2f} MiB, sent {sent / MiB:.2f} MiB ({sent / files:.3f}x) "
           f"in {parts} PUTs, spooled {watch.peak} B, {took:.2f} s = {files / MiB / took:.1f} MiB/s")
-    proxy.reset_counts()
+    t0 = time.perf_counter()
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):  # one file at a time, as one export task
+        fs.put_file(str(f), f"{BUCKET}/plain-one/{f.relative_to(local).as_posix()}")
+    one = time.perf_counter() - t0
     t0 = time.perf_counter()
     fs.put(str(local), f"{BUCKET}/plain", recursive=True)
-    plain = time.perf_counter() - t0
-    print(f"  the same files by s3fs put (throughput of zckpt / of the plain put): {plain:.2f} s ({plain / took:.2f})")
+    batched = time.perf_counter() - t0
+    print(f"  the same files as plain uploads (throughput of zckpt / of the plain uploads): s3fs put_file one "
+          f"by one {one:.2f} s ({one / took:.2f}), s3fs put (files at once) {batched:.2f} s ({batched / took:.2f})")
 
 
 def main() -> None:

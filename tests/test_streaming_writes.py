@@ -294,6 +294,26 @@ def test_failed_run_aborts_its_uploads(server: tuple[Any, Proxy]) -> None:
     _abort_upload(fs, f"{out}/rank_0/checkpoint_0.txt", other)
 
 
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+def test_successful_run_aborts_a_killed_attempts_upload(server: tuple[Any, Proxy], job: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """A task killed on a worker and run again elsewhere leaves its upload in progress while
+    the run succeeds: the run aborts it as it finishes."""
+    fs, proxy = server
+    out = f"{BUCKET}/rerun-{fmt}"
+    publish = streamed_files.StreamedFile.publish
+
+    def killed_attempt_too(self: streamed_files.StreamedFile, fsync: bool, *, sync_dir: bool = True) -> None:
+        _start_upload(fs, self.location.path)  # the same file's upload by an attempt since killed
+        publish(self, fsync, sync_dir=sync_dir)
+
+    monkeypatch.setattr(streamed_files.StreamedFile, "publish", killed_attempt_too)
+    zckpt.export(str(job["store"]), f"s3://{out}", str(job["dst"]),
+                 options=zckpt.ExportOptions(format=fmt, storage_options=proxy.options()))
+    assert _uploads(fs, out) == []
+    assert _remote_tree(fs, out) == _local_tree(job["root"] / ("ckpt" if fmt == "ckpt" else "st"))
+
+
 def test_complete_directory_is_kept_only_with_the_same_etags(server: tuple[Any, Proxy],
                                                              job: dict[str, Path]) -> None:
     """A finished export's rerun writes nothing; a file replaced since by one of the same size

@@ -175,8 +175,9 @@ class LocalOutputDir:
 class RemoteOutputDir:
     """A directory on an fsspec filesystem: no lock (its marker says whose it is), no folders
     to make (object stores have none), files uploaded as they are written. The uploads a
-    killed run of the planned files left in progress are aborted when the run starts
-    (:meth:`resume_or_refuse`, :meth:`make_folders`) and when it fails (:meth:`holding`)."""
+    killed process left in progress for the planned files are aborted when the run starts
+    (:meth:`resume_or_refuse`, :meth:`make_folders`), ends (:meth:`finish`,
+    :meth:`remember_all`) and fails (:meth:`holding`)."""
 
     location: remote.Location
     planned: list[Path] = field(default_factory=list, compare=False, repr=False)
@@ -247,7 +248,9 @@ class RemoteOutputDir:
         pass
 
     def remember_all(self, fingerprint: str) -> None:
-        pass
+        """Nothing recorded (a rerun rewrites a remote safetensors export); the uploads of its
+        files a killed task left in progress are aborted (:func:`zckpt.write.out_dirs.finish_remote`)."""
+        out_dirs.abort_orphans(self.location, self.planned)
 
     def probe(self) -> None:
         pass

@@ -251,7 +251,10 @@ def drop_temporaries(out: Path) -> None:
 
 def finish_remote(out: remote.Location, jobs: Jobs, fingerprint: str) -> None:
     """:func:`finish_local` for a remote directory: its record names the planned files with
-    their sizes and ETags as listed there."""
+    their sizes and ETags as listed there. Uploads of those files still in progress are a
+    killed task's (run again elsewhere, on Dask): aborted, as :func:`finish_local` removes
+    such a task's temporary file."""
+    abort_orphans(out, [p for _, p in jobs])
     wanted = set(_planned(Path(out.path), jobs))
     found: dict[str, list[int | str]] = {k: [size, etag] for k, (size, etag) in _remote_files(out).items()
                                          if k in wanted}
