@@ -7,9 +7,11 @@ upload fed a part each time :data:`PART` bytes are buffered), which publishes th
 under its final name only when the upload completes (``close``) and is aborted on any failure
 (``discard``): a final name never holds a partial object. The writers append front to back
 (a remote output is written destination-major, one file at a time per task; source-major
-groups, which write at offsets of many files at once, are for local outputs), so memory stays
-bounded per file being written: the part being filled (:data:`PART` plus the writer's last
-write, a band at most) and, while it goes up, s3fs's copy of it.
+groups, which write at offsets of many files at once, are for local outputs). A thread per
+file feeds the upload, so that a part goes up while the writer produces the next; memory
+stays bounded per file being written: the bytes waiting for that thread (:data:`PART`, or
+one larger write: a band at most), the part being filled (as much again) and, while it goes
+up, s3fs's copy of it.
 
 Written by hand here is only what fsspec does not do: a multipart upload whose process was
 killed outlives it on the server (invisible, billed, never completed). :func:`abort_uploads`
@@ -26,9 +28,11 @@ spools. On filesystems whose files show before they are closed (not in :data:`WH
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,19 +53,35 @@ uploads, GCS's resumable uploads)."""
 
 
 class _Upload:
-    """The writers' file object over fsspec's: every failure an :class:`OutputError` naming the URL."""
+    """The writers' file object over fsspec's. Their bytes are copied (they reuse their
+    buffers) and handed to a thread of the file that feeds fsspec's, so that a part goes up
+    while the writer produces the next one; at most :data:`PART` bytes wait (more only for one
+    larger write). Every failure is an :class:`OutputError` naming the URL, raised by the
+    writer's next call."""
 
     def __init__(self, raw: Any, url: str) -> None:
         self.raw = raw
         self.url = url
         self.size = 0
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._waiting = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._feed, name="zckpt-upload", daemon=True)
+        self._thread.start()
 
     def write(self, data: bytes | memoryview) -> int:
-        with remote.remote_errors(OutputError, self.url, "cannot upload"):
-            self.raw.write(data)
-        n = len(data) if isinstance(data, bytes) else data.nbytes
-        self.size += n
-        return n
+        chunk = bytes(data)
+        with self._cond:
+            while self._waiting and self._waiting + len(chunk) > PART and self._error is None:
+                self._cond.wait()
+            self._raise()
+            self._chunks.append(chunk)
+            self._waiting += len(chunk)
+            self._cond.notify_all()
+        self.size += len(chunk)
+        return len(chunk)
 
     def flush(self) -> None:
         """Nothing: parts go up as they fill (fsspec's ``flush`` would force a short part)."""
@@ -71,6 +91,43 @@ class _Upload:
 
     def close(self) -> None:
         pass
+
+    def finish(self, *, drop: bool = False) -> None:
+        """Wait until every byte written is handed to fsspec's file (with ``drop``: drop what
+        waits), then raise a failure of the thread."""
+        with self._cond:
+            if drop:
+                self._chunks.clear()
+            self._done = True
+            self._cond.notify_all()
+        self._thread.join()
+        if not drop:
+            self._raise()
+
+    def _feed(self) -> None:
+        while True:
+            with self._cond:
+                while not self._chunks and not self._done:
+                    self._cond.wait()
+                if not self._chunks:
+                    return
+                chunk = self._chunks.popleft()
+            try:
+                self.raw.write(chunk)
+            except BaseException as err:  # handed to the writer (its next call raises it)
+                with self._cond:
+                    self._error = err
+                    self._chunks.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._waiting -= len(chunk)
+                self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            with remote.remote_errors(OutputError, self.url, "cannot upload"):
+                raise self._error
 
 
 class StreamedFile:
@@ -90,6 +147,7 @@ class StreamedFile:
     def publish(self, fsync: bool, *, sync_dir: bool = True) -> None:
         """Complete the upload: the object appears under its final name now, whole."""
         try:
+            self._upload.finish()
             with remote.remote_errors(OutputError, self.location.url, "cannot upload"):
                 self._upload.raw.close()
                 if self._at != self.location.path:
@@ -101,6 +159,7 @@ class StreamedFile:
 
     def discard(self) -> None:
         """Abort the upload (nothing appears; the server drops the parts sent)."""
+        self._upload.finish(drop=True)
         raw = self._upload.raw
         with contextlib.suppress(Exception):  # the server may be what failed: the next run aborts it
             raw.discard()
