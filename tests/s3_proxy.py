@@ -59,6 +59,18 @@ def moto_server(*, endpoint_in_env: bool = False) -> Iterator[str]:
         server.stop()
 
 
+@contextlib.contextmanager
+def proxied_bucket(bucket: str) -> Iterator[tuple[Any, Proxy]]:
+    """moto's server with ``bucket``, an s3fs client of the server itself (to set up and look),
+    and the proxy in front of it (what zckpt talks to)."""
+    import s3fs  # (only the S3 tests use it)
+
+    with moto_server() as endpoint, Proxy(endpoint) as proxy:
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+        fs.mkdir(bucket)
+        yield fs, proxy
+
+
 @dataclass
 class Fault:
     """``kind`` (``reset``, ``500``, ``503``, ``slowdown``, ``stall``, ``short``) on the next
