@@ -224,6 +224,27 @@ def test_failed_part_aborts_its_upload(server: tuple[Any, Proxy], job: dict[str,
     assert fs.cat_file(path) == (job["root"] / "tr" / "rank_1" / "checkpoint_1.ckpt").read_bytes()
 
 
+def test_failed_part_of_a_split_rank_leaves_none_of_its_files(server: tuple[Any, Proxy], job: dict[str, Path],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split safetensors rank whose second part fails: its first part (already complete) is
+    removed again and no index is written: nothing of the rank looks like a (short) model."""
+    fs, proxy = server
+    out = f"{BUCKET}/split-failed"
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    proxy.faults = [Fault("/rank_1/checkpoint_1-00002-of-", "500", method="PUT")]
+    try:
+        with pytest.raises(OutputError, match="cannot upload") as caught:
+            zckpt.export(str(job["store"]), f"s3://{out}", str(job["dst"]),
+                         options=zckpt.ExportOptions(format="safetensors", max_file_bytes=3 << 20,
+                                                     storage_options=proxy.options()))
+    finally:
+        proxy.faults = []
+    assert "rank_1/checkpoint_1-00002-of-" in str(caught.value.path)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{out}/rank_1"), fs.find(f"{out}/rank_1")
+    assert _uploads(fs, out) == []
+
+
 def _cli_options(proxy: Proxy) -> list[str]:
     return [f"--storage-option={k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in proxy.options().items()]
 

@@ -364,7 +364,7 @@ class RemoteFile:
         folder = loc.sibling("")
         stale = set(remote_outputs(loc, loc.path))
         for old in sorted(p for p in stale if p.endswith(INDEX_SUFFIX)):
-            remote.remove(remote.Location(loc.url_of(old), loc.fs, old), OutputError)
+            remote.remove(_beside(loc, old), OutputError)
             stale.discard(old)
         with streamed_files.streaming(folder, self._name) as (path, published):
             try:
@@ -373,10 +373,10 @@ class RemoteFile:
             except BaseException:
                 for p in sorted(({f.path for f in published} | stale) - {loc.path}):
                     with contextlib.suppress(OutputError):
-                        remote.remove(remote.Location(loc.url_of(p), loc.fs, p), OutputError)
+                        remote.remove(_beside(loc, p), OutputError)
                 raise
         for p in sorted(stale - {f.path for f in published}):
-            remote.remove(remote.Location(loc.url_of(p), loc.fs, p), OutputError)
+            remote.remove(_beside(loc, p), OutputError)
         return replace(result, path=folder.child(Path(result.path).name).url)
 
     def is_dir(self) -> bool:
@@ -389,6 +389,11 @@ class RemoteFile:
     @property
     def _name(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _beside(loc: remote.Location, path: str) -> remote.Location:
+    """The file ``path`` of ``loc``'s filesystem."""
+    return remote.Location(loc.url_of(path), loc.fs, path)
 
 
 def output_file(target: str | Path, storage_options: remote.StorageOptions) -> OutputFile:
