@@ -1,4 +1,4 @@
-"""Remote sources read by byte range: bytes fetched vs needed, spooled bytes, throughput vs a plain GET.
+"""Remote reads by byte range, outputs streamed up: bytes moved vs needed, spooled bytes, throughput vs plain s3fs.
 
 Starts moto's S3 server on loopback behind the counting proxy of ``tests/s3_proxy.py``,
 uploads a generated job, and runs, from its URLs:
@@ -13,6 +13,11 @@ For each it prints the bytes the server sent (counted by the proxy) against the 
 destination holds, the bytes written under ``$TMPDIR`` while it ran (a spool would show),
 and the throughput against replaying the same ranges with the same client (s3fs) as plain
 ranged GETs: ``cat_ranges`` (s3fs's batched async GETs), and a plain loop of ``cat_file``.
+Then ``export`` of the local store to an S3 directory, the rank files streamed up as
+multipart uploads: the bytes sent (counted by the proxy) against the bytes of the files,
+the bytes written under ``$TMPDIR`` while it ran, and the time against plain uploads of
+the same files (a local export of the same job) with the same client: ``put_file`` one file
+at a time (as one export task writes them), and ``put`` (s3fs uploads the files at once).
 The figures are of loopback and moto (a Python server): relative, not absolute.
 
     python bench/bench_remote.py [--mib 64] [--src 8] [--dst 4]
@@ -38,6 +43,9 @@ from s3_proxy import Proxy, moto_server  # noqa: E402  (tests/ put on the path a
 from zckpt.core.dtypes import ms_dtype  # noqa: E402
 from zckpt.formats.ckpt import CkptReader  # noqa: E402
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout  # noqa: E402
+from zckpt.io import streamed_files  # noqa: E402
+from zckpt.jobs.export import export  # noqa: E402
+from zckpt.jobs.export_job import ExportOptions  # noqa: E402
 from zckpt.jobs.generate import write_model  # noqa: E402
 from zckpt.jobs.generate_model import TensorDef  # noqa: E402
 from zckpt.jobs.ingest import IngestOptions, ingest  # noqa: E402
@@ -142,6 +150,36 @@ def run(label: str, proxy: Proxy, fs: Any, tmp: Path, needed: int, call: Any) ->
           + ("" if obs is None else f", obstore get_range x8 threads {obs:.2f} s ({obs / took:.2f})"))
 
 
+def run_write(proxy: Proxy, fs: Any, tmp: Path, store: Path, dst: Path, opts: dict[str, Any]) -> None:
+    """``export`` to S3 (streamed) against a plain ``put`` of the same files."""
+    local = tmp.parent / "out-local"
+    t0 = time.perf_counter()
+    export(str(store), str(local), str(dst))
+    on_disk = time.perf_counter() - t0
+    files = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    proxy.reset_counts()
+    with TmpWatch(tmp) as watch:
+        t0 = time.perf_counter()
+        export(str(store), f"s3://{BUCKET}/out", str(dst), options=ExportOptions(storage_options=opts))
+        took = time.perf_counter() - t0
+    sent = sum(n for p, n in proxy.uploaded.items() if p.startswith(f"/{BUCKET}/out/rank_"))
+    parts = sum(n for k, n in proxy.requests.items() if k.startswith(f"PUT /{BUCKET}/out/rank_"))
+    print(f"export to S3 (streamed): files {files / MiB:.2f} MiB, sent {sent / MiB:.2f} MiB ({sent / files:.3f}x) "
+          f"in {parts} PUTs, spooled {watch.peak} B, {took:.2f} s = {files / MiB / took:.1f} MiB/s")
+    print(f"  the same export to local disk: {on_disk:.2f} s")
+    named = sorted(p for p in local.rglob("*") if p.is_file())
+    t0 = time.perf_counter()
+    for f in named:  # one file at a time, as one export task writes them, in parts of the same size
+        fs.put_file(str(f), f"{BUCKET}/plain-one/{f.relative_to(local).as_posix()}", chunksize=streamed_files.PART)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fs.put(str(local), f"{BUCKET}/plain", recursive=True)
+    batched = time.perf_counter() - t0
+    print(f"  the same files as plain uploads (throughput of zckpt / of the plain uploads): s3fs put_file one "
+          f"by one in {streamed_files.PART // MiB} MiB parts {one:.2f} s ({one / took:.2f}), s3fs put (files at "
+          f"once, its own part size) {batched:.2f} s ({batched / took:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
@@ -187,6 +225,7 @@ def main() -> None:
         names = [t.name for t in plan.source.tensors if t.kind == "tensor"]
         run("read_slice (1/N), store", proxy, fs, spool, need_one,
             lambda: [read_slice(store_url, 1, dst, n, storage_options=opts) for n in names])
+        run_write(proxy, fs, spool, root / "store.zarr", dst, opts)
 
 
 if __name__ == "__main__":

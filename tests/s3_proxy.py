@@ -1,7 +1,8 @@
 """moto's S3 server on loopback, and an HTTP proxy in front of it that counts and breaks.
 
-The proxy forwards every request to the server and counts, per object, the requests and the
-body bytes of ``GET`` answers: what a client really fetched, not what it says it fetched.
+The proxy forwards every request to the server and counts, per object, the requests, the
+body bytes of ``GET`` answers and of ``PUT`` requests: what a client really fetched and sent,
+not what it says it did.
 Faults can be injected on requests whose path contains a string: a connection reset, a
 ``500`` / ``503 SlowDown`` answer, a stalled answer, or a body cut short. The tests of range
 reads and ``bench/bench_remote.py`` use it.
@@ -58,6 +59,18 @@ def moto_server(*, endpoint_in_env: bool = False) -> Iterator[str]:
         server.stop()
 
 
+@contextlib.contextmanager
+def proxied_bucket(bucket: str) -> Iterator[tuple[Any, Proxy]]:
+    """moto's server with ``bucket``, an s3fs client of the server itself (to set up and look),
+    and the proxy in front of it (what zckpt talks to)."""
+    import s3fs  # (only the S3 tests use it)
+
+    with moto_server() as endpoint, Proxy(endpoint) as proxy:
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+        fs.mkdir(bucket)
+        yield fs, proxy
+
+
 @dataclass
 class Fault:
     """``kind`` (``reset``, ``500``, ``503``, ``slowdown``, ``stall``, ``short``) on the next
@@ -81,6 +94,8 @@ class Proxy:
         self.requests: Counter[str] = Counter()
         self.body_bytes: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
+        self.uploaded: Counter[str] = Counter()
+        """Body bytes of ``PUT`` requests per object (a whole object or a part of an upload)."""
         self.ranges: list[tuple[str, int, int]] = []
         """``(object path, start, stop)`` of every ranged ``GET`` answered (a benchmark replays them)."""
         self._lock = threading.Lock()
@@ -113,6 +128,7 @@ class Proxy:
             self.requests.clear()
             self.body_bytes.clear()
             self.injected.clear()
+            self.uploaded.clear()
             self.ranges.clear()
 
     def fetched(self, where: str = "") -> int:
@@ -164,6 +180,8 @@ class Proxy:
         obj = "?" not in target or "list-type" not in target
         with self._lock:
             self.requests[f"{method} {path}"] += 1
+            if method == "PUT":
+                self.uploaded[path] += len(body)
         fault = self._fault(method, path, _range_length(hmap.get("range", "")))
         if fault is not None and fault.kind == "reset":
             h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -39,7 +39,7 @@ from zckpt.store.store import Store
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
 
-from s3_proxy import Fault, Proxy, moto_server  # noqa: E402  (after the skips: it needs moto)
+from s3_proxy import Fault, Proxy, proxied_bucket  # noqa: E402  (after the skips: it needs moto)
 
 BUCKET = "zckpt-ranges"
 SRC_N, DST_N = 4, 2
@@ -50,10 +50,8 @@ SLACK = 1.1
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[Any, Proxy]]:
     """The S3 server (with a bucket) and the proxy zckpt talks to."""
-    with moto_server() as endpoint, Proxy(endpoint) as proxy:
-        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield fs, proxy
+    with proxied_bucket(BUCKET) as served:
+        yield served
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ with the filesystem's options in the keyword-only ``storage_options``. When a so
 destination is a URL the work goes through a temporary zckpt store instead (ingest, then
 export; ``transform_checkpoint_by_rank`` to a local file reads URL sources directly): shards
 are read where they are, by byte range, and for a URL destination the temporary store
-lives in the local temporary directory and each file is uploaded once complete.
+lives in the local temporary directory and each file is uploaded as it is written.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def transform_checkpoint_by_rank(
 
     The map needs only the ranks :func:`rank_list_for_transform` names; a missing region is
     reported with the parameter it belongs to. Files may be URLs (``storage_options``: see
-    the module); a URL destination is written locally and uploaded once complete.
+    the module); a URL destination is uploaded as it is written, visible once complete.
     """
     if not isinstance(checkpoint_files_map, dict):
         raise TypeError("The checkpoint_files_map should be a dict.")

@@ -24,7 +24,7 @@ from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_value, string_value, tensor_values
 from zckpt.formats.entries import FileRange
-from zckpt.io import fileio
+from zckpt.io import fileio, new_files
 from zckpt.io.checksums import Sink
 from zckpt.io.new_files import NewFile
 
@@ -58,8 +58,9 @@ class CkptWriter:
         self._sources: collections.OrderedDict[Path, tuple[int, int]] = collections.OrderedDict()
         """Open source files of recent file ranges with their sizes (a job of hundreds of ranks
         copies thousands of ranges out of each file: one open and fstat per file, not per range)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._new = NewFile(self.path)  # unnamed until published where the system allows
+        self._new = new_files.create(self.path, folders=True)  # unnamed until published where the system allows
+        self._kernel = isinstance(self._new, NewFile)
+        """The file has a descriptor the kernel can copy into (not a remote upload)."""
         self._f: BinaryIO | None = self._new.file
 
     def __enter__(self) -> CkptWriter:
@@ -159,7 +160,7 @@ class CkptWriter:
         file's end: only when they fall at the same place in a page. Otherwise ext4 splices
         each source page into two destination pages and costs more than a read and a write
         through the buffer (bench/bench_copy.py)."""
-        return not self._crc_enabled and (offset - self.bytes_written) % mmap.PAGESIZE == 0
+        return self._kernel and not self._crc_enabled and (offset - self.bytes_written) % mmap.PAGESIZE == 0
 
     def _copy_bytes(self, path: Path, src: int, offset: int, length: int, check: Sink | None) -> None:
         """Append ``length`` bytes of ``src`` at ``offset``, passing them to ``check``."""

@@ -45,7 +45,7 @@ from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.entries import EntryInfo, Segment
-from zckpt.io.new_files import NewFile
+from zckpt.io import new_files
 
 SF_TO_MS: dict[str, str] = {
     "BOOL": "Bool",
@@ -420,8 +420,8 @@ class SafetensorsWriter:
         self._header, self.order = header_bytes(self._tensors, meta)
         self._next = 0
         self.bytes_written = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._new = NewFile(self.path)  # unnamed until published where the system allows
+        # unnamed until published where the system allows; with crc the header is rewritten last
+        self._new = new_files.create(self.path, head_last=crc, folders=True)
         self._f: BinaryIO | None = self._new.file
         self._write(self._header)
 

@@ -20,7 +20,7 @@ from types import TracebackType
 
 from zckpt.core.errors import DiskFullError
 from zckpt.io.checksums import Sink
-from zckpt.io.new_files import NewFile
+from zckpt.io.new_files import Unpublished, create
 from zckpt.io.new_files import fsync_dir as fsync_dir  # callers import it from here
 
 BLOCK = 1024 * 1024
@@ -150,13 +150,13 @@ class Publisher:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close(raise_errors=et is None)
 
-    def submit(self, new: NewFile) -> None:
+    def submit(self, new: Unpublished) -> None:
         """Publish a completely written new file (this object now owns it)."""
         new.file.flush()
         with self._lock:
             self._pending.append(self._pool.submit(self._publish, new))
 
-    def _publish(self, new: NewFile) -> None:
+    def _publish(self, new: Unpublished) -> None:
         new.publish(self.fsync, sync_dir=False)
         self._dirs.setdefault(new.path.parent)
 
@@ -226,7 +226,7 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
     """Write a small file whole as a :class:`~zckpt.io.new_files.NewFile` (unnamed where the
     system allows, never through a planted link), then publish it; nothing of it is left
     on any failure."""
-    new = NewFile(path)
+    new = create(path)
     try:
         with disk_full_named(path):
             new.file.write(data)

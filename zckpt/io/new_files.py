@@ -18,6 +18,12 @@ Linking an unnamed file takes one of two calls, tried once per filesystem and pr
 process that opened the file since Linux 6.10, earlier only with ``CAP_DAC_READ_SEARCH``),
 or ``linkat`` of ``/proc/self/fd/<fd>`` (fails with ``EXDEV`` where ``/proc`` is seen
 through another mount).
+
+A file need not be written on this machine at all: inside :func:`routed`, a new file below
+the given root is opened by the given opener instead (a remote output's upload, streamed as
+it is written: :mod:`zckpt.io.streamed_files`). The writers ask :func:`create` for every new
+file, so they write a local file or an upload alike, through the :class:`Unpublished` each
+gets.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from zckpt.io import safe_paths
 
@@ -45,6 +52,52 @@ _methods_lock = threading.Lock()
 
 UNNAMED = True
 """Write new files unnamed where the system allows (tests turn it off to exercise the named fallback)."""
+
+
+class Unpublished(Protocol):
+    """A file being written for :attr:`path`, named only by :meth:`publish` (a :class:`NewFile`,
+    or a remote upload: :mod:`zckpt.io.streamed_files`)."""
+
+    path: Path
+    file: BinaryIO
+
+    def publish(self, fsync: bool, *, sync_dir: bool = True) -> None:
+        """Give the completely written file its final name (dropped on any failure)."""
+        ...
+
+    def discard(self) -> None:
+        """Drop the file: nothing of it stays under any name."""
+        ...
+
+
+Opener = Callable[[Path, bool], Unpublished]
+"""Opens a new file for a path below a :func:`routed` root; the flag says its head is
+rewritten once the rest is written (so it cannot be streamed front to back)."""
+
+_ROUTE: ContextVar[tuple[Path, Opener] | None] = ContextVar("zckpt_new_file_route", default=None)
+
+
+def create(path: Path, *, head_last: bool = False, folders: bool = False) -> Unpublished:
+    """A new file for ``path``: opened by the opener of an enclosing :func:`routed` when
+    ``path`` lies below its root, else a :class:`NewFile` (with ``folders``, its folder made
+    first)."""
+    route = _ROUTE.get()
+    if route is not None and path.is_relative_to(route[0]):
+        return route[1](path, head_last)
+    if folders:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return NewFile(path)
+
+
+@contextlib.contextmanager
+def routed(root: Path, opener: Opener) -> Iterator[None]:
+    """New files below ``root`` (a path that exists nowhere) are opened by ``opener`` while in
+    this context (in this thread: the writer that creates them runs here)."""
+    token = _ROUTE.set((root, opener))
+    try:
+        yield
+    finally:
+        _ROUTE.reset(token)
 
 
 class NewFile:

@@ -4,7 +4,8 @@ zckpt's fast paths (raw chunk files, ``copy_file_range``, memory-mapped readers,
 ``fcntl`` ingest lock) need a POSIX file. A URL with a scheme (``s3://``, ``gs://``,
 ``memory://``, ...) names a location in an fsspec filesystem instead: the store is then
 opened with zarr's own ``FsspecStore``, source shards are read by byte range
-(:mod:`zckpt.io.ranged`), and output files are written locally and uploaded when complete.
+(:mod:`zckpt.io.ranged`), and output files are uploaded as they are written, visible under
+their names only once complete (:mod:`zckpt.io.streamed_files`).
 ``file://`` URLs and plain paths are local.
 
 Every failure of a remote call (no bucket, no credentials, endpoint unreachable) becomes
@@ -144,13 +145,15 @@ def find(loc: Location, err_cls: type[ZckptError]) -> list[str]:
         return sorted(str(p) for p in loc.fs.find(loc.path))
 
 
-def file_sizes(loc: Location, err_cls: type[ZckptError]) -> dict[str, int]:
-    """``{filesystem path: size}`` of every file below ``loc`` (one listing)."""
+def file_identities(loc: Location, err_cls: type[ZckptError]) -> dict[str, tuple[int, str]]:
+    """``{filesystem path: (size, ETag)}`` of every file below ``loc`` (one listing; the ETag
+    is ``""`` where the server gives none)."""
     with remote_errors(err_cls, loc.url, "cannot list"):
         if not loc.fs.exists(loc.path):
             return {}
         found = loc.fs.find(loc.path, detail=True)
-    return {str(p): int(info.get("size") or 0) for p, info in sorted(found.items())}
+    return {str(p): (int(info.get("size") or 0), str(info.get("ETag") or info.get("etag") or ""))
+            for p, info in sorted(found.items())}
 
 
 def read_bytes(loc: Location, err_cls: type[ZckptError]) -> bytes:

@@ -13,8 +13,8 @@ models with hundreds of small tensors, see bench/RESULTS.md).
 Safetensors outputs (:func:`export_safetensors`) are written by the safetensors rank writer
 (:mod:`zckpt.write.safetensors_rank`: one file, or HF-style parts and an index), after their
 own refusals (MapParameter entries, outputs present already); each task publishes its rank's
-files through its destination (a remote rank is written in a local temporary directory and
-uploaded, parts before the index, once complete). MindSpore's own safetensors jobs use this
+files through its destination (a remote rank's files are uploaded as they are written,
+parts before the index, each visible once complete). MindSpore's own safetensors jobs use this
 layout, so the files load with ``mindspore.load_checkpoint(f, format="safetensors")`` and
 with any safetensors reader.
 """

@@ -7,8 +7,8 @@ which files are still to write (resume or refuse, :mod:`zckpt.write.out_dirs`), 
 receives as its target, how a rank folder is made, how a finished run is recorded, what
 ``--dry-run`` reports. A task publishes its file through :func:`output_file`: a local file
 is written in place (through the publisher, which names it only when complete); a remote
-file is written to a local temporary file and uploaded once complete, so that its final
-name never holds a partial file.
+file is uploaded as it is written (a multipart upload on S3: :mod:`zckpt.io.streamed_files`),
+so that its final name never holds a partial file and no byte of it touches local disk.
 
 The mechanics of markers, records and leftovers stay in :mod:`zckpt.write.out_dirs` and
 :mod:`zckpt.write.out_records`; a new kind of destination is one more class here, chosen in
@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from zckpt.core.errors import OutputError
 from zckpt.formats.shard_reader import INDEX_SUFFIX
-from zckpt.io import locks, remote
+from zckpt.io import locks, remote, streamed_files
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.write import out_dirs, out_records
 from zckpt.write.boxes import RankResult
@@ -174,9 +174,14 @@ class LocalOutputDir:
 @dataclass(frozen=True)
 class RemoteOutputDir:
     """A directory on an fsspec filesystem: no lock (its marker says whose it is), no folders
-    to make (object stores have none), files uploaded whole."""
+    to make (object stores have none), files uploaded as they are written. The uploads a
+    killed process left in progress for the planned files are aborted when the run starts
+    (:meth:`resume_or_refuse`, :meth:`make_folders`), ends (:meth:`finish`,
+    :meth:`remember_all`) and fails (:meth:`holding`)."""
 
     location: remote.Location
+    planned: list[Path] = field(default_factory=list, compare=False, repr=False)
+    """The files this run writes (known once it asked what is still to write)."""
 
     @property
     def local(self) -> bool:
@@ -200,8 +205,16 @@ class RemoteOutputDir:
     def create(self) -> None:
         pass
 
-    def holding(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """A failed run aborts the uploads of its files still in progress (those of a task
+        killed on a worker, which no exception there reached)."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(OutputError):  # the server may be what failed: the next run aborts them
+                out_dirs.abort_orphans(self.location, self.planned)
+            raise
 
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """In the local temporary directory."""
@@ -211,6 +224,7 @@ class RemoteOutputDir:
         return self.location.url_of(Path(path).as_posix())
 
     def resume_or_refuse(self, jobs: Jobs, fingerprint: str, overwrite: bool) -> Jobs:
+        self.planned[:] = [p for _, p in jobs]
         return out_dirs.resume_or_refuse_remote(self.location, jobs, fingerprint, overwrite)
 
     def would_write(self, jobs: Jobs, fingerprint: str, overwrite: bool) -> Jobs:
@@ -226,13 +240,17 @@ class RemoteOutputDir:
         return False  # not kept: a rerun rewrites a remote safetensors export
 
     def make_folders(self, paths: Iterable[Path]) -> None:
-        pass
+        """No folders: the uploads a killed run of these files left in progress are aborted."""
+        self.planned[:] = list(paths)
+        out_dirs.abort_orphans(self.location, self.planned)
 
     def check_folders(self, paths: Iterable[Path]) -> None:
         pass
 
     def remember_all(self, fingerprint: str) -> None:
-        pass
+        """Nothing recorded (a rerun rewrites a remote safetensors export); the uploads of its
+        files a killed task left in progress are aborted (:func:`zckpt.write.out_dirs.finish_remote`)."""
+        out_dirs.abort_orphans(self.location, self.planned)
 
     def probe(self) -> None:
         pass
@@ -321,8 +339,8 @@ class LocalFile:
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """A file on an fsspec filesystem: written to a local temporary file, uploaded once
-    complete, so that its final name never holds a partial file."""
+    """A file on an fsspec filesystem: uploaded as it is written, visible under its name only
+    once complete (:mod:`zckpt.io.streamed_files`), nothing of it on this machine's disk."""
 
     url: str
     storage_options: Mapping[str, Any] | None = None
@@ -332,28 +350,33 @@ class RemoteFile:
         return remote.locate(self.url, self.storage_options, OutputError)
 
     def publish(self, write: WriteAt, publisher: Publisher | None = None) -> RankResult:
-        with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
-            local = Path(tmp) / self._name
-            result = write(local, None)
-            remote.upload(local, self.location, OutputError)
+        with streamed_files.streaming(self.location.sibling(""), self._name) as (path, _), \
+                remote.named_by_url(path.parent, self.url):
+            result = write(path, None)
         return replace(result, path=self.url)
 
     def publish_parts(self, write: Callable[[Path], RankResult]) -> RankResult:
-        """Uploads each file when complete (the parts before the index that names them), then
-        removes what an earlier write of this rank left that this one did not (e.g. parts of
-        another split)."""
+        """Each file goes up as it is written (the parts before the index that names them);
+        an earlier write's index is removed first (it would name a mix of old and new parts),
+        and what that write left that this one did not (e.g. parts of another split) once this
+        one is complete. A failed write leaves no part of it or of the earlier write."""
         loc = self.location
         folder = loc.sibling("")
         stale = set(remote_outputs(loc, loc.path))
-        with tempfile.TemporaryDirectory(prefix="zckpt-out-") as tmp:
-            result = write(Path(tmp) / self._name)
-            made = sorted(p.name for p in Path(tmp).iterdir())
-            index = Path(result.path).name if Path(result.path).name.endswith(INDEX_SUFFIX) else None
-            for n in [m for m in made if m != index] + ([index] if index else []):
-                remote.upload(Path(tmp) / n, folder.child(n), OutputError)
-        written = {folder.child(n).path for n in made}
-        for p in sorted(stale - written):
-            remote.remove(remote.Location(loc.url_of(p), loc.fs, p), OutputError)
+        for old in sorted(p for p in stale if p.endswith(INDEX_SUFFIX)):
+            remote.remove(_beside(loc, old), OutputError)
+            stale.discard(old)
+        with streamed_files.streaming(folder, self._name) as (path, published):
+            try:
+                with remote.named_by_url(path.parent, folder.url, children=True):
+                    result = write(path)
+            except BaseException:
+                for p in sorted(({f.path for f in published} | stale) - {loc.path}):
+                    with contextlib.suppress(OutputError):
+                        remote.remove(_beside(loc, p), OutputError)
+                raise
+        for p in sorted(stale - {f.path for f in published}):
+            remote.remove(_beside(loc, p), OutputError)
         return replace(result, path=folder.child(Path(result.path).name).url)
 
     def is_dir(self) -> bool:
@@ -366,6 +389,11 @@ class RemoteFile:
     @property
     def _name(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _beside(loc: remote.Location, path: str) -> remote.Location:
+    """The file ``path`` of ``loc``'s filesystem."""
+    return remote.Location(loc.url_of(path), loc.fs, path)
 
 
 def output_file(target: str | Path, storage_options: remote.StorageOptions) -> OutputFile:

@@ -24,10 +24,11 @@ from pathlib import Path
 
 from zckpt.core.errors import OutputError, ZckptError
 from zckpt.formats.ckpt import CkptReader
-from zckpt.io import locks, remote, safe_paths
+from zckpt.io import locks, remote, safe_paths, streamed_files
 from zckpt.io.fileio import fsync_dir, write_atomic
 from zckpt.plan.values import RankExport
 from zckpt.write import out_records
+from zckpt.write.safetensors_rank import output_names
 
 Jobs = list[tuple[RankExport, Path]]
 
@@ -162,7 +163,9 @@ def marker_of(out: Path) -> Path:
 
 def pending_remote(out: remote.Location, jobs: Jobs, fingerprint: str, overwrite: bool) -> Pending:
     """:func:`pending_local` for a remote directory. A file present under its final name is
-    complete (uploads publish a file only when whole), so it is kept unread."""
+    complete (an upload publishes a file only when whole: :mod:`zckpt.io.streamed_files`), so
+    it is kept unread; a directory without marker is this job's only if every file there has
+    the size and ETag its record says (:func:`zckpt.write.out_records.finished_there`)."""
     marker = out.child(MARKER)
     present = [n for n, _ in remote.listdir(out, OutputError) if n != MARKER]
     marked = remote.exists(marker, OutputError)
@@ -183,8 +186,10 @@ def pending_remote(out: remote.Location, jobs: Jobs, fingerprint: str, overwrite
 
 
 def resume_or_refuse_remote(out: remote.Location, jobs: Jobs, fingerprint: str, overwrite: bool) -> Jobs:
-    """:func:`resume_or_refuse` for a remote directory (:func:`pending_remote`)."""
+    """:func:`resume_or_refuse` for a remote directory (:func:`pending_remote`); the uploads a
+    killed run of these files left in progress are aborted (:func:`abort_orphans`)."""
     pending = pending_remote(out, jobs, fingerprint, overwrite)
+    abort_orphans(out, [p for _, p in jobs])
     if pending.resumed:
         for stray in sorted(f for f in _remote_files(out) if f.endswith(".tmp-zckpt")):
             remote.remove(out.child(stray), OutputError)
@@ -193,6 +198,22 @@ def resume_or_refuse_remote(out: remote.Location, jobs: Jobs, fingerprint: str, 
     if not overwrite:
         remote.write_bytes(out.child(MARKER), json.dumps({"fingerprint": fingerprint}).encode("utf-8"), OutputError)
     return pending.todo
+
+
+def abort_orphans(out: remote.Location, paths: Iterable[Path]) -> int:
+    """Abort the multipart uploads in progress of the planned files ``paths`` below ``out`` (a
+    safetensors rank's parts and index too): what a killed run of them left on the server.
+    Uploads of other keys are someone else's and left alone. The number aborted."""
+    names: dict[str, list[str]] = {}
+    for p in paths:
+        folder, _, name = p.relative_to(out.path).as_posix().rpartition("/")
+        names.setdefault(folder, []).append(name)
+
+    def ours(key: str) -> bool:
+        folder, _, name = key.rpartition("/")
+        return any(output_names(target, [name]) for target in names.get(folder, ()))
+
+    return streamed_files.abort_uploads(out, ours)
 
 
 def _lock_file(p: Path) -> bool:
@@ -230,17 +251,21 @@ def drop_temporaries(out: Path) -> None:
 
 def finish_remote(out: remote.Location, jobs: Jobs, fingerprint: str) -> None:
     """:func:`finish_local` for a remote directory: its record names the planned files with
-    their sizes as listed there."""
+    their sizes and ETags as listed there. Uploads of those files still in progress are a
+    killed task's (run again elsewhere, on Dask): aborted, as :func:`finish_local` removes
+    such a task's temporary file."""
+    abort_orphans(out, [p for _, p in jobs])
     wanted = set(_planned(Path(out.path), jobs))
-    sizes = {k: [v] for k, v in _remote_files(out).items() if k in wanted}
-    out_records.remember(out.url, fingerprint, sizes)
+    found: dict[str, list[int | str]] = {k: [size, etag] for k, (size, etag) in _remote_files(out).items()
+                                         if k in wanted}
+    out_records.remember(out.url, fingerprint, found)
     remote.remove(out.child(MARKER), OutputError)
 
 
-def _remote_files(out: remote.Location) -> dict[str, int]:
-    """``{path relative to out: size}`` of the files below a remote directory."""
+def _remote_files(out: remote.Location) -> dict[str, tuple[int, str]]:
+    """``{path relative to out: (size, ETag)}`` of the files below a remote directory."""
     base = out.path.rstrip("/") + "/"
-    return {p[len(base):]: n for p, n in remote.file_sizes(out, OutputError).items() if p.startswith(base)}
+    return {p[len(base):]: n for p, n in remote.file_identities(out, OutputError).items() if p.startswith(base)}
 
 
 def _marker_temps(out: Path) -> list[Path]:

@@ -62,7 +62,7 @@ def local_files(out: Path, rels: Iterable[str]) -> dict[str, list[int]]:
     return found
 
 
-def remember(where: str, fingerprint: str, files: Mapping[str, list[int]]) -> None:
+def remember(where: str, fingerprint: str, files: Mapping[str, list[int]] | Mapping[str, list[int | str]]) -> None:
     """Record that the job ``fingerprint`` completed the directory ``where`` with ``files``
     (best effort: a state directory that cannot be written is left alone)."""
     path = _record_path(where)
@@ -126,19 +126,22 @@ def finished_here(out: Path, planned: Iterable[str], fingerprint: str) -> bool:
     return True
 
 
-def finished_there(present: Mapping[str, int], planned: Iterable[str], where: str, fingerprint: str) -> bool:
-    """:func:`finished_here` for a remote directory ``where``: ``present`` gives the size of
-    each file there (relative paths; object stores keep no inode, and their times are not
-    reliably those of the upload)."""
+def finished_there(present: Mapping[str, tuple[int, str]], planned: Iterable[str], where: str,
+                   fingerprint: str) -> bool:
+    """:func:`finished_here` for a remote directory ``where``: ``present`` gives the size and
+    ETag of each file there (relative paths; object stores keep no inode, and their times are
+    not reliably those of the upload), compared with the record's (the ETag where both have one)."""
     record = recall(where, fingerprint)
     if record is None:
         return False
     files = set(planned)
-    for key, size in present.items():
+    for key, (size, etag) in present.items():
         if key.endswith(".tmp-zckpt"):
             continue
         kept = record.get(key)
         if key not in files or not isinstance(kept, list) or not kept or kept[0] != size:
+            return False
+        if etag and len(kept) > 1 and kept[1] and kept[1] != etag:
             return False
     return True
 

@@ -73,15 +73,15 @@ class SafetensorsFileWriter:
         the file is synced and renamed here)."""
         refuse_maps(reader, rank.slices)
         with reading_ahead(self.settings.overlap) as helper:
-            tensors = self.write_file(reader, rank.slices, target, helper, ticker)
+            tensors, size = self.write_file(reader, rank.slices, target, helper, ticker)
         if ticker is not None:
             ticker.close()
-        return RankResult(rank.rank, str(target), tensors, target.stat().st_size, reader.read_bytes,
-                          reader.checked_bytes)
+        return RankResult(rank.rank, str(target), tensors, size, reader.read_bytes, reader.checked_bytes)
 
     def write_file(self, reader: BoxReader, slices: Sequence[Slice], target: Path, helper: Executor | None,
-                   ticker: Ticker | None = None) -> int:
-        """Write ``slices`` (tensors and strings; no maps) as ``target``; the number of tensors."""
+                   ticker: Ticker | None = None) -> tuple[int, int]:
+        """Write ``slices`` (tensors and strings; no maps) as ``target``; the number of tensors
+        and the file's size."""
         tensors = tensor_headers(reader, slices)
         boxes = {s.name: s.box for s in slices}
         meta = file_metadata(reader, slices)
@@ -91,4 +91,4 @@ class SafetensorsFileWriter:
                 w.write_tensor(t.name, source.take(t.name))
                 if ticker is not None:
                     ticker.add(t.name, t.nbytes)
-        return len(tensors)
+        return len(tensors), w.bytes_written

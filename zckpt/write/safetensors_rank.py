@@ -115,9 +115,8 @@ class SafetensorsRankWriter:
             with reading_ahead(self.settings.overlap) as helper:
                 for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
                     slices = (strings if i == 0 else []) + [Slice(t.name, boxes[t.name]) for t in part]
-                    one.write_file(reader, slices, path, helper, ticker)
+                    total += one.write_file(reader, slices, path, helper, ticker)[1]
                     published.append(path)
-                    total += path.stat().st_size
         except BaseException:
             if len(parts) > 1:  # no index names them any more: parts of this write or of an older one
                 for p in sorted({*published, *stale} - {target, index_path}):
@@ -128,9 +127,9 @@ class SafetensorsRankWriter:
             result_path = index_path
             doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                    "weight_map": {t.name: p.name for p, part in zip(paths, parts, strict=True) for t in part}}
-            text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-            fileio.write_atomic(result_path, text.encode("utf-8"), fsync=self.settings.fsync)
-            total += result_path.stat().st_size
+            text = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+            fileio.write_atomic(result_path, text, fsync=self.settings.fsync)
+            total += len(text)
         for p in stale - {*paths, result_path}:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
