@@ -1,7 +1,7 @@
 """A store at a URL read by byte range: each needed byte fetched once, checked, faults retried.
 
 moto's S3 server runs on loopback behind the counting, fault-injecting proxy of
-``tests/s3_proxy.py`` (fixtures shared with ``tests/test_remote_ranges.py``). The same job is
+``tests/s3_proxy.py`` (the job and helpers of ``tests/test_remote_ranges.py``). The same job is
 ingested into a local store and into S3 stores of the same layout (one object per chunk):
 chunked by the source ranks (``plain``) and also at the destination ranks' borders
 (``served``, ``IngestOptions.serve``). What a rank reads from the S3 store must equal what it
@@ -23,6 +23,7 @@ import zckpt
 from zckpt.core.errors import StoreError
 from zckpt.io.ranged import DEFAULT_POLICY, RangedObject
 from zckpt.jobs.export_job import ExportOptions
+from zckpt.jobs.generate import write_model
 from zckpt.jobs.segmented import read_slice
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.sources.strategies import load_strategy
@@ -31,8 +32,10 @@ from zckpt.store.store import Store
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
 
-from s3_proxy import Fault, Proxy  # noqa: E402  (after the skips: it needs moto)
-from test_remote_ranges import BUCKET, FAULTS, SLACK, _tensors, _tree, jobs, no_spool, server  # noqa: E402,F401
+from s3_proxy import Fault, Proxy, moto_server  # noqa: E402  (after the skips: it needs moto)
+from test_remote_ranges import FAULTS, SLACK, SRC_N, _dst_strategy, _tensors, _tree, no_spool  # noqa: E402,F401
+
+BUCKET = "zckpt-store-ranges"
 
 RANK = 1
 BLOCK = 16 * 1024
@@ -42,12 +45,32 @@ NAMES = [t.name for t in _tensors()]
 
 
 @pytest.fixture(scope="module")
-def stores(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811  (the imported fixtures)
+def server() -> Iterator[tuple[Any, Proxy]]:
+    """The S3 server (with a bucket of this module's own) and the proxy zckpt talks to."""
+    with moto_server() as endpoint, Proxy(endpoint) as proxy:
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        try:
+            yield fs, proxy
+        finally:  # moto keeps its buckets in this process after its server stops
+            fs.rm(BUCKET, recursive=True)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The job of ``tests/test_remote_ranges.py`` (local sources) and its destination strategy."""
+    root = tmp_path_factory.mktemp("store-ranges")
+    write_model(root / "ckpt", _tensors(), device_num=SRC_N, strings={"note": "ranges"})
+    return {"src": root / "ckpt", "dst": _dst_strategy(root / "dst_strategy.ckpt")}
+
+
+@pytest.fixture(scope="module")
+def stores(server: tuple[Any, Proxy], jobs: dict[str, Any],
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
     """``{layout: (local store, S3 store)}`` for ``plain`` and ``served``: the local one
     unsharded and unpacked, as a remote store is laid out."""
     _, proxy = server
-    local, _ = jobs["ckpt"]
+    local = jobs["src"]
     root = tmp_path_factory.mktemp("stores")
     out = {}
     for label, serve in (("plain", ()), ("served", (str(jobs["dst"]),))):
@@ -84,7 +107,7 @@ def _whole_chunks(ranges: list[tuple[str, int, int]], store: Path) -> int:
 
 
 @pytest.mark.parametrize("layout", ["served", "plain"])
-def test_read_slice_fetches_its_ranges_once(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811
+def test_read_slice_fetches_its_ranges_once(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                             stores: dict[str, tuple[Path, str]], layout: str) -> None:
     """``read_slice`` of one rank from the S3 store: the local store's arrays bit for bit and
     the local reader's amplification; the chunk bytes fetched are the bytes reported read,
@@ -110,7 +133,7 @@ def test_read_slice_fetches_its_ranges_once(server: tuple[Any, Proxy], jobs: dic
         assert fetched < _whole_chunks(ranges, here), (fetched, needed)
 
 
-def test_loading_and_export_of_one_rank(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811
+def test_loading_and_export_of_one_rank(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                         stores: dict[str, tuple[Path, str]], tmp_path: Path) -> None:
     """``load_distributed_checkpoint(store=URL)`` and ``export --rank`` of one rank from the
     served S3 store: the local store's values and files; within 1.1x of the rank's bytes."""
@@ -139,7 +162,7 @@ def test_loading_and_export_of_one_rank(server: tuple[Any, Proxy], jobs: dict[st
     assert fetched == report.bytes_read and needed <= fetched <= SLACK * needed, (fetched, needed)
 
 
-def test_requests_in_flight_are_bounded(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811
+def test_requests_in_flight_are_bounded(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                         stores: dict[str, tuple[Path, str]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank's chunk ranges go out concurrently, but never more than the policy's ``in_flight``."""
     _, proxy = server
@@ -166,10 +189,10 @@ def test_requests_in_flight_are_bounded(server: tuple[Any, Proxy], jobs: dict[st
 
 
 @pytest.fixture
-def damaged(server: tuple[Any, Proxy], jobs: dict[str, Any]) -> Iterator[tuple[Store, str, str]]:  # noqa: F811
+def damaged(server: tuple[Any, Proxy], jobs: dict[str, Any]) -> Iterator[tuple[Store, str, str]]:
     """A store of its own to damage (the served layout), and its URL."""
     fs, proxy = server
-    local, _ = jobs["ckpt"]
+    local = jobs["src"]
     url = f"s3://{BUCKET}/damaged.zarr"
     zckpt.ingest(str(local), url, str(local / "strategy.ckpt"),
                  options=zckpt.IngestOptions(serve=(str(jobs["dst"]),), storage_options=proxy.options(),
@@ -186,7 +209,7 @@ def _rank_chunk(st: Store, dst: str, name: str) -> str:
     return f"{st.url}/{st.entry(name).key}/{key}"
 
 
-def test_a_damaged_chunk_is_refused_by_name(server: tuple[Any, Proxy],  # noqa: F811
+def test_a_damaged_chunk_is_refused_by_name(server: tuple[Any, Proxy],
                                             damaged: tuple[Store, str, str]) -> None:
     """A chunk whose bytes changed on the server fails its checksum, naming the object and the
     parameter; a chunk object gone is named as missing, at once (no retries)."""
@@ -212,7 +235,7 @@ def test_a_damaged_chunk_is_refused_by_name(server: tuple[Any, Proxy],  # noqa: 
 
 
 @pytest.mark.parametrize("kind", FAULTS)
-def test_transient_faults_are_retried(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811
+def test_transient_faults_are_retried(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                       stores: dict[str, tuple[Path, str]], kind: str) -> None:
     """Two failures of each kind on the ranged reads of one tensor's chunks: retried, the
     slice the same as without them."""
@@ -231,7 +254,7 @@ def test_transient_faults_are_retried(server: tuple[Any, Proxy], jobs: dict[str,
     assert got.array.tobytes() == want.array.tobytes()
 
 
-def test_lasting_fault_names_the_object(server: tuple[Any, Proxy], jobs: dict[str, Any],  # noqa: F811
+def test_lasting_fault_names_the_object(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                         stores: dict[str, tuple[Path, str]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A fault that does not go away: the policy's tries, then an error naming the chunk object."""
     _, proxy = server
