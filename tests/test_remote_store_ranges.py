@@ -67,9 +67,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def stores(server: tuple[Any, Proxy], jobs: dict[str, Any],
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
-    """``{layout: (local store, S3 store)}`` for ``plain`` and ``served``: the local one
-    unsharded and unpacked, as a remote store is laid out."""
-    _, proxy = server
+    """``{layout: (local store, S3 store)}`` for ``plain`` and ``served``, the local one
+    unsharded and unpacked as a remote store is laid out; and ``sharded``: a local store of
+    shard files (unpacked) copied to S3 as it is."""
+    fs, proxy = server
     local = jobs["src"]
     root = tmp_path_factory.mktemp("stores")
     out = {}
@@ -83,6 +84,12 @@ def stores(server: tuple[Any, Proxy], jobs: dict[str, Any],
         a, b = Store.open(str(here)), Store.open(there, storage_options=proxy.options())
         assert all(a.chunk_info(n).chunks == b.chunk_info(n).chunks for n in NAMES)
         out[label] = (here, there)
+    here = root / "sharded.zarr"
+    zckpt.ingest(str(local), str(here), str(local / "strategy.ckpt"),
+                 options=zckpt.IngestOptions(pack_bytes=0, checksum_block_bytes=BLOCK))
+    assert Store.open(str(here)).chunk_info(NAMES[0]).per_shard is not None
+    fs.put(str(here), f"{BUCKET}/sharded.zarr", recursive=True)
+    out["sharded"] = (here, f"s3://{BUCKET}/sharded.zarr")
     return out
 
 
@@ -93,7 +100,7 @@ def _chunk_reads(proxy: Proxy, store: str) -> tuple[int, list[tuple[str, int, in
     chunk = {p: n for p, n in proxy.body_bytes.items() if p.startswith(prefix) and not p.endswith("zarr.json")}
     ranges = sorted(r for r in proxy.ranges if r[0] in chunk)
     gets = sum(n for k, n in proxy.requests.items() if k.startswith("GET ") and k[4:] in chunk)
-    assert gets == len(ranges), "a chunk object was fetched whole"
+    assert gets == len(ranges), "a chunk object was fetched whole (or by a suffix range)"
     for (p, _, b), (q, c, _) in zip(ranges, ranges[1:], strict=False):
         assert p != q or b <= c, f"bytes of {p} fetched twice"
     assert sum(b - a for _, a, b in ranges) == sum(chunk.values())
@@ -106,7 +113,7 @@ def _whole_chunks(ranges: list[tuple[str, int, int]], store: Path) -> int:
     return sum((store / key).stat().st_size for key in objects)
 
 
-@pytest.mark.parametrize("layout", ["served", "plain"])
+@pytest.mark.parametrize("layout", ["served", "plain", "sharded"])
 def test_read_slice_fetches_its_ranges_once(server: tuple[Any, Proxy], jobs: dict[str, Any],
                                             stores: dict[str, tuple[Path, str]], layout: str) -> None:
     """``read_slice`` of one rank from the S3 store: the local store's arrays bit for bit and
@@ -129,7 +136,7 @@ def test_read_slice_fetches_its_ranges_once(server: tuple[Any, Proxy], jobs: dic
     assert needed <= fetched
     if layout == "served":
         assert fetched <= SLACK * needed, (fetched, needed)
-    else:  # chunks of the source ranks: the rank's parts of them, not the whole chunks
+    else:  # chunks (shards) of the source ranks: the rank's parts of them, not the whole objects
         assert fetched < _whole_chunks(ranges, here), (fetched, needed)
 
 
