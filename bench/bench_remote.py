@@ -6,8 +6,11 @@ uploads a generated job, and runs, from its URLs:
 * ``transform_rank``: one destination rank (what ``transform_checkpoint_by_rank`` and a
   loading rank read), and ``transform``: every destination rank;
 * ``ingest`` into a local store;
-* ``read_slice`` of one destination rank's slices from a store at a URL (chunks through
-  zarr, each checked against its recorded CRC-32C first).
+* ``read_slice`` of one destination rank's slices, and ``export --rank`` of that rank, from
+  a store at a URL, chunked by the source ranks and chunked for the destination too
+  (``IngestOptions.serve``): raw chunks read by byte range, each range with the checksum
+  blocks it touches, checked as they arrive (``zckpt/store/remote_chunks.py``); the
+  amplification the reader reports is printed beside what the proxy counted.
 
 For each it prints the bytes the server sent (counted by the proxy) against the bytes the
 destination holds, the bytes written under ``$TMPDIR`` while it ran (a spool would show),
@@ -51,6 +54,7 @@ from zckpt.jobs.generate_model import TensorDef  # noqa: E402
 from zckpt.jobs.ingest import IngestOptions, ingest  # noqa: E402
 from zckpt.jobs.segmented import read_slice  # noqa: E402
 from zckpt.jobs.transform import TransformOptions, plan_transform, transform, transform_rank  # noqa: E402
+from zckpt.store.store import Store  # noqa: E402
 
 MiB = 1024 * 1024
 BUCKET = "zckpt-bench"
@@ -220,11 +224,23 @@ def main() -> None:
         run("ingest", proxy, fs, spool, total,
             lambda: ingest(url, str(root / "store.zarr"), f"{url}/strategy.ckpt",
                            IngestOptions(storage_options=opts, overwrite=True)))
-        store_url = f"s3://{BUCKET}/store.zarr"
-        ingest(url, store_url, f"{url}/strategy.ckpt", IngestOptions(storage_options={"endpoint_url": endpoint}))
         names = [t.name for t in plan.source.tensors if t.kind == "tensor"]
-        run("read_slice (1/N), store", proxy, fs, spool, need_one,
-            lambda: [read_slice(store_url, 1, dst, n, storage_options=opts) for n in names])
+        for label, serve in (("store chunked by the sources", ()), ("store chunked for the destination", (dst,))):
+            store_url = f"s3://{BUCKET}/store-{len(serve)}.zarr"
+            ingest(url, store_url, f"{url}/strategy.ckpt",
+                   IngestOptions(storage_options={"endpoint_url": endpoint}, serve=serve))
+            reported: list[int] = []
+
+            def read_rank(store_url: str = store_url, reported: list[int] = reported) -> None:
+                st = Store.open(store_url, storage_options=opts)  # once, as a loading rank opens it
+                reported.append(sum(read_slice(st, 1, dst, n).read_bytes for n in names))
+
+            run(f"read_slice (1/N), {label}", proxy, fs, spool, need_one, read_rank)
+            print(f"  the reader reports {reported[0] / MiB:.2f} MiB read ({reported[0] / need_one:.3f}x)")
+            run(f"export --rank (1/N), {label}", proxy, fs, spool, need_one,
+                lambda store_url=store_url, serve=serve: export(
+                    store_url, root / f"export-{len(serve)}", dst, ranks=[1],
+                    options=ExportOptions(storage_options=opts)))
         run_write(proxy, fs, spool, root / "store.zarr", dst, opts)
 
 

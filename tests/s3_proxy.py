@@ -214,9 +214,9 @@ class Proxy:
             with self._lock:
                 self.body_bytes[path] += len(data)
                 asked = hmap.get("range", "")
-                if asked.startswith("bytes=") and status == 206:
-                    a = int(asked[6:].split("-", 1)[0])
-                    self.ranges.append((path, a, a + len(data)))
+                first = asked[6:].split("-", 1)[0]
+                if asked.startswith("bytes=") and status == 206 and first.isdigit():  # not a suffix ("bytes=-n")
+                    self.ranges.append((path, int(first), int(first) + len(data)))
         head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in out_headers)
         length = resp.getheader("Content-Length", "0") if method == "HEAD" else str(len(data))
         head += f"Content-Length: {length}\r\n\r\n"

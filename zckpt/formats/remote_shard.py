@@ -18,7 +18,7 @@ import itertools
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path, PosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,25 +30,7 @@ from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.formats.shard_reader import INDEX_SUFFIX, SafetensorsSetReader
 from zckpt.io import remote
-from zckpt.io.ranged import BlockBytes, RangedObject
-
-
-class ObjectPath(PosixPath):
-    """An object's URL where readers keep a ``Path`` (error messages, names): ``str()`` gives
-    the URL back, not the ``s3:/bucket/...`` a path would make of it."""
-
-    _url: str
-
-    def __new__(cls, url: str) -> ObjectPath:
-        self = super().__new__(cls, url)
-        self._url = url
-        return self
-
-    def __str__(self) -> str:
-        return getattr(self, "_url", None) or super().__str__()
-
-    def __fspath__(self) -> str:
-        return str(self)
+from zckpt.io.ranged import BlockBytes, ObjectPath, RangedObject
 
 
 class RemoteShard:

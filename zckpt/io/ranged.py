@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import PosixPath
 from typing import TypeVar
 
 from zckpt.core.errors import ZckptError
@@ -108,17 +109,62 @@ def coalesce(ranges: Sequence[tuple[int, int]], gap: int, part: int) -> list[tup
     return out
 
 
+class ObjectPath(PosixPath):
+    """An object's URL where readers keep a ``Path`` (error messages, names): ``str()`` gives
+    the URL back, not the ``s3:/bucket/...`` a path would make of it."""
+
+    _url: str
+
+    def __new__(cls, url: str) -> ObjectPath:
+        self = super().__new__(cls, url)
+        self._url = url
+        return self
+
+    def __str__(self) -> str:
+        return getattr(self, "_url", None) or super().__str__()
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+
+class Pools:
+    """The threads running requests (``"requests"``: each with its retries) and single tries
+    (``"tries"``: watched for a stall by the request's thread), ``size`` of each, made on
+    first use. Objects that share one (the chunks of a store) run at most ``size`` requests
+    at once between them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, which: str) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(which)
+            if pool is None:
+                pool = self._pools[which] = ThreadPoolExecutor(self.size, thread_name_prefix=f"zckpt-{which}")
+            return pool
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 class RangedObject:
     """One remote object read by byte ranges (see the module doc). Thread safe; counts the
-    requests and bytes it fetched."""
+    requests and bytes it fetched. ``pools``: threads shared with other objects (else its
+    own, ended by :meth:`close`)."""
 
     def __init__(self, loc: Location, err_cls: type[ZckptError], size: int | None = None,
-                 policy: RangePolicy = DEFAULT_POLICY) -> None:
+                 policy: RangePolicy = DEFAULT_POLICY, pools: Pools | None = None) -> None:
         self.loc = loc
         self.url = loc.url
         self.err_cls = err_cls
         self.policy = policy
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._own_pools = pools is None
+        self._pools = Pools(policy.in_flight) if pools is None else pools
         self._lock = threading.Lock()
         self.requests = 0
         self.fetched_bytes = 0
@@ -129,20 +175,11 @@ class RangedObject:
         return int(info.get("size") or 0)
 
     def close(self) -> None:
-        with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_pools:
+            self._pools.close()
 
     def _executor(self, which: str = "requests") -> ThreadPoolExecutor:
-        """The pool running requests (``"requests"``: each with its retries) or single tries
-        (``"tries"``: watched for a stall by the request's thread)."""
-        with self._lock:
-            pool = self._pools.get(which)
-            if pool is None:
-                pool = self._pools[which] = ThreadPoolExecutor(self.policy.in_flight,
-                                                               thread_name_prefix=f"zckpt-{which}")
-            return pool
+        return self._pools.get(which)
 
     def _fail(self, what: str, err: BaseException) -> ZckptError:
         detail = str(err) or type(err).__name__
@@ -205,23 +242,37 @@ class RangedObject:
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(offset, length)``, read in coalesced requests, at most
         :attr:`RangePolicy.in_flight` at once."""
+        return read_objects([(self, ranges)])[0]
+
+
+def read_objects(reads: Sequence[tuple[RangedObject, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+    """The bytes of each ``(offset, length)`` of each object: each object's ranges read in
+    coalesced requests, the requests of all of them on the first object's pool (at most
+    :attr:`RangePolicy.in_flight` at once; objects sharing their :class:`Pools` share that bound)."""
+    planned = []
+    for obj, ranges in reads:
         for o, n in ranges:
-            self._check(o, n)
-        requests = coalesce(ranges, self.policy.gap_bytes, self.policy.part_bytes)
-        if len(requests) == 1:
-            got = {requests[0]: self._get(*requests[0])}
-        else:
-            pool = self._executor()
-            futures = [(r, pool.submit(self._get, *r)) for r in requests]
-            got = {}
-            try:
-                for r, fut in futures:
-                    got[r] = fut.result()
-            finally:
-                for _, fut in futures:
-                    fut.cancel()
-        starts = [r[0] for r in requests]
-        return [_cut(requests, starts, got, o, n) for o, n in ranges]
+            obj._check(o, n)
+        planned.append(coalesce(ranges, obj.policy.gap_bytes, obj.policy.part_bytes))
+    todo = [(i, r) for i, requests in enumerate(planned) for r in requests]
+    got: dict[tuple[int, tuple[int, int]], bytes] = {}
+    if len(todo) == 1:
+        i, r = todo[0]
+        got[(i, r)] = reads[i][0]._get(*r)
+    elif todo:
+        pool = reads[0][0]._executor()
+        futures = [((i, r), pool.submit(reads[i][0]._get, *r)) for i, r in todo]
+        try:
+            for k, fut in futures:
+                got[k] = fut.result()
+        finally:
+            for _, fut in futures:
+                fut.cancel()
+    out = []
+    for i, ((_, ranges), requests) in enumerate(zip(reads, planned, strict=True)):
+        mine = {r: got[(i, r)] for r in requests}
+        out.append([_cut(requests, [r[0] for r in requests], mine, o, n) for o, n in ranges])
+    return out
 
 
 def _cut(requests: list[tuple[int, int]], starts: list[int], got: dict[tuple[int, int], bytes],

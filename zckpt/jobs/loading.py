@@ -217,6 +217,8 @@ def read_rank(
     """Destination ``rank``'s slice of every wanted entry, read from shards or a store."""
     with reading(source) if isinstance(source, Store) else contextlib.nullcontext():
         plan = plan_rank(source, strategy, rank, wanted)
+        if isinstance(source, Store):  # a remote store's arrays opened together, not a round trip each
+            source.prefetch(name for name, kind, _, _ in plan if kind == "tensor")
         checked = _checked_reader(source)
         return {name: read_entry(source, name, box, checked) for name, _, _, box in plan}
 

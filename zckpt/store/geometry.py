@@ -36,7 +36,7 @@ NO_CHUNK = 2**64 - 1
 
 def _raw_bytes_codec(codecs: Any) -> bool:
     """Whether a codec list is the single ``bytes`` codec in this machine's byte order."""
-    if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
+    if not (isinstance(codecs, (list, tuple)) and len(codecs) == 1 and isinstance(codecs[0], dict)
             and codecs[0].get("name") == "bytes"):
         return False
     return (codecs[0].get("configuration") or {}).get("endian") in (None, sys.byteorder)
@@ -50,7 +50,7 @@ def _raw_shards(codecs: list[Any]) -> tuple[int, ...] | None:
     conf = codecs[0].get("configuration") or {}
     index = conf.get("index_codecs")
     if not (_raw_bytes_codec(conf.get("codecs")) and conf.get("index_location", "end") == "end"
-            and isinstance(index, list) and len(index) == 2 and isinstance(index[0], dict)
+            and isinstance(index, (list, tuple)) and len(index) == 2 and isinstance(index[0], dict)
             and index[0].get("name") == "bytes"
             and (index[0].get("configuration") or {}).get("endian", "little") == "little"
             and isinstance(index[1], dict) and index[1].get("name") == "crc32c"):

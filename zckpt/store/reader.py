@@ -4,7 +4,9 @@ store; the source shards' is :class:`zckpt.sources.reader.SourceReader`).
 
 Raw chunk and shard files are read directly, with one call for ranges that follow each
 other in a file, and a slice that is whole chunk rows is handed to the writer as file
-ranges to copy; other chunks go through Zarr (or lazy Dask views with ``reader="dask"``).
+ranges to copy; a remote store's raw chunks are the same ranges of its objects, fetched
+together for a batch and checked as they arrive (:mod:`zckpt.store.remote_chunks`); other
+chunks go through Zarr (or lazy Dask views with ``reader="dask"``).
 Export (either format), loading into a network, segmented loading, unified output and
 verify read stores through it, holding a local store shared while they read (:func:`reading`).
 """
@@ -26,9 +28,11 @@ from zckpt.core.errors import StoreError
 from zckpt.core.layout import Box, c_order_pieces, tiles
 from zckpt.formats.entries import FileRange
 from zckpt.io import locks, remote, safe_paths
-from zckpt.io.checksums import BLOCK_BYTES, BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
+from zckpt.io.checksums import BlockCheck, ChunkSums, Mismatch, ReadAt, Sink, SpanCheck, SpanChecks
 from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
+from zckpt.store import read_costs
+from zckpt.store.remote_chunks import ChunkRange
 from zckpt.write.boxes import batch_bytes
 
 if TYPE_CHECKING:
@@ -111,6 +115,8 @@ class StoreReader:
         self.read_bytes = 0
         self.checked_bytes = 0
         self._rows = bytearray()
+        self._fetched: dict[_Span, memoryview] = {}
+        """A remote store's ranges of the batch being read, fetched and checked together."""
         self._sizes: dict[Path, int] = {}
         """Sizes of the chunk and shard files this task copies ranges of."""
         """Chunk rows being cut (one band is read at a time): reused, so that each tile does
@@ -144,49 +150,20 @@ class StoreReader:
         return c_order_pieces(box, max(1, self.band_bytes // itemsize))
 
     def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
-        """:meth:`read_cost` of each box, summed: on arrays where the boxes are many (a plan
-        of 512 files prices 144 000 slices)."""
+        """:meth:`read_cost` of each box, summed (:func:`zckpt.store.read_costs.boxes_cost`)."""
         e = self._entries[name]
         if len(boxes) < 8 or not e.shape or e.offset is not None:
             return sum(self.read_cost(name, b) for b in boxes)
-        info = self.store.chunk_info(name)
-        itemsize = ms_dtype(e.ms_type).storage.itemsize
-        start = np.array([b.start for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
-        stop = np.array([b.stop for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
-        if not (stop > start).all():
-            return sum(self.read_cost(name, b) for b in boxes)
-        chunks = np.array(info.chunks, dtype=np.int64)
-        counts = (stop - 1) // chunks - start // chunks + 1
-        rows, touched = counts[:, 0], counts[:, 1:].prod(axis=1)
-        row = math.prod(info.chunks[1:]) * itemsize
-        if not info.raw or self.options.reader != "zarr":
-            return int((rows * info.chunks[0] * row * touched).sum())
-        span = (stop[:, 0] - start[:, 0]) * row * touched
-        if not self.options.verify_checksums:
-            return int(span.sum())
-        part = np.maximum(0, rows * touched * info.chunks[0] * row - span)
-        return int((span + np.minimum(part, rows * touched * BLOCK_BYTES)).sum())
+        return read_costs.boxes_cost(self.store.chunk_info(name), boxes, self.options.reader == "zarr",
+                                     self.options.verify_checksums)
 
     def read_cost(self, name: str, box: Box) -> int:
-        """Bytes reading ``box`` takes from the store: whole chunk rows of every chunk it
-        touches (raw chunks), whole chunks (encoded ones), its own bytes (a packed tensor);
-        with checksum checks, about one checksum block more per chunk it takes part of."""
-        e = self._entries[name]
-        itemsize = ms_dtype(e.ms_type).storage.itemsize
+        """Bytes reading ``box`` takes from the store (:func:`zckpt.store.read_costs.box_cost`;
+        a packed tensor: its own bytes)."""
         if box.ndim == 0 or box.size == 0 or self._packed_whole(name, box):
-            return box.size * itemsize
-        info = self.store.chunk_info(name)
-        row = math.prod(info.chunks[1:]) * itemsize
-        touched = math.prod(len(range(a // c, (b - 1) // c + 1))
-                            for a, b, c in zip(box.start[1:], box.stop[1:], info.chunks[1:], strict=True))
-        rows = len(range(box.start[0] // info.chunks[0], (box.stop[0] - 1) // info.chunks[0] + 1))
-        if not info.raw or self.options.reader != "zarr":
-            return rows * info.chunks[0] * row * touched
-        span = box.shape[0] * row * touched
-        if not self.options.verify_checksums:
-            return span
-        part = max(0, rows * touched * info.chunks[0] * row - span)  # rows of those chunks not read
-        return span + min(part, rows * touched * BLOCK_BYTES)
+            return box.size * ms_dtype(self._entries[name].ms_type).storage.itemsize
+        return read_costs.box_cost(self.store.chunk_info(name), box, self.options.reader == "zarr",
+                                   self.options.verify_checksums)
 
     def materialise(self, items: list[tuple[str, Box]]) -> list[np.ndarray]:
         """Read a batch of slices: raw chunk files directly, else concurrent Zarr reads, or
@@ -195,8 +172,12 @@ class StoreReader:
         verify = self.options.verify_checksums
         if self.options.reader == "zarr":
             packed_ones = self._read_packed(items)
-            direct = [packed_ones[i] if i in packed_ones else self._read_raw(name, box)
-                      for i, (name, box) in enumerate(items)]
+            try:
+                self._fetch_ahead(items)
+                direct = [packed_ones[i] if i in packed_ones else self._read_raw(name, box)
+                          for i, (name, box) in enumerate(items)]
+            finally:
+                self._fetched.clear()
             rest = [(name, box) for (name, box), got in zip(items, direct, strict=True) if got is None]
             if verify:
                 for name, box in rest:
@@ -270,17 +251,13 @@ class StoreReader:
         dtype = ms_dtype(self._entries[name].ms_type).storage
         if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
             return self._read_tiles(name, box, dtype)
+        spans = self._row_spans(name, _whole_rows(box, arr.shape), dtype.itemsize)
+        if spans is None:
+            return None
         if box.ndim == 0:
-            spans = self._row_spans(name, box, dtype.itemsize)
-            if spans is None:
-                return None
             out = np.empty((), dtype=dtype)
             self._read_spans(name, spans, out.reshape(-1).view(np.uint8))
             return out
-        spans = self._row_spans(name, Box((box.start[0], *([0] * (box.ndim - 1))), (box.stop[0], *arr.shape[1:])),
-                                dtype.itemsize)
-        if spans is None:
-            return None
         out = np.empty((box.shape[0],) + tuple(arr.shape[1:]), dtype=dtype)
         self._read_spans(name, spans, out.reshape(-1).view(np.uint8))
         if box.shape[1:] == tuple(arr.shape[1:]):
@@ -324,7 +301,43 @@ class StoreReader:
         if pos != len(dest):
             raise AssertionError(f"{name}: spans cover {pos} of {len(dest)} bytes")
 
+    def _raw_spans(self, name: str, box: Box) -> list[_Span]:
+        """The byte ranges :meth:`_read_raw` reads for ``box`` (none when it reads none)."""
+        arr = self.store.chunk_info(name)
+        if box.size == 0 or not arr.raw:
+            return []
+        itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
+        if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]):
+            parts = self._tile_parts(name, box, itemsize)
+            return [] if parts is None else [_joined(group) for group in _runs(parts)]
+        return self._row_spans(name, _whole_rows(box, arr.shape), itemsize) or []
+
+    def _fetch_ahead(self, items: list[tuple[str, Box]]) -> None:
+        """A remote store: fetch every raw chunk range the batch reads, together (coalesced,
+        concurrent, retried) and checked, for :meth:`_read_span` to take."""
+        if self.store.objects is None:
+            return
+        wanted: dict[_Span, str] = {}
+        for name, box in items:
+            for sp in self._raw_spans(name, box):
+                if sp not in self._fetched:
+                    wanted.setdefault(sp, name)  # two bands of one chunk's rows: fetched once
+        if wanted:
+            self._fetch([(name, sp) for sp, name in wanted.items()])
+
+    def _fetch(self, wanted: list[tuple[str, _Span]]) -> None:
+        assert self.store.objects is not None
+        ranges = [ChunkRange(name, sp.key, sp.path, sp.offset, sp.length, sp.file_bytes,
+                             self._block_checks(name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length))
+                  for name, sp in wanted]
+        self._fetched.update(zip((sp for _, sp in wanted), self.store.objects.read(ranges), strict=True))
+
     def _read_span(self, name: str, sp: _Span, dest: np.ndarray) -> None:
+        if self.store.objects is not None:  # checked when fetched
+            if sp not in self._fetched:
+                self._fetch([(name, sp)])
+            dest[:] = np.frombuffer(self._fetched[sp], dtype=np.uint8)
+            return
         with self._open_chunk(name, sp.key, sp.path, sp.file_bytes) as f:
             got = os.preadv(f.fileno(), [dest.data], sp.offset)
         if got != sp.length:
@@ -338,9 +351,20 @@ class StoreReader:
         touches (one range; ranges that follow each other in a shard file are read as one)
         are read and checked, and the slice's part of them copied."""
         info = self.store.chunk_info(name)
+        parts = self._tile_parts(name, box, dtype.itemsize)
+        if parts is None:
+            return None
         out = np.empty(box.shape, dtype=dtype)
-        row_bytes = math.prod(info.chunks[1:]) * dtype.itemsize
-        parts: list[tuple[_Span, Box, tuple[int, ...]]] = []
+        for group in _runs(parts):
+            self._cut_group(name, group, box, out, info.chunks, dtype)
+        return out
+
+    def _tile_parts(self, name: str, box: Box, itemsize: int) -> list[_Part] | None:
+        """Per chunk ``box`` touches, the chunk rows it takes, with the tile and the chunk's
+        origin; ``None`` when chunks are not raw."""
+        info = self.store.chunk_info(name)
+        row_bytes = math.prod(info.chunks[1:]) * itemsize
+        parts: list[_Part] = []
         for t in tiles(box, info.chunks):
             coords = tuple(a // c for a, c in zip(t.start, info.chunks, strict=True))
             at = self.store.chunk_at(name, coords)
@@ -349,22 +373,13 @@ class StoreReader:
             origin = tuple(c * k for c, k in zip(coords, info.chunks, strict=True))
             r0, r1 = t.start[0] - origin[0], t.stop[0] - origin[0]
             parts.append((_Span(at[0], at[1], at[2] + r0 * row_bytes, (r1 - r0) * row_bytes, at[3]), t, origin))
-        group: list[tuple[_Span, Box, tuple[int, ...]]] = []
-        for part in [*parts, None]:
-            if part is not None and group and _follows(group[-1][0], part[0]):
-                group.append(part)
-                continue
-            if group:
-                self._cut_group(name, group, box, out, info.chunks, dtype)
-            group = [part] if part is not None else []
-        return out
+        return parts
 
-    def _cut_group(self, name: str, group: list[tuple[_Span, Box, tuple[int, ...]]], box: Box, out: np.ndarray,
+    def _cut_group(self, name: str, group: list[_Part], box: Box, out: np.ndarray,
                    chunks: tuple[int, ...], dtype: np.dtype) -> None:
         """Read chunk rows that follow each other in one file with one call, then copy each
         tile's part of its chunk rows into ``out``."""
-        first = group[0][0]
-        whole = _Span(first.key, first.path, first.offset, sum(sp.length for sp, _, _ in group), first.file_bytes)
+        whole = _joined(group)
         raw = self._scratch_rows((whole.length,), np.dtype(np.uint8))
         self._read_span(name, whole, raw)
         pos = 0
@@ -473,8 +488,8 @@ class StoreReader:
         contiguous in each chunk, and chunks that follow each other in a shard give one
         range. The writer then copies them file to file, checking the blocks they cover in
         the same pass."""
-        if self.options.reader != "zarr" or box.size == 0 or self._packed_whole(name, box):
-            return None  # a whole packed tensor is read with its neighbours (_read_packed)
+        if self.options.reader != "zarr" or box.size == 0 or self._packed_whole(name, box) or self.store.is_remote:
+            return None  # a whole packed tensor is read with its neighbours (_read_packed); no file remotely
         arr = self.store.chunk_info(name)
         if not arr.raw or not _one_chunk_column(box, arr.chunks):
             return None
@@ -526,6 +541,34 @@ class _StoreCheck:
         sp = self.span
         for check in self.reader._block_checks(self.name, sp.key, sp.path, sp.file_bytes, sp.offset, sp.length):
             check.run(read_at)
+
+
+_Part = tuple[_Span, Box, tuple[int, ...]]
+"""A tile of a slice: the chunk rows it takes, the tile, the chunk's origin."""
+
+
+def _runs(parts: list[_Part]) -> list[list[_Part]]:
+    """Parts whose chunk rows follow each other in one file, grouped (each group one read)."""
+    groups: list[list[_Part]] = []
+    for part in parts:
+        if groups and _follows(groups[-1][-1][0], part[0]):
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return groups
+
+
+def _joined(group: list[_Part]) -> _Span:
+    """The one range of a group of :func:`_runs`."""
+    first = group[0][0]
+    return _Span(first.key, first.path, first.offset, sum(sp.length for sp, _, _ in group), first.file_bytes)
+
+
+def _whole_rows(box: Box, shape: tuple[int, ...]) -> Box:
+    """The rows of ``box`` across the whole width of the array (a scalar: itself)."""
+    if box.ndim == 0:
+        return box
+    return Box((box.start[0], *([0] * (box.ndim - 1))), (box.stop[0], *shape[1:]))
 
 
 def _follows(a: _Span, b: _Span) -> bool:

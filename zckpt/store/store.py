@@ -48,6 +48,7 @@ from zckpt.store.chunk_files import ChunkFiles, misplaced_pack
 from zckpt.store.chunk_records import Checked, ChunkRecords
 from zckpt.store.geometry import ChunkInfo
 from zckpt.store.manifest import SHARDED_LAYOUTS, EntryRecord, encode_key, entry_records
+from zckpt.store.remote_chunks import RemoteChunks
 from zckpt.store.zarr_arrays import OpenArrays, create_arrays, gather, verify_remote_chunks
 
 if TYPE_CHECKING:  # zarr-python is imported where it is used, from zckpt.io.zarr_local
@@ -66,6 +67,8 @@ class Store:
         self.url = backend.url
         """The store as the user named it: what tasks reopen and what messages show."""
         self._files = backend.files
+        self.objects = RemoteChunks(backend.location) if backend.location is not None else None
+        """A remote store's chunk objects, read by byte range (``None`` for a local directory)."""
         self._entries: dict[str, EntryRecord] | None = None
         self._writers: dict[str, list[tuple[int, Box]]] = {}
         self._arrays = OpenArrays(self.where, self.url)
@@ -454,10 +457,13 @@ class Store:
         return None if at is None else at[1]
 
     def chunk_at(self, name: str, coords: Sequence[int]) -> tuple[str, Path, int, int] | None:
-        """``(file key, file, byte offset, file size)`` of a raw (inner) chunk in a local
-        store, or ``None`` when chunks are encoded otherwise or the store is remote."""
+        """``(file key, file, byte offset, file size)`` of a raw (inner) chunk, or ``None`` when
+        chunks are encoded otherwise. In a remote store the file is the chunk's object
+        (an :class:`~zckpt.io.ranged.ObjectPath`: its URL), read through :attr:`objects`."""
         if self._files is None:
-            return None
+            if self.objects is None:
+                return None
+            return self.objects.chunk_at(self.entry(name).key, self.chunk_info(name), coords)
         return self._files.chunk_at(name, self.chunk_info(name), coords)
 
     def chunk_files(self, name: str, box: Box) -> list[tuple[str, Path]]:
