@@ -181,8 +181,8 @@ def transform_checkpoint_by_rank(
         report = ingest(checkpoint_files_map, store, src_map,
                         IngestOptions(require_complete=False, storage_options=storage_options))
         _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_map)
-        target.publish(lambda path, _: export_rank(Store.open(store), rank_id, path, dst_map,
-                                                   options=ExportOptions(overwrite=True)))
+        target.publish(lambda path, _, files: export_rank(Store.open(store), rank_id, path, dst_map,
+                                                          options=ExportOptions(overwrite=True), files=files))
 
 
 def _refuse_holes(

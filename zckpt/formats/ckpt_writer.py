@@ -24,9 +24,9 @@ from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt_encoding import CRC_MAGIC, map_value, string_value, tensor_values
 from zckpt.formats.entries import FileRange
-from zckpt.io import fileio, new_files
+from zckpt.io import fileio
 from zckpt.io.checksums import Sink
-from zckpt.io.new_files import NewFile
+from zckpt.io.new_files import NewFile, Opener, local
 
 Block = np.ndarray | FileRange
 """A piece of tensor data handed to :meth:`CkptWriter.write_blocks`."""
@@ -34,7 +34,8 @@ Block = np.ndarray | FileRange
 
 class CkptWriter:
     """Writes a ``.ckpt`` entry by entry to a new file beside it (:class:`~zckpt.io.new_files.NewFile`:
-    unnamed where the system allows) and gives it its name on :meth:`commit`.
+    unnamed where the system allows; or whatever ``files`` opens, e.g. an upload) and gives it
+    its name on :meth:`commit`.
 
     Leaving the context without committing (an exception) drops the new file. A
     file range that carries checks is checked in the pass that copies it, so a failed check
@@ -42,7 +43,7 @@ class CkptWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, fsync: bool = True,
-                 publisher: fileio.Publisher | None = None) -> None:
+                 publisher: fileio.Publisher | None = None, files: Opener = local) -> None:
         self.path = Path(path)
         self._publisher = publisher
         """Where a committed file is synced and renamed (on its thread), else here."""
@@ -58,7 +59,7 @@ class CkptWriter:
         self._sources: collections.OrderedDict[Path, tuple[int, int]] = collections.OrderedDict()
         """Open source files of recent file ranges with their sizes (a job of hundreds of ranks
         copies thousands of ranges out of each file: one open and fstat per file, not per range)."""
-        self._new = new_files.create(self.path, folders=True)  # unnamed until published where the system allows
+        self._new = files(self.path, False)  # unnamed until published where the system allows
         self._kernel = isinstance(self._new, NewFile)
         """The file has a descriptor the kernel can copy into (not a remote upload)."""
         self._f: BinaryIO | None = self._new.file

@@ -45,7 +45,7 @@ from zckpt.core.dtypes import STRING_TYPE, ms_dtype
 from zckpt.core.errors import CheckpointFormatError
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.entries import EntryInfo, Segment
-from zckpt.io import new_files
+from zckpt.io.new_files import Opener, local
 
 SF_TO_MS: dict[str, str] = {
     "BOOL": "Bool",
@@ -384,7 +384,8 @@ def header_bytes(
 
 class SafetensorsWriter:
     """Writes one ``.safetensors`` file as a new file beside it (:class:`~zckpt.io.new_files.NewFile`:
-    unnamed where the system allows), named on :meth:`commit`.
+    unnamed where the system allows; or whatever ``files`` opens, e.g. an upload), named on
+    :meth:`commit`.
 
     The tensors are declared up front; their bytes are then streamed with :meth:`write_tensor`
     in :attr:`order` (the header's data order). ``crc`` adds MindSpore's ``crc_num`` to the
@@ -400,6 +401,7 @@ class SafetensorsWriter:
         *,
         crc: bool = False,
         fsync: bool = True,
+        files: Opener = local,
     ) -> None:
         self.path = Path(path)
         names = [t.name for t in tensors]
@@ -421,7 +423,7 @@ class SafetensorsWriter:
         self._next = 0
         self.bytes_written = 0
         # unnamed until published where the system allows; with crc the header is rewritten last
-        self._new = new_files.create(self.path, head_last=crc, folders=True)
+        self._new = files(self.path, crc)
         self._f: BinaryIO | None = self._new.file
         self._write(self._header)
 

@@ -20,7 +20,7 @@ from types import TracebackType
 
 from zckpt.core.errors import DiskFullError
 from zckpt.io.checksums import Sink
-from zckpt.io.new_files import Unpublished, create
+from zckpt.io.new_files import NewFile, Opener, Unpublished
 from zckpt.io.new_files import fsync_dir as fsync_dir  # callers import it from here
 
 BLOCK = 1024 * 1024
@@ -222,11 +222,11 @@ def read_soon(paths: Sequence[Path], share: float = 0.25) -> bool:
     return True
 
 
-def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True, files: Opener | None = None) -> None:
     """Write a small file whole as a :class:`~zckpt.io.new_files.NewFile` (unnamed where the
-    system allows, never through a planted link), then publish it; nothing of it is left
-    on any failure."""
-    new = create(path)
+    system allows, never through a planted link; or as ``files`` opens it), then publish it;
+    nothing of it is left on any failure."""
+    new = files(path, False) if files is not None else NewFile(path)
     try:
         with disk_full_named(path):
             new.file.write(data)

@@ -19,11 +19,11 @@ process that opened the file since Linux 6.10, earlier only with ``CAP_DAC_READ_
 or ``linkat`` of ``/proc/self/fd/<fd>`` (fails with ``EXDEV`` where ``/proc`` is seen
 through another mount).
 
-A file need not be written on this machine at all: inside :func:`routed`, a new file below
-the given root is opened by the given opener instead (a remote output's upload, streamed as
-it is written: :mod:`zckpt.io.streamed_files`). The writers ask :func:`create` for every new
-file, so they write a local file or an upload alike, through the :class:`Unpublished` each
-gets.
+A file need not be written on this machine at all: the writers are handed an
+:data:`Opener` that makes each new file they write, :func:`local` (a :class:`NewFile`) by
+default, or a remote output's upload, streamed as it is written
+(:mod:`zckpt.io.streamed_files`); they write either alike, through the :class:`Unpublished`
+each gets.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -71,33 +70,16 @@ class Unpublished(Protocol):
 
 
 Opener = Callable[[Path, bool], Unpublished]
-"""Opens a new file for a path below a :func:`routed` root; the flag says its head is
-rewritten once the rest is written (so it cannot be streamed front to back)."""
+"""Opens a new file for a path (:func:`local`, or a remote output's:
+:class:`zckpt.io.streamed_files.Uploads`); the flag says its head is rewritten once the rest
+is written (so it cannot be streamed front to back)."""
 
-_ROUTE: ContextVar[tuple[Path, Opener] | None] = ContextVar("zckpt_new_file_route", default=None)
 
-
-def create(path: Path, *, head_last: bool = False, folders: bool = False) -> Unpublished:
-    """A new file for ``path``: opened by the opener of an enclosing :func:`routed` when
-    ``path`` lies below its root, else a :class:`NewFile` (with ``folders``, its folder made
-    first)."""
-    route = _ROUTE.get()
-    if route is not None and path.is_relative_to(route[0]):
-        return route[1](path, head_last)
-    if folders:
-        path.parent.mkdir(parents=True, exist_ok=True)
+def local(path: Path, head_last: bool = False) -> Unpublished:
+    """The :data:`Opener` of files on this machine: a :class:`NewFile` for ``path``, its folder
+    made first (``head_last`` does not matter: a local file is rewritten in place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     return NewFile(path)
-
-
-@contextlib.contextmanager
-def routed(root: Path, opener: Opener) -> Iterator[None]:
-    """New files below ``root`` (a path that exists nowhere) are opened by ``opener`` while in
-    this context (in this thread: the writer that creates them runs here)."""
-    token = _ROUTE.set((root, opener))
-    try:
-        yield
-    finally:
-        _ROUTE.reset(token)
 
 
 class NewFile:

@@ -11,7 +11,8 @@ groups, which write at offsets of many files at once, are for local outputs). A 
 file feeds the upload, so that a part goes up while the writer produces the next; memory
 stays bounded per file being written: the bytes waiting for that thread (:data:`PART`, or
 one larger write: a band at most), the part being filled (as much again) and, while it goes
-up, s3fs's copy of it.
+up, s3fs's copy of it. The writers get these files from an :class:`Uploads`, handed to them as
+the opener of their new files (:data:`zckpt.io.new_files.Opener`) in place of the local one.
 
 Written by hand here is only what fsspec does not do: a multipart upload whose process was
 killed outlives it on the server (invisible, billed, never completed). :func:`abort_uploads`
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from zckpt.core.errors import OutputError
-from zckpt.io import new_files, remote
+from zckpt.io import remote
 from zckpt.io.new_files import NewFile, Unpublished
 
 PART = 16 * 1024 * 1024
@@ -173,7 +174,7 @@ class StreamedFile:
 
 class SpooledFile:
     """A file written to a local temporary file and uploaded once complete: for a file whose
-    head is rewritten last (:func:`zckpt.io.new_files.create`'s ``head_last``)."""
+    head is rewritten last (an :data:`~zckpt.io.new_files.Opener`'s ``head_last``)."""
 
     def __init__(self, path: Path, location: remote.Location, on_publish: Callable[[remote.Location], None]) -> None:
         self.path = path
@@ -196,21 +197,28 @@ class SpooledFile:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def streaming(folder: remote.Location, name: str) -> Iterator[tuple[Path, list[remote.Location]]]:
-    """A path for a writer to write ``name`` at, and the list of files published so far: every
-    new file the writer makes below that path's folder goes to ``folder`` on the server, under
-    the same name (:func:`zckpt.io.new_files.routed`)."""
-    root = Path(tempfile.gettempdir(), f"zckpt-stream-{uuid.uuid4().hex}")
-    published: list[remote.Location] = []
+class Uploads:
+    """The opener of a remote output's new files (a :data:`~zckpt.io.new_files.Opener`, handed
+    to the writers): each file the writer makes below :attr:`path`'s folder goes to ``folder``
+    on the server under the same relative name, streamed (:class:`StreamedFile`) or, with its
+    head rewritten last, spooled (:class:`SpooledFile`). :attr:`path` is where the writer
+    writes ``name``: a local path that exists nowhere (a writer's look for files already there
+    finds none), which names the files it writes beside it (a safetensors rank's parts and
+    index) and the errors about them (:func:`zckpt.io.remote.named_by_url`)."""
 
-    def opener(path: Path, head_last: bool) -> Unpublished:
-        where = folder.child(*path.relative_to(root).parts)
+    def __init__(self, folder: remote.Location, name: str) -> None:
+        self.folder = folder
+        self.root = Path(tempfile.gettempdir(), f"zckpt-stream-{uuid.uuid4().hex}")
+        self.path = self.root / name
+        self.published: list[remote.Location] = []
+        """The files published so far."""
+
+    def __call__(self, path: Path, head_last: bool) -> Unpublished:
+        if not path.is_relative_to(self.root):
+            raise OutputError(f"a new file outside the upload folder {self.folder.url}", path=path)
+        where = self.folder.child(*path.relative_to(self.root).parts)
         kind = SpooledFile if head_last else StreamedFile
-        return kind(path, where, published.append)
-
-    with new_files.routed(root, opener):
-        yield root / name, published
+        return kind(path, where, self.published.append)
 
 
 def abort_uploads(out: remote.Location, ours: Callable[[str], bool]) -> int:

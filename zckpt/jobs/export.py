@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import OutputError, UsageError
 from zckpt.io.fileio import Publisher, disk_full_named
+from zckpt.io.new_files import Opener, local
 from zckpt.jobs.export_job import (
     ExportOptions,
     ExportReport,
@@ -189,7 +190,7 @@ def write_file(
     ticker = Ticker(report)
     writer = rank_writer(options)
     return output_file(target, options.storage_options).publish(
-        lambda path, pub: writer.write(reader, rank, path, ticker, pub), publisher)
+        lambda path, pub, files: writer.write(reader, rank, path, ticker, pub, files), publisher)
 
 
 def export_rank(
@@ -199,8 +200,10 @@ def export_rank(
     strategy: StrategyArg = None,
     *,
     options: ExportOptions = ExportOptions(),
+    files: Opener = local,
 ) -> RankResult:
-    """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``)."""
+    """Write one destination rank to an explicit file name (``transform_checkpoint_by_rank``),
+    each new file opened by ``files``."""
     with reading(store):
         store.check_integrity()
         plan = plan_export(store, strategy, [rank], require_supplied=True)
@@ -209,7 +212,7 @@ def export_rank(
         if path.exists() and not options.overwrite:
             raise OutputError("output file already exists (--overwrite replaces it)", path=path)
         with disk_full_named(path):
-            return rank_writer(options).write(StoreReader(store, options), plan.ranks[0], path)
+            return rank_writer(options).write(StoreReader(store, options), plan.ranks[0], path, files=files)
 
 
 def export_safetensors(
@@ -281,4 +284,4 @@ def write_safetensors_file(
     reader.store.prefetch(s.name for s in rank.slices)
     ticker = Ticker(report)
     return output_file(target, options.storage_options).publish_parts(
-        lambda path: rank_writer(options).write(reader, rank, path, ticker))
+        lambda path, files: rank_writer(options).write(reader, rank, path, ticker, files=files))

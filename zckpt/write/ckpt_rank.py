@@ -19,6 +19,7 @@ from zckpt.core.dtypes import ms_dtype
 from zckpt.formats.ckpt_writer import CkptWriter
 from zckpt.formats.entries import FileRange
 from zckpt.io.fileio import Publisher
+from zckpt.io.new_files import Opener, local
 from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
@@ -33,8 +34,8 @@ class CkptRankWriter:
     settings: WriterSettings = WriterSettings()
 
     def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
-              publisher: Publisher | None = None) -> RankResult:
-        """Write ``rank``'s slices from ``reader`` into the ``.ckpt`` file ``target``."""
+              publisher: Publisher | None = None, files: Opener = local) -> RankResult:
+        """Write ``rank``'s slices from ``reader`` into the ``.ckpt`` file ``target`` (opened by ``files``)."""
         tensors = 0
         direct: dict[str, list[FileRange]] = {}
         banded = []
@@ -49,7 +50,7 @@ class CkptRankWriter:
         with contextlib.ExitStack() as stack:
             source = BandSource(reader, banded, stack.enter_context(reading_ahead(self.settings.overlap)))
             w = stack.enter_context(CkptWriter(target, crc=self.settings.crc, fsync=self.settings.fsync,
-                                               publisher=publisher))
+                                               publisher=publisher, files=files))
             for s in rank.slices:
                 kind = reader.kind(s.name)
                 if kind == "str":

@@ -5,10 +5,12 @@ destination file (:func:`output_file`).
 The jobs plan their rank files on :attr:`OutputDir.path` and then only ask the destination:
 which files are still to write (resume or refuse, :mod:`zckpt.write.out_dirs`), what a task
 receives as its target, how a rank folder is made, how a finished run is recorded, what
-``--dry-run`` reports. A task publishes its file through :func:`output_file`: a local file
-is written in place (through the publisher, which names it only when complete); a remote
-file is uploaded as it is written (a multipart upload on S3: :mod:`zckpt.io.streamed_files`),
-so that its final name never holds a partial file and no byte of it touches local disk.
+``--dry-run`` reports. A task publishes its file through :func:`output_file`, which hands the
+task's writer the opener of its new files: a local file is written in place (a
+:class:`~zckpt.io.new_files.NewFile`, named only when complete, by the publisher where one is
+given); a remote file is uploaded as it is written (a multipart upload on S3:
+:class:`zckpt.io.streamed_files.Uploads`), so that its final name never holds a partial file and
+no byte of it touches local disk.
 
 The mechanics of markers, records and leftovers stay in :mod:`zckpt.write.out_dirs` and
 :mod:`zckpt.write.out_records`; a new kind of destination is one more class here, chosen in
@@ -27,15 +29,19 @@ from typing import Any, Protocol
 
 from zckpt.core.errors import OutputError
 from zckpt.formats.shard_reader import INDEX_SUFFIX
-from zckpt.io import locks, remote, streamed_files
+from zckpt.io import locks, new_files, remote, streamed_files
 from zckpt.io.fileio import Publisher, disk_full_named
 from zckpt.write import out_dirs, out_records
 from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import Jobs
 from zckpt.write.safetensors_rank import existing_outputs, remote_outputs
 
-WriteAt = Callable[[Path, Publisher | None], RankResult]
-"""Writes a rank's file at a local path (through the publisher, when one is given)."""
+WriteAt = Callable[[Path, Publisher | None, new_files.Opener], RankResult]
+"""Writes a rank's file at a path, each new file opened by the opener (named through the
+publisher, when one is given)."""
+
+WriteParts = Callable[[Path, new_files.Opener], RankResult]
+"""Writes a rank's files (a safetensors rank's parts and index) at a path, each opened by the opener."""
 
 
 class OutputDir(Protocol):
@@ -300,7 +306,7 @@ class OutputFile(Protocol):
     def publish(self, write: WriteAt, publisher: Publisher | None = None) -> RankResult:
         """Write the file by ``write`` and make it visible under its name once complete."""
 
-    def publish_parts(self, write: Callable[[Path], RankResult]) -> RankResult:
+    def publish_parts(self, write: WriteParts) -> RankResult:
         """:meth:`publish` for a write that may leave several files (a safetensors rank's
         parts and index), replacing what an earlier write of this file left."""
 
@@ -323,10 +329,10 @@ class LocalFile:
 
     def publish(self, write: WriteAt, publisher: Publisher | None = None) -> RankResult:
         with disk_full_named(self.path):
-            return write(self.path, publisher)
+            return write(self.path, publisher, new_files.local)
 
-    def publish_parts(self, write: Callable[[Path], RankResult]) -> RankResult:
-        return self.publish(lambda path, _: write(path))
+    def publish_parts(self, write: WriteParts) -> RankResult:
+        return self.publish(lambda path, _, files: write(path, files))
 
     def is_dir(self) -> bool:
         return self.path.is_dir()
@@ -350,12 +356,12 @@ class RemoteFile:
         return remote.locate(self.url, self.storage_options, OutputError)
 
     def publish(self, write: WriteAt, publisher: Publisher | None = None) -> RankResult:
-        with streamed_files.streaming(self.location.sibling(""), self._name) as (path, _), \
-                remote.named_by_url(path.parent, self.url):
-            result = write(path, None)
+        uploads = streamed_files.Uploads(self.location.sibling(""), self._name)
+        with remote.named_by_url(uploads.root, self.url):
+            result = write(uploads.path, None, uploads)
         return replace(result, path=self.url)
 
-    def publish_parts(self, write: Callable[[Path], RankResult]) -> RankResult:
+    def publish_parts(self, write: WriteParts) -> RankResult:
         """Each file goes up as it is written (the parts before the index that names them);
         an earlier write's index is removed first (it would name a mix of old and new parts),
         and what that write left that this one did not (e.g. parts of another split) once this
@@ -366,16 +372,16 @@ class RemoteFile:
         for old in sorted(p for p in stale if p.endswith(INDEX_SUFFIX)):
             remote.remove(_beside(loc, old), OutputError)
             stale.discard(old)
-        with streamed_files.streaming(folder, self._name) as (path, published):
-            try:
-                with remote.named_by_url(path.parent, folder.url, children=True):
-                    result = write(path)
-            except BaseException:
-                for p in sorted(({f.path for f in published} | stale) - {loc.path}):
-                    with contextlib.suppress(OutputError):
-                        remote.remove(_beside(loc, p), OutputError)
-                raise
-        for p in sorted(stale - {f.path for f in published}):
+        uploads = streamed_files.Uploads(folder, self._name)
+        try:
+            with remote.named_by_url(uploads.root, folder.url, children=True):
+                result = write(uploads.path, uploads)
+        except BaseException:
+            for p in sorted(({f.path for f in uploads.published} | stale) - {loc.path}):
+                with contextlib.suppress(OutputError):
+                    remote.remove(_beside(loc, p), OutputError)
+            raise
+        for p in sorted(stale - {f.path for f in uploads.published}):
             remote.remove(_beside(loc, p), OutputError)
         return replace(result, path=folder.child(Path(result.path).name).url)
 

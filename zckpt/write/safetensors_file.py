@@ -23,6 +23,7 @@ from pathlib import Path
 from zckpt.core.errors import OutputError, ZckptError
 from zckpt.formats.safetensors import MS_METADATA, STRING_PREFIX, SafetensorsWriter, TensorHeader
 from zckpt.io.fileio import Publisher
+from zckpt.io.new_files import Opener, local
 from zckpt.plan.values import RankExport, Slice
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
@@ -68,24 +69,25 @@ class SafetensorsFileWriter:
     settings: WriterSettings = WriterSettings()
 
     def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
-              publisher: Publisher | None = None) -> RankResult:
-        """Write ``rank``'s slices from ``reader`` into ``target`` (``publisher`` is not used:
-        the file is synced and renamed here)."""
+              publisher: Publisher | None = None, files: Opener = local) -> RankResult:
+        """Write ``rank``'s slices from ``reader`` into ``target``, opened by ``files``
+        (``publisher`` is not used: the file is synced and renamed here)."""
         refuse_maps(reader, rank.slices)
         with reading_ahead(self.settings.overlap) as helper:
-            tensors, size = self.write_file(reader, rank.slices, target, helper, ticker)
+            tensors, size = self.write_file(reader, rank.slices, target, helper, ticker, files)
         if ticker is not None:
             ticker.close()
         return RankResult(rank.rank, str(target), tensors, size, reader.read_bytes, reader.checked_bytes)
 
     def write_file(self, reader: BoxReader, slices: Sequence[Slice], target: Path, helper: Executor | None,
-                   ticker: Ticker | None = None) -> tuple[int, int]:
-        """Write ``slices`` (tensors and strings; no maps) as ``target``; the number of tensors
-        and the file's size."""
+                   ticker: Ticker | None = None, files: Opener = local) -> tuple[int, int]:
+        """Write ``slices`` (tensors and strings; no maps) as ``target`` (opened by ``files``);
+        the number of tensors and the file's size."""
         tensors = tensor_headers(reader, slices)
         boxes = {s.name: s.box for s in slices}
         meta = file_metadata(reader, slices)
-        with SafetensorsWriter(target, tensors, meta, crc=self.settings.crc, fsync=self.settings.fsync) as w:
+        with SafetensorsWriter(target, tensors, meta, crc=self.settings.crc, fsync=self.settings.fsync,
+                               files=files) as w:
             source = BandSource(reader, [(t.name, boxes[t.name]) for t in w.order], helper)
             for t in w.order:
                 w.write_tensor(t.name, source.take(t.name))

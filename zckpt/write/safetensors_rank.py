@@ -30,6 +30,7 @@ from zckpt.formats.safetensors import TensorHeader
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import fileio, remote
 from zckpt.io.fileio import Publisher
+from zckpt.io.new_files import Opener, local
 from zckpt.plan.values import RankExport, Slice
 from zckpt.run.progress import Ticker
 from zckpt.write.boxes import BoxReader, RankResult, WriterSettings, reading_ahead
@@ -93,9 +94,9 @@ class SafetensorsRankWriter:
     settings: WriterSettings = WriterSettings()
 
     def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
-              publisher: Publisher | None = None) -> RankResult:
-        """One rank's file, or its parts and index when it exceeds ``max_file_bytes``
-        (``publisher`` is not used: each file is synced and renamed here)."""
+              publisher: Publisher | None = None, files: Opener = local) -> RankResult:
+        """One rank's file, or its parts and index when it exceeds ``max_file_bytes``, each
+        opened by ``files`` (``publisher`` is not used: each file is synced and renamed here)."""
         refuse_maps(reader, rank.slices)
         tensors = tensor_headers(reader, rank.slices)
         boxes = {s.name: s.box for s in rank.slices}
@@ -115,7 +116,7 @@ class SafetensorsRankWriter:
             with reading_ahead(self.settings.overlap) as helper:
                 for i, (path, part) in enumerate(zip(paths, parts, strict=True)):
                     slices = (strings if i == 0 else []) + [Slice(t.name, boxes[t.name]) for t in part]
-                    total += one.write_file(reader, slices, path, helper, ticker)[1]
+                    total += one.write_file(reader, slices, path, helper, ticker, files)[1]
                     published.append(path)
         except BaseException:
             if len(parts) > 1:  # no index names them any more: parts of this write or of an older one
@@ -128,7 +129,7 @@ class SafetensorsRankWriter:
             doc = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                    "weight_map": {t.name: p.name for p, part in zip(paths, parts, strict=True) for t in part}}
             text = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-            fileio.write_atomic(result_path, text, fsync=self.settings.fsync)
+            fileio.write_atomic(result_path, text, fsync=self.settings.fsync, files=files)
             total += len(text)
         for p in stale - {*paths, result_path}:
             with contextlib.suppress(FileNotFoundError):

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from zckpt.core.errors import OutputError
 from zckpt.io.fileio import Publisher
+from zckpt.io.new_files import Opener, local
 from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write import ckpt_rank, safetensors_file
@@ -39,10 +40,10 @@ class RankWriter(Protocol):
     :class:`~zckpt.write.boxes.WriterSettings`)."""
 
     def write(self, reader: BoxReader, rank: RankExport, target: Path, ticker: Ticker | None = None,
-              publisher: Publisher | None = None) -> RankResult:
-        """Write ``rank``'s slices, read from ``reader``, as ``target`` (a new file, unnamed
-        or under a temporary name, given its name once complete: here, or by ``publisher`` on
-        its thread where the format allows)."""
+              publisher: Publisher | None = None, files: Opener = local) -> RankResult:
+        """Write ``rank``'s slices, read from ``reader``, as ``target``: each new file opened
+        by ``files`` (on this machine: unnamed or under a temporary name; or an upload), given
+        its name once complete: here, or by ``publisher`` on its thread where the format allows."""
         ...
 
 
