@@ -301,8 +301,7 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
         # In this process, one publisher syncs each file while the next is written.
         publisher = place.publisher if client is None else None
-        cut = source_major_groups(plan, [r for r, _ in files], options,
-                                  2 if place.helper is not None else options.workers) if local else None
+        cut = source_major_groups(plan, [r for r, _ in files], options, place.tasks()) if local else None
         if cut is not None:
             groups = [([files[i] for i in g], union_boxes(plan, [files[i][0] for i in g])) for g in cut]
             group_bytes = [sum(by_target[t] for _, t in g) for g, _ in groups]
