@@ -113,9 +113,9 @@ def test_the_walkthrough_has_its_blocks() -> None:
 
 def test_the_walkthrough_runs_as_written(walk: tuple[Path, Any, list[subprocess.CompletedProcess[str]]]) -> None:
     root, fs, results = walk
-    assert len(results) == 2
     for proc in results:
         assert proc.returncode == 0, f"walkthrough block failed:\n{proc.args[-1]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert len(results) == 2
     expected = {p.relative_to(EXPECTED).as_posix(): p.read_bytes() for p in EXPECTED.rglob("*.ckpt")}
     assert len(expected) == 4
     for out in ("cluster-dst", "cluster-direct", "cluster-from-s3"):
