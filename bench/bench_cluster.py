@@ -18,64 +18,31 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from bench_jobs import PRESETS, prepare
 from benchlib import GiB, phase_env
 from jobs_model import Parallel
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dask_hosts import cluster  # noqa: E402  (the tests' loopback cluster: the commands a user types)
 
 
-@contextmanager
-def loopback_cluster(workers: int, root: Path) -> Iterator[str]:
-    """A scheduler and ``workers`` one-thread worker processes (no nanny), each worker in its
-    own directory below ``root``: the scheduler's address."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    env = phase_env()
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=root, **quiet)]
-    try:
-        for i in range(workers):
-            home = root / f"host-{i}"
-            home.mkdir(exist_ok=True)
-            procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
-                                           "--nthreads", "1", "--no-nanny", "--no-dashboard", "--memory-limit", "0"],
-                                          env=env, cwd=home, **quiet))
-        from distributed import Client
+def loopback_cluster(workers: int, root: Path) -> Any:
+    """A scheduler and ``workers`` one-thread worker processes (no nanny), each in a directory
+    of its own below ``root``: ``(address, worker processes)`` while open."""
+    spec = []
+    for i in range(workers):
+        (root / f"host-{i}").mkdir(exist_ok=True)
+        spec.append((["--nthreads", "1", "--no-nanny"], root / f"host-{i}", phase_env()))
+    return cluster(root, spec, expect=workers)
 
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(address, timeout=5) as c:
-                    c.wait_for_workers(workers, timeout=30)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        yield address
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def timed(args: list[str], out: Path) -> float:
@@ -111,7 +78,7 @@ def main() -> None:
                 "transform": ["transform", str(job.src), *src_strategy, *dst, "--out", str(out)]}
     phases = [p for p in a.phases.split(",") if p]
     times: dict[tuple[str, str], list[float]] = {}
-    with tempfile.TemporaryDirectory(dir=a.work) as hosts, loopback_cluster(n, Path(hosts)) as address:
+    with tempfile.TemporaryDirectory(dir=a.work) as hosts, loopback_cluster(n, Path(hosts)) as (address, _):
         for _ in range(a.repeat):
             for phase in phases:
                 times.setdefault((phase, "cluster"), []).append(

@@ -45,18 +45,7 @@ def cluster(scheduler_dir: Path, workers: Sequence[tuple[list[str], Path, Mappin
                                              "--no-dashboard", "--memory-limit", "0", *args],
                                             cwd=cwd, env=None if env is None else dict(env), **quiet))
             procs.append(started[-1])
-        from distributed import Client
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(address, timeout=5) as c:
-                    c.wait_for_workers(expect, timeout=30)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        wait_for_workers(address, expect)
         yield address, started
     finally:
         for p in reversed(procs):
@@ -68,6 +57,24 @@ def cluster(scheduler_dir: Path, workers: Sequence[tuple[list[str], Path, Mappin
             except subprocess.TimeoutExpired:  # a worker still saying goodbye to a scheduler gone first
                 p.kill()
                 p.wait()
+
+
+def wait_for_workers(address: str, n: int, alive: Callable[[], bool] = lambda: True) -> None:
+    """Wait until ``n`` workers have joined the scheduler at ``address`` (which may not listen
+    yet), while ``alive()``."""
+    from distributed import Client
+
+    deadline = time.monotonic() + 60
+    while True:
+        assert alive(), "a scheduler or worker stopped"
+        try:
+            with Client(address, timeout=5) as c:
+                c.wait_for_workers(n, timeout=30)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def lost_worker_job(root: Path) -> tuple[GeneratedModel, Path]:

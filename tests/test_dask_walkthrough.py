@@ -13,13 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dask_hosts import free_port
+from dask_hosts import free_port, wait_for_workers
 
 pytest.importorskip("distributed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
@@ -78,7 +77,7 @@ def walk(tmp_path: Path) -> Iterator[tuple[Path, Any, list[subprocess.CompletedP
                                                         text=True, start_new_session=True))
                     continue
                 if not results:
-                    _wait_for_workers(env["SCHEDULER"], 2, serving)
+                    wait_for_workers(env["SCHEDULER"], 2, lambda: all(p.poll() is None for p in serving))
                 proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, env=env,
                                       capture_output=True, text=True, timeout=300, check=False)
                 results.append(proc)
@@ -87,23 +86,6 @@ def walk(tmp_path: Path) -> Iterator[tuple[Path, Any, list[subprocess.CompletedP
             yield root, fs, results
         finally:
             _stop(serving)
-
-
-def _wait_for_workers(address: str, n: int, serving: list[subprocess.Popen[str]]) -> None:
-    """Wait until ``n`` workers have joined the scheduler (as a user watches the terminals)."""
-    from distributed import Client
-
-    deadline = time.monotonic() + 60
-    while True:
-        assert all(p.poll() is None for p in serving), "a scheduler or worker block stopped"
-        try:
-            with Client(address, timeout=5) as c:
-                c.wait_for_workers(n, timeout=30)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def test_the_walkthrough_has_its_blocks() -> None:
