@@ -360,8 +360,8 @@ def _run(
             regroup_local(store.path, [j.rank for j in todo], max(1, -(-len(todo) // RECORD_FILES)))
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
-            if not options.verify_replicas:
-                checks = merged(checks, place.tasks() if client is not None else len(checks))
+            if not options.verify_replicas and client is not None:  # one task per worker thread, not per rank
+                checks = merged(checks, place.tasks())
             compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
                                  name=_rank_name, progress=options.progress)
         else:
