@@ -3,7 +3,8 @@ server (moto's, on loopback), one worker killed with SIGKILL in the middle of it
 during an ingest, an export and a transform typed as a user types them.
 
 Each worker starts in a directory of its own with the credentials and its endpoint in its
-environment (``AWS_*``, as on a host of a cluster); each reaches the server through a proxy
+environment (``AWS_*``, as on a host of a cluster; the transform gives the endpoint as a
+``--storage-option`` instead, which travels with the tasks); each reaches the server through a proxy
 of its own (tests/s3_proxy.py) that delays every write a little and tells which worker is
 writing, so the kill lands in the middle of a task's writes. Dask runs the lost tasks again
 on the other worker: the store holds every object of a one-process ingest byte for byte,
@@ -140,10 +141,11 @@ def test_a_worker_killed_mid_job_on_s3_leaves_the_bytes_of_a_clean_run(
         got = hosts.tree(f"{prefix}/out")
         assert got == _local(clean), "objects other than a one-process export's"
         written = "/out/"
-    else:
+    else:  # the endpoint as a storage option this time: it travels with the tasks, over the workers' own
         cmd = ["transform", src, "--src-strategy", f"{src}/strategy.ckpt", "--dst-strategy", "dst.ckpt",
-               "--out", "out", *on]
+               "--out", "out", "--storage-option", f"endpoint_url={hosts.client.url}", *on]
         assert killing_one(cmd, user, lambda: writing_below(hosts.workers, user / "out"), hosts.env()) == 0
+        assert not [k for p in hosts.proxies for k in p.requests if "/src/" in k]
         got = _local(user / "out")
         assert diff_dirs(clean, user / "out") == []
         assert not list(user.rglob("*.tmp-zckpt"))
