@@ -4,8 +4,9 @@ The proxy forwards every request to the server and counts, per object, the reque
 body bytes of ``GET`` answers and of ``PUT`` requests: what a client really fetched and sent,
 not what it says it did.
 Faults can be injected on requests whose path contains a string: a connection reset, a
-``500`` / ``503 SlowDown`` answer, a stalled answer, or a body cut short. The tests of range
-reads and ``bench/bench_remote.py`` use it.
+``500`` / ``503 SlowDown`` answer, a stalled answer, or a body cut short; or requests merely
+delayed (a slow server, so that a test can catch a client in the middle of its writes). The
+tests of range reads, the lost-worker tests on S3 and ``bench/bench_remote.py`` use it.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def proxied_bucket(bucket: str) -> Iterator[tuple[Any, Proxy]]:
 
 @dataclass
 class Fault:
-    """``kind`` (``reset``, ``500``, ``503``, ``slowdown``, ``stall``, ``short``) on the next
-    ``times`` requests (``GET`` by default) whose path contains ``where``."""
+    """``kind`` (``reset``, ``500``, ``503``, ``slowdown``, ``stall``, ``short``, or ``delay``:
+    answered after ``stall_seconds``) on the next ``times`` requests (``GET`` by default) whose
+    path contains ``where``."""
 
     where: str
     kind: str
@@ -136,6 +138,12 @@ class Proxy:
         with self._lock:
             return sum(n for p, n in self.body_bytes.items() if where in p)
 
+    def writes(self, where: str = "") -> list[str]:
+        """``PUT`` and ``POST`` requests (whole objects, multipart parts) to paths containing
+        ``where``, as ``"METHOD path"``: counted when they arrive, before they are answered."""
+        with self._lock:
+            return [k for k in self.requests if k.split(" ", 1)[0] in ("PUT", "POST") and where in k]
+
     def options(self, **extra: Any) -> dict[str, Any]:
         """s3fs options that reach the server through this proxy, with the client's own retries
         off (so that zckpt's are the ones tried) and a short read timeout (a stall is seen)."""
@@ -194,9 +202,10 @@ class Proxy:
                           "\r\n\r\n".encode() + xml)
             h.wfile.flush()
             return True
-        if fault is not None and fault.kind == "stall":
+        if fault is not None and fault.kind in ("stall", "delay"):
             time.sleep(fault.stall_seconds)
-            return False
+            if fault.kind == "stall":
+                return False
         conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
         try:
             conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)

@@ -133,3 +133,33 @@ def test_thread_workers_share_the_memory_bound(tmp_path: Path, monkeypatch: pyte
     zckpt.export(tmp_path / "s.zarr", tmp_path / "o", DST_S, options=opts)
     assert seen and set(seen) == {1 << 21}
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []
+
+
+def test_a_cluster_gets_a_group_per_worker_thread(scheduler: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Files that share source rows are written source-major in groups cut for the cluster's
+    worker threads (two here), not for ``--workers`` (1 with a scheduler: one group, one
+    worker busy, the other idle), in an export and in a transform alike."""
+    import json
+
+    from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import TensorDef
+
+    model = write_model(tmp_path / "src", [TensorDef(f"w{i}", (64, 8), "Float32", make_layout([2], [0, -1]))
+                                           for i in range(4)], device_num=2)
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={t.name: {0: make_layout([32], [0, -1])}
+                                                         for t in model.tensors if t.name.startswith("w")})))
+    zckpt.ingest(model.root, tmp_path / "s.zarr", model.strategy_path)
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "one", dst, options=zckpt.ExportOptions(helper=False))
+    capsys.readouterr()
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "o", dst,
+                 options=zckpt.ExportOptions(scheduler=scheduler, progress="json"))
+    assert cli_main(["transform", str(model.root), "--src-strategy", str(model.strategy_path), "--dst-strategy",
+                     str(dst), "--out", str(tmp_path / "direct"), "--scheduler", scheduler, "--json"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    tasks = {(e["phase"], e["task"]) for e in events if e.get("event") == "progress" and e["phase"] != "verify"}
+    assert tasks == {(phase, f"ranks {a}-{b}") for phase in ("export", "transform") for a, b in ((0, 15), (16, 31))}
+    for out in ("o", "direct"):
+        assert _files(tmp_path / out) == _files(tmp_path / "one"), out

@@ -358,9 +358,8 @@ def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
     """In one process the replica comparisons run as one merged task; the checks that are only
     spot-checked by default stay spot-checked there (not compared in full), and the others
     stay compared in full."""
-    from zckpt.jobs.transform import merged
     from zckpt.plan.values import ReplicaCheck
-    from zckpt.sources.replicas import CheckJob
+    from zckpt.sources.replicas import CheckJob, merged
 
     spot = ReplicaCheck("w", 4, Box((0, 0), (64, 64)), (0,), "replica")
     full = ReplicaCheck("w", 5, Box((0, 0), (64, 64)), (0,), "replica")
@@ -369,3 +368,5 @@ def test_merged_replica_checks_keep_what_is_only_sampled() -> None:
     (one,) = merged(jobs)
     assert one.checks == (spot, full)
     assert one.sampled == frozenset({spot})
+    a, b = merged(jobs, 2)  # one task per worker thread of a cluster
+    assert (a.checks, a.sampled, b.checks, b.sampled) == ((spot,), frozenset({spot}), (full,), frozenset())

@@ -42,7 +42,6 @@ from zckpt.jobs.transform import (
     _fingerprint,
     check_jobs,
     is_single_stage_conversion,
-    merged,
     plan_transform,
     refuse_remote,
     refuse_source_unsupplied,
@@ -52,7 +51,7 @@ from zckpt.plan.values import RankExport, Slice
 from zckpt.run.choose import takes_helper
 from zckpt.sources.discovery import open_source
 from zckpt.sources.prepare import prepare_ingest, store_source
-from zckpt.sources.replicas import compare_replicas, replica_jobs
+from zckpt.sources.replicas import compare_replicas, merged, replica_jobs
 from zckpt.store import packed
 from zckpt.store.geometry import ChunkInfo
 from zckpt.store.layout_choice import StoreLayout, resumable_layout, store_layout

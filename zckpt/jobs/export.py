@@ -132,8 +132,8 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
         # They also hand their files to one publisher, which syncs each while the next is written.
         shared = store if client is None else planned
         publisher = place.publisher if client is None else None
-        cut = source_major(StoreReader(store, options), [r for r, _ in units], options,
-                           2 if place.helper is not None else options.workers) if local else None
+        cut = source_major(StoreReader(store, options), [r for r, _ in units], options, place.tasks()) \
+            if local else None
         if cut is not None:
             batches = [[units[i] for i in g] for g in cut]
             batch_bytes = [sum(by_target[t] for _, t in b) for b in batches]
@@ -251,10 +251,10 @@ def _export_safetensors(store: Store, plan: ExportPlan, dest: OutputDir, options
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, dest.target(p)) for r, p in jobs]
     nbytes = {t: sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, t in units}
-    cut = source_major(StoreReader(store, options), [r for r, _ in units], options, options.workers) \
-        if store.location is None and dest.local else None
     with placement(options) as place, place.running():
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        cut = source_major(StoreReader(store, options), [r for r, _ in units], options, place.tasks()) \
+            if store.location is None and dest.local else None
         if cut is not None:
             done = place.run(write_group, [[units[i] for i in g] for g in cut], PlannedStore.of(store), options,
                              label="export", progress=options.progress,

@@ -36,7 +36,7 @@ from zckpt.run.engines import travelling, wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import SourceFile, open_source
 from zckpt.sources.prepare import PreparedIngest, find_sources, plan_sources, store_source
-from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs, spot_checks
+from zckpt.sources.replicas import CheckJob, compare_replicas, merged, replica_jobs, spot_checks
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store import integrity, packed, rerun
 from zckpt.store.chunk_writer import (
@@ -360,6 +360,8 @@ def _run(
             regroup_local(store.path, [j.rank for j in todo], max(1, -(-len(todo) // RECORD_FILES)))
         if indexes and not any(isinstance(f, str) and remote.is_remote(f) for f in plan.rank_files.values()):
             checks = replica_jobs(plan, indexes, None, options.verify_replicas)  # source against source
+            if not options.verify_replicas and client is not None:  # one task per worker thread, not per rank
+                checks = merged(checks, place.tasks())
             compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
                                  name=_rank_name, progress=options.progress)
         else:

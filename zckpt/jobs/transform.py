@@ -40,7 +40,7 @@ from zckpt.run.progress import Report, Ticker
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
 from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
-from zckpt.sources.replicas import CheckJob, compare_replicas, replica_jobs
+from zckpt.sources.replicas import CheckJob, compare_replicas, merged, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, refuse_present
@@ -286,8 +286,6 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
     if not files:  # a complete directory of this same transform: nothing to read or write
         return TransformReport(out, (), time.perf_counter() - t0)
     checks = check_jobs(plan, {n for r, _ in files for n in r.names}, options.verify_replicas)
-    if options.scheduler is None and options.workers == 1 and not options.verify_replicas:
-        checks = merged(checks)  # (each check scans its job's writes: kept apart when every replica is compared)
     sizes = {t.name: ms_dtype(t.ms_type).storage.itemsize for t in plan.source.tensors if t.kind == "tensor"}
     unit_bytes = [sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, _ in files]
     by_target = {t: n for (_, t), n in zip(files, unit_bytes, strict=True)}
@@ -297,12 +295,13 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
                    sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
                    fsync=options.fsync) as place, place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
+        if not options.verify_replicas:  # (each check scans its job's writes: apart when every replica is compared)
+            checks = merged(checks, place.tasks() if client is not None else 1)
         compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
         # In this process, one publisher syncs each file while the next is written.
         publisher = place.publisher if client is None else None
-        cut = source_major_groups(plan, [r for r, _ in files], options,
-                                  2 if place.helper is not None else options.workers) if local else None
+        cut = source_major_groups(plan, [r for r, _ in files], options, place.tasks()) if local else None
         if cut is not None:
             groups = [([files[i] for i in g], union_boxes(plan, [files[i][0] for i in g])) for g in cut]
             group_bytes = [sum(by_target[t] for _, t in g) for g, _ in groups]
@@ -400,22 +399,6 @@ def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publ
           SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
                       storage_options=options.storage_options) as reader):
         return rank_writer(options).write(reader, job.rank, Path(job.target), ticker, publisher)
-
-
-def merged(jobs: list[CheckJob]) -> list[CheckJob]:
-    """The replica comparisons as one task, for a run in this process: each source file is
-    then opened once, not once per rank comparing with it (at 512 ranks, 511 tasks of three
-    scalars each opened the file of rank 0 again)."""
-    if len(jobs) <= 1:
-        return jobs
-    entries: dict[int, dict[str, EntryInfo]] = {}
-    for j in jobs:
-        for r, per in j.entries.items():
-            entries.setdefault(r, {}).update(per)
-    writes = tuple(dict.fromkeys(w for j in jobs for w in j.writes))
-    return [CheckJob(jobs[0].rank, tuple(c for j in jobs for c in j.checks), writes,
-                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs),
-                     frozenset(c for j in jobs for c in j.sampled))]
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:

@@ -58,6 +58,18 @@ class Placement:
             finally:
                 self.client = None
 
+    def tasks(self) -> int:
+        """How many tasks run at once where this phase runs (inside :meth:`running`): the
+        threads of the cluster's workers (a scheduler's or a LocalCluster's), two beside a
+        helper process, else one. Source-major groups are cut for this many: cut for
+        ``--workers`` (1 with ``--scheduler``), a cluster ran every file of a job as one task
+        on one worker while the others idled."""
+        if self.helper is not None:
+            return 2
+        if self.client is not None:
+            return max(1, sum(int(n) for n in self.client.nthreads().values()))
+        return self.engine.workers
+
     def share(self, nbytes: int) -> int:
         """Each task's part of a per-process memory bound (:meth:`Engine.share`)."""
         return self.engine.share(nbytes)

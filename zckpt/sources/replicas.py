@@ -85,6 +85,26 @@ def replica_jobs(source: IngestPlan, indexes: Mapping[int, Mapping[str, EntryInf
     return jobs
 
 
+def merged(jobs: list[CheckJob], tasks: int = 1) -> list[CheckJob]:
+    """The replica comparisons as ``tasks`` tasks (one per task that runs at once): each source
+    file is then opened once per task, not once per rank comparing with it (at 512 ranks, 511
+    tasks of three scalars each opened the file of rank 0 again; on a cluster of two one-thread
+    workers those 511 tasks took 2.5-3.8 s, two took 0.1-0.3 s)."""
+    if len(jobs) <= 1:
+        return jobs
+    if tasks > 1:
+        size = -(-len(jobs) // tasks)
+        return [m for a in range(0, len(jobs), size) for m in merged(jobs[a:a + size])]
+    entries: dict[int, dict[str, EntryInfo]] = {}
+    for j in jobs:
+        for r, per in j.entries.items():
+            entries.setdefault(r, {}).update(per)
+    writes = tuple(dict.fromkeys(w for j in jobs for w in j.writes))
+    return [CheckJob(jobs[0].rank, tuple(c for j in jobs for c in j.checks), writes,
+                     {r: f for j in jobs for r, f in j.files.items()}, entries, sum(j.nbytes for j in jobs),
+                     frozenset(c for j in jobs for c in j.sampled))]
+
+
 def spot_checks(source: IngestPlan) -> set[ReplicaCheck]:
     """Per entry, stage and device axis the layout calls replicated, one replica: the first
     one step from its writer along that axis. A layout that calls a true split replicated
