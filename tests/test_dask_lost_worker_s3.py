@@ -165,5 +165,4 @@ def test_a_worker_killed_mid_job_on_s3_leaves_the_bytes_of_a_clean_run(
         assert hosts.tree(f"{prefix}/{'s.zarr' if phase == 'ingest' else 'out'}") == got
     spooled = [p for w in ("host-a", "host-b") for p in (tmp_path / w / "tmp").rglob("*")
                if p.is_file() and "dask-scratch-space" not in p.parts]
-    if spooled:  # the killed worker's local copy of a remote output, left on its host's disk
-        pytest.xfail(f"remote outputs are written to a local temporary file first: {spooled[0].name} left")
+    assert not spooled, "a remote output went through a worker's local disk"
