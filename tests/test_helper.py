@@ -352,17 +352,41 @@ def test_export_failure_in_the_helpers_share_leaves_no_final_file(job: Generated
 
 def test_helper_wanted_for_many_source_ranks_and_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
     from zckpt.run import engines as runner
-    from zckpt.run.helper import HELPER_BYTES, HELPER_SOURCES, wanted
+    from zckpt.run.helper import HELPER_BYTES, HELPER_RANKS, wanted
 
     monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
     big = HELPER_BYTES
-    assert wanted(None, 1, None, big, HELPER_SOURCES)
-    assert not wanted(None, 1, None, big, HELPER_SOURCES - 1)  # a few large runs: the disk is the bound
+    assert wanted(None, 1, None, big, HELPER_RANKS)
+    assert not wanted(None, 1, None, big, HELPER_RANKS - 1)  # a few large runs: the disk is the bound
     assert not wanted(None, 1, None, big - 1, 512)
     assert not wanted(None, 2, None, big, 512) and not wanted(None, 1, "tcp://h:8786", big, 512)  # Dask runs it
     assert wanted(True, 1, None, 0, 1) and not wanted(False, 1, None, big, 512)
     monkeypatch.setattr(runner, "usable_cpus", lambda: 1)
     assert not wanted(None, 1, None, big, 512)
+
+
+@pytest.mark.parametrize("command", ["export", "transform"])
+def test_helper_wanted_for_many_destination_ranks_of_few_sources(command: str, tmp_path: Path, submitted: list[int],
+                                                                  one_by_one: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scale-up from 4 to 40 ranks moves its bytes in small pieces too: left to decide (no
+    ``--helper`` flag), the phase takes a helper for 40 destination ranks and none for 8."""
+    from zckpt.run import engines as runner
+
+    rng = np.random.default_rng(4)
+    few = write_model(tmp_path / "src", [TensorDef(f"w{i}", (80, 16), "Float32", random_layout(rng, (80, 16), 4))
+                                         for i in range(6)], device_num=4)
+    store = tmp_path / "s.zarr"
+    assert cli_main(_args(few, store, "--no-helper")) == 0
+    monkeypatch.setattr(helper, "HELPER_BYTES", 0)
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
+    for ranks in (8, helper.HELPER_RANKS + 8):
+        dst, out = _dst_strategy(few, tmp_path, ranks), tmp_path / f"out{ranks}"
+        args = ["export", str(store), "--strategy", str(dst)] if command == "export" else \
+            ["transform", str(few.root), "--src-strategy", str(few.strategy_path), "--dst-strategy", str(dst)]
+        submitted.clear()
+        assert cli_main([*args, "--out", str(out), "--quiet"]) == 0
+        assert bool(submitted) == (ranks >= helper.HELPER_RANKS), (ranks, submitted)
 
 
 def test_share_from_halves_the_bytes_on_step_borders() -> None:

@@ -166,7 +166,7 @@ def ingest(
     # the helper process, if any, starts here: its imports overlap the reading of the indexes
     possible = _helper_possible(found.files, options, is_remote)
     with placement(options, helper_possible=possible, nbytes=_source_bytes(found.files, options.helper) if possible
-                   else 0, sources=len(found.files),
+                   else 0, ranks=len(found.files),
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
         prepared = plan_sources(
             found, verify_crc=options.verify_crc,

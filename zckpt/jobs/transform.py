@@ -292,7 +292,7 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
     local = not any(remote.is_remote(t) for _, t in files) and \
         not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
     with placement(options, helper_possible=local and len(files) > 1, nbytes=sum(unit_bytes),
-                   sources=len(plan.source.rank_files), modules=("zckpt.jobs.transform",),
+                   ranks=max(len(plan.source.rank_files), len(files)), modules=("zckpt.jobs.transform",),
                    fsync=options.fsync) as place, place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
         if not options.verify_replicas:  # (each check scans its job's writes: apart when every replica is compared)

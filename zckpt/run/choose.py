@@ -91,20 +91,20 @@ class Placement:
                        aside=aside)
 
 
-def takes_helper(options: PlaceOptions, *, helper_possible: bool, nbytes: int, sources: int) -> bool:
+def takes_helper(options: PlaceOptions, *, helper_possible: bool, nbytes: int, ranks: int) -> bool:
     """Whether :func:`placement` starts a helper process for a phase of these sizes (``--dry-run``
     asks too, to plan the same tasks)."""
     engine = Engine.of(options)
     in_process = engine.scheduler is None and engine.workers == 1
     return helper_possible and in_process and wanted(options.helper, options.workers, options.scheduler, nbytes,
-                                                     sources)
+                                                     ranks)
 
 
 @contextmanager
-def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: int = 0, sources: int = 0,
+def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: int = 0, ranks: int = 0,
               modules: Sequence[str] = (), fsync: bool | None = None) -> Iterator[Placement]:
-    """Where a phase moving ``nbytes`` from ``sources`` source ranks runs, opened until the end
-    of the block.
+    """Where a phase moving ``nbytes`` between ``ranks`` (the more of its source and
+    destination ranks) runs, opened until the end of the block.
 
     A helper process (its tasks need ``modules``) is started at once when the phase may take
     one (``helper_possible``: local files, more than one task), runs in this process alone
@@ -116,7 +116,7 @@ def placement(options: PlaceOptions, *, helper_possible: bool = False, nbytes: i
     with contextlib.ExitStack() as stack:
         publisher = stack.enter_context(Publisher(fsync)) if fsync is not None else None
         started = None
-        if takes_helper(options, helper_possible=helper_possible, nbytes=nbytes, sources=sources):
+        if takes_helper(options, helper_possible=helper_possible, nbytes=nbytes, ranks=ranks):
             started = start(modules)
             if started is not None:
                 stack.enter_context(started)

@@ -36,23 +36,23 @@ HELPER_BYTES = 256 * 1024 * 1024
 CPU on the second core, and a 512-rank ingest's copies then take half the time (2 GiB:
 1.8 s -> 1.0-1.2 s, bench/RESULTS.md)."""
 
-HELPER_SOURCES = 32
-"""...and only when they come from this many source ranks or more: a job saved by hundreds
-of ranks moves its bytes in 10 000s of small pieces, one core's work, where the helper
+HELPER_RANKS = 32
+"""...and only when they come from or go to this many ranks or more: a job saved by (or cut
+for) hundreds of ranks moves its bytes in 10 000s of small pieces, one core's work, where the helper
 halves the time (512 ranks, 16 GiB: export 42 -> 23 s); a job of a few ranks moves a few
 large sequential runs, the disk is the bound, and the helper cost 0.2-0.3 s (8 ranks,
 2 GiB: export 2.72 -> 2.90 s, transform 2.96 -> 3.26 s; ingest unchanged)."""
 
 
-def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, sources: int) -> bool:
+def wanted(flag: bool | None, workers: int, scheduler: str | None, nbytes: int, ranks: int) -> bool:
     """Whether a phase takes a helper: as asked (``flag``), or (``None``, auto) when it runs
     in this process alone (no Dask workers or cluster), a second core is free and the
-    phase moves at least :data:`HELPER_BYTES` from at least :data:`HELPER_SOURCES` source
-    ranks."""
+    phase moves at least :data:`HELPER_BYTES` between ``ranks`` (the more of its source and
+    destination ranks) of at least :data:`HELPER_RANKS`."""
     if flag is not None:
         return flag
     return (workers == 1 and scheduler is None and engines.usable_cpus() > 1 and nbytes >= HELPER_BYTES
-            and sources >= HELPER_SOURCES)
+            and ranks >= HELPER_RANKS)
 
 
 def start(modules: Sequence[str]) -> Helper | None:
