@@ -302,7 +302,7 @@ def dry_run_transform(
     entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
     helper = takes_helper(options, helper_possible=len(todo) > 1,
-                          ranks=max(len(plan.source.rank_files), len(jobs)),
+                          ranks=max(len(plan.source.rank_files), len(todo)),
                           nbytes=sum(f.data for f in files if not f.kept))
     cut = source_major_groups(plan, [r for r, _ in todo], options, 2 if helper else options.workers)
 
@@ -397,7 +397,7 @@ def dry_run_export(
     nbytes = sum(f.data for f in files if not f.kept)
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})
     helper = options.format == "ckpt" and takes_helper(options, helper_possible=local and len(todo) > 1,
-                                                       nbytes=nbytes, ranks=max(sources, len(jobs)))
+                                                       nbytes=nbytes, ranks=max(sources, len(todo)))
     cut = source_major(StoreReader(store, options), [r for r, _ in todo], options,
                        2 if helper else options.workers) if local else None
 
