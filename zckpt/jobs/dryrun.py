@@ -397,7 +397,7 @@ def dry_run_export(
     nbytes = sum(f.data for f in files if not f.kept)
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})
     helper = options.format == "ckpt" and takes_helper(options, helper_possible=local and len(todo) > 1,
-                                                       nbytes=nbytes, ranks=max(sources, len(todo)))
+                                                       nbytes=nbytes, ranks=sources)
     cut = source_major(StoreReader(store, options), [r for r, _ in todo], options,
                        2 if helper else options.workers) if local else None
 

@@ -121,8 +121,9 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
         return ExportReport(dest.url, (), time.perf_counter() - t0)
     local = store.location is None and dest.local
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
-    with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes),
-                   ranks=max(sources, len(units)),
+    # the source ranks only: a second process did not pay where many destination files come from
+    # few sources (16 -> 512 ranks, 2 GiB, cold: 6.19 -> 6.48 s; transform: 8.58 -> 7.34 s)
+    with placement(options, helper_possible=local and len(units) > 1, nbytes=sum(unit_bytes), ranks=sources,
                    modules=("zckpt.jobs.export", "zckpt.store.store"), fsync=options.fsync) as place, \
             place.running() as client:
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
