@@ -7,34 +7,27 @@ copy, bounded memory, any M -> N); ``process_num`` is the number of files writte
 (local Dask workers).
 
 Beyond MindSpore, every path may be an fsspec URL (``s3://bucket/ckpts``, ``memory://...``)
-with the filesystem's options in the keyword-only ``storage_options``. When a source or the
-destination is a URL the work goes through a temporary zckpt store instead (ingest, then
-export; ``transform_checkpoint_by_rank`` to a local file reads URL sources directly): shards
-are read where they are, by byte range, and for a URL destination the temporary store
-lives in the local temporary directory and each file is uploaded as it is written.
+with the filesystem's options in the keyword-only ``storage_options``. URLs take the same
+direct path: source shards are read where they are, by byte range, and each destination file
+is uploaded as it is written (a multipart upload on S3, visible under its name once
+complete); nothing of the model is written to local disk.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from zckpt.core.errors import OutputError, SourceError, UsageError
-from zckpt.core.layout import Box
-from zckpt.formats.strategy import StrategyMap
+from zckpt.core.errors import SourceError, UsageError
 from zckpt.io import remote
-from zckpt.jobs.export import export, export_rank
-from zckpt.jobs.export_job import ExportOptions, plan_export
-from zckpt.jobs.ingest import IngestOptions, ingest
 from zckpt.jobs.transform import TransformOptions, transform, transform_rank
 from zckpt.jobs.transform import is_single_stage_conversion as is_single_stage_conversion  # re-export
 from zckpt.plan.merge import merge_pipeline_strategys as merge_pipeline_strategys  # re-export (MindSpore name)
 from zckpt.plan.ranklist import rank_list_for_transform_maps
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.store import Store
-from zckpt.write.destinations import destination, output_file
+from zckpt.write.destinations import destination
 
 
 def __getattr__(name: str) -> Any:
@@ -92,8 +85,9 @@ def transform_checkpoints(
     ``"safetensors"`` writes ``<ckpt_prefix><r>.safetensors`` from any source, ``"mindformers"`` a
     MindFormers Checkpoint 2.0 ``iteration_XXXXXXXX/`` of the whole destination job
     (``<ckpt_prefix>-model-RRRRRRR-NNNNNNN.safetensors``, ...; ``iteration`` and
-    ``remove_redundancy``, keyword only: see :class:`~zckpt.jobs.export_job.ExportOptions`). Local paths take
-    the direct path (:mod:`zckpt.jobs.transform`), URLs a temporary store.
+    ``remove_redundancy``, keyword only: see :class:`~zckpt.jobs.export_job.ExportOptions`). Local paths and
+    URLs take the direct path (:mod:`zckpt.jobs.transform`); a MindFormers iteration is written to a local
+    directory only.
     """
     if not isinstance(ckpt_prefix, str):
         raise TypeError("The ckpt_prefix should be a str.")
@@ -111,25 +105,10 @@ def transform_checkpoints(
     dest.create()
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    if dest.local and not _any_remote(src_checkpoints_dir):
-        transform(src_checkpoints_dir, dest.url, src_map, dst_map,
-                  options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
-                                           workers=process_num, file_suffix=file_suffix, iteration=iteration,
-                                           remove_redundancy=remove_redundancy))
-        return
-    with dest.scratch() as tmp:  # URLs: through a temporary store
-        store = Path(tmp) / "store.zarr"
-        ingest(src_checkpoints_dir, store, src_map, IngestOptions(storage_options=storage_options,
-                                                                  file_suffix=file_suffix, workers=process_num))
-        per_stage = output_format != "mindformers" and is_single_stage_conversion(src_map, dst_map)
-        opts = ExportOptions(prefix=ckpt_prefix, overwrite=True, per_stage=per_stage,
-                             storage_options=storage_options, format=output_format, workers=process_num,
-                             iteration=iteration, remove_redundancy=remove_redundancy)
-        export(store, dest.url, dst_map, options=opts)
-
-
-def _any_remote(*paths: str | os.PathLike[str]) -> bool:
-    return any(isinstance(p, str) and remote.is_remote(p) for p in paths)
+    transform(src_checkpoints_dir, dest.url, src_map, dst_map,
+              options=TransformOptions(prefix=ckpt_prefix, overwrite=True, format=output_format,
+                                       workers=process_num, file_suffix=file_suffix, iteration=iteration,
+                                       remove_redundancy=remove_redundancy, storage_options=storage_options))
 
 
 def _is_dir(path: str | os.PathLike[str], storage_options: remote.StorageOptions) -> bool:
@@ -168,40 +147,8 @@ def transform_checkpoint_by_rank(
             raise UsageError(f"Checkpoint file {path} in rank {rank} does not exist")
     src_map = load_strategy(src_strategy_file, storage_options)
     dst_map = load_strategy(dst_strategy_file, storage_options)
-    if not _any_remote(save_checkpoint_file_name):  # sources local or read by byte range where they are
-        transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
-                       options=TransformOptions(overwrite=True, storage_options=storage_options))
-        return
-    target = output_file(save_checkpoint_file_name, storage_options)
-    if target.is_dir():
-        raise OutputError("save_checkpoint_file_name is a directory", path=target.url)
-
-    with target.scratch() as tmp:
-        store = Path(tmp) / "store.zarr"
-        report = ingest(checkpoint_files_map, store, src_map,
-                        IngestOptions(require_complete=False, storage_options=storage_options))
-        _refuse_holes(report.uncovered, Store.open(store), rank_id, dst_map)
-        target.publish(lambda path, _, files: export_rank(Store.open(store), rank_id, path, dst_map,
-                                                          options=ExportOptions(overwrite=True), files=files))
-
-
-def _refuse_holes(
-    uncovered: Mapping[str, tuple[tuple[Box, tuple[int, ...]], ...]],
-    store: Store,
-    rank_id: int,
-    dst_strategy_file: StrategyMap | None,
-) -> None:
-    """Name the missing source ranks (not the temporary store) when the map lacks data."""
-    if not uncovered:
-        return
-    for s in plan_export(store, dst_strategy_file, [rank_id]).ranks[0].slices:
-        for box, ranks in uncovered.get(s.name, ()):
-            if box.intersect(s.box) is not None:
-                raise SourceError(
-                    f"destination rank {rank_id} needs region {box.to_json()}, held by source rank(s) "
-                    f"{list(ranks)}, none of which is in checkpoint_files_map",
-                    param=s.name,
-                )
+    transform_rank(checkpoint_files_map, rank_id, save_checkpoint_file_name, src_map, dst_map,
+                   options=TransformOptions(overwrite=True, storage_options=storage_options))
 
 
 def rank_list_for_transform(

@@ -51,11 +51,18 @@ def read_strategy(path: str | Path) -> StrategyMap:
     p = Path(path)
     if not p.is_file():
         raise StrategyError("no such strategy file", path=p)
-    if p.stat().st_size == 0:
-        raise StrategyError("strategy file is empty", path=p)
-    if p.suffix == ".json":
-        return _read_json(p)
-    return _read_protobuf(p)
+    return parse_strategy(_read_bytes(p), p)
+
+
+def parse_strategy(data: bytes, name: str | Path) -> StrategyMap:
+    """A strategy file from its bytes (a file at a URL is read whole into memory: strategy
+    files are KiBs to MiBs); ``name`` names it in errors and in the map's sources, and says
+    JSON by its ``.json`` end, as for a file."""
+    if not data:
+        raise StrategyError("strategy file is empty", path=name)
+    if Path(name).suffix == ".json":
+        return _read_json(data, name)
+    return _read_protobuf(data, name)
 
 
 def _read_bytes(p: Path) -> bytes:
@@ -71,11 +78,16 @@ def read_strategies(paths: Iterable[str | Path]) -> StrategyMap:
     Identical layouts of the same parameter and stage are de-duplicated; conflicting ones
     are refused.
     """
+    return combine_strategies(read_strategy(p) for p in paths)
+
+
+def combine_strategies(maps: Iterable[StrategyMap]) -> StrategyMap:
+    """:func:`read_strategies` of maps already read (each named by its sources)."""
     combined: dict[str, dict[int, ParamLayout]] = {}
     sources: list[str] = []
     ops: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
-    for path in paths:
-        one = read_strategy(path)
+    for one in maps:
+        path = one.sources[-1] if one.sources else None
         sources.extend(one.sources)
         ops.update(one.operator_strategies)
         for name, per in one.layouts.items():
@@ -90,7 +102,7 @@ def read_strategies(paths: Iterable[str | Path]) -> StrategyMap:
     return StrategyMap(layouts=combined, sources=tuple(sources), operator_strategies=ops)
 
 
-def _split_stages(names: list[str], file_stage: int, p: Path) -> list[tuple[int, str]]:
+def _split_stages(names: list[str], file_stage: int, p: str | Path) -> list[tuple[int, str]]:
     """(stage, parameter name) of every layout name of one file.
 
     ``merge_pipeline_strategys`` prefixes *every* name with ``"<stage>-"``, so names are
@@ -107,7 +119,7 @@ def _split_stages(names: list[str], file_stage: int, p: Path) -> list[tuple[int,
 
 
 def _add_layout(
-    layouts: dict[str, dict[int, ParamLayout]], name: str, stage: int, lay: ParamLayout, p: Path
+    layouts: dict[str, dict[int, ParamLayout]], name: str, stage: int, lay: ParamLayout, p: str | Path
 ) -> None:
     """Record a layout; a parameter listed twice for one stage must say the same both times."""
     old = layouts.setdefault(name, {}).get(stage)
@@ -116,17 +128,17 @@ def _add_layout(
     layouts[name][stage] = lay
 
 
-def _pb_text(value: str | bytes, what: str, p: Path) -> str:
+def _pb_text(value: str | bytes, what: str, p: str | Path) -> str:
     """A proto2 ``string`` field: upb hands back ``bytes`` when the wire bytes are not UTF-8."""
     if isinstance(value, bytes):
         raise StrategyError(f"{what} {value[:40]!r} is not UTF-8", path=p)
     return value
 
 
-def _read_protobuf(p: Path) -> StrategyMap:
+def _read_protobuf(data: bytes, p: str | Path) -> StrategyMap:
     msg = pb.ParallelStrategyMap()
     try:
-        msg.ParseFromString(_read_bytes(p))
+        msg.ParseFromString(data)
     except DecodeError as err:
         raise StrategyError(f"not a protobuf strategy file ({err})", path=p) from None
     if not msg.IsInitialized():
@@ -161,7 +173,7 @@ def _first_dims(items: Iterable[pb.ParamSplitShape] | Iterable[pb.IndicesOffset]
     return ()
 
 
-def _layout_from_pb(pl: pb.ParallelLayouts, p: Path, name: str) -> ParamLayout:
+def _layout_from_pb(pl: pb.ParallelLayouts, p: str | Path, name: str) -> ParamLayout:
     if len(pl.dev_matrix) == 0 or len(pl.tensor_map) == 0:
         raise StrategyError("layout has no dev_matrix or no tensor_map", path=p, param=name)
     dev = tuple(int(d) for d in pl.dev_matrix[0].dim)
@@ -218,9 +230,9 @@ def _json_tensor_map(value: object) -> list[object]:
             for e in value]
 
 
-def _read_json(p: Path) -> StrategyMap:
+def _read_json(data: bytes, p: str | Path) -> StrategyMap:
     try:
-        doc = json.loads(_read_bytes(p).decode("utf-8"), object_pairs_hook=_unique_keys)
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         # ValueError also covers integers of more than 4300 digits; RecursionError deep nesting
         raise StrategyError(f"not a JSON strategy file ({type(err).__name__}: {err})", path=p) from None

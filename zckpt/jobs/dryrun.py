@@ -43,7 +43,7 @@ from zckpt.jobs.transform import (
     check_jobs,
     is_single_stage_conversion,
     plan_transform,
-    refuse_remote,
+    refuse_remote_iteration,
     refuse_source_unsupplied,
     source_major_groups,
 )
@@ -275,12 +275,12 @@ def dry_run_transform(
     _refuse_iteration(options.format)
     if options.format not in ("ckpt", "safetensors"):
         raise UsageError(f"unknown output format {options.format!r} (ckpt or safetensors)")
-    refuse_remote(out_dir)
+    dest = output_dir(out_dir, options.storage_options)
+    refuse_remote_iteration(options.format, dest)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func,
                           storage_options=options.storage_options)
     options = replace(options, choice_func=None)
-    dest = output_dir(out_dir, None)  # local (refuse_remote)
     per_stage = options.per_stage or is_single_stage_conversion(plan.src_strategy, plan.dst_strategy)
     options = replace(options, per_stage=per_stage)
     if not per_stage:
@@ -301,17 +301,19 @@ def dry_run_transform(
     band = band_bytes_of(options.block_bytes, options.overlap, options)
     entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
-    helper = takes_helper(options, helper_possible=len(todo) > 1,
+    local = dest.local and not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
+    helper = takes_helper(options, helper_possible=local and len(todo) > 1,
                           ranks=max(len(plan.source.rank_files), len(todo)),
                           nbytes=sum(f.data for f in files if not f.kept))
-    cut = source_major_groups(plan, [r for r, _ in todo], options, 2 if helper else options.workers)
+    cut = source_major_groups(plan, [r for r, _ in todo], options, 2 if helper else options.workers) \
+        if local else None  # as the run: source-major groups write local files in place
 
     def group_reads(ranks: list[RankExport]) -> tuple[int, tuple[SourceRead, ...]]:
         regs = regions(ranks, dict(entries.kinds))
         got = source_reads(plan, RankExport(-1, tuple(Slice(g.name, g.box) for g in regs)), band)
         return sum(s.bytes for s in got), got
 
-    files = grouped_files(files, todo, cut, group_reads)
+    files = [replace(f, path=dest.target(f.path)) for f in grouped_files(files, todo, cut, group_reads)]
     return _report("transform", dest.url, files, compared, dest.free_space())
 
 

@@ -28,7 +28,7 @@ from zckpt.core.layout import Box
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
-from zckpt.io.fileio import Publisher, disk_full_named
+from zckpt.io.fileio import Publisher
 from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
@@ -43,7 +43,7 @@ from zckpt.sources.reader import Corners, SourceBoxes, SourceReader
 from zckpt.sources.replicas import CheckJob, compare_replicas, merged, replica_jobs
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.write.boxes import RankResult
-from zckpt.write.destinations import OutputDir, output_dir, refuse_present
+from zckpt.write.destinations import OutputDir, output_dir, output_file, refuse_present
 from zckpt.write.mindformers_dir import build_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
 from zckpt.write.writers import OUTPUTS, group_writer, rank_writer, source_major
@@ -126,12 +126,10 @@ def is_single_stage_conversion(src: StrategyMap | None, dst: StrategyMap | None)
     return src_keys < dst_keys
 
 
-def refuse_remote(*outputs: str | Path) -> None:
-    """The direct path writes local files (its sources may be URLs: read by byte range)."""
-    for p in outputs:
-        if isinstance(p, str) and remote.is_remote(p):
-            raise UsageError("the direct path (transform) writes local files only; for an output URL run "
-                             "ingest then export (the MindSpore-named functions do so by themselves)", path=p)
+def refuse_remote_iteration(format: str, dest: OutputDir) -> None:
+    """A MindFormers iteration is written to a local directory (as by export)."""
+    if format == "mindformers" and not dest.local:
+        raise UsageError("a MindFormers iteration is written to a local directory", path=dest.url)
 
 
 def plan_transform(
@@ -183,12 +181,12 @@ def transform(
         raise UsageError(f"unknown output format {options.format!r} ({' or '.join(OUTPUTS)})")
     if options.format == "mindformers" and ranks is not None:
         raise UsageError("a MindFormers iteration holds every destination rank: --rank does not apply")
-    refuse_remote(out_dir)
+    dest = output_dir(out_dir, options.storage_options)
+    refuse_remote_iteration(options.format, dest)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func,
                           storage_options=options.storage_options)
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
-    dest = output_dir(out_dir, None)  # local (refuse_remote)
     if options.format == "mindformers":
         refuse_source_unsupplied(plan, src)
         with dest.holding():
@@ -254,19 +252,17 @@ def transform_rank(
     """Write destination ``rank`` to the file ``target`` from the source files given as
     ``{source rank: file}`` (``transform_checkpoint_by_rank``): only the ranks it needs."""
     t0 = time.perf_counter()
-    refuse_remote(target)
+    out = output_file(target, options.storage_options)
     plan = plan_transform(files, src_strategy, dst_strategy, [rank], verify_crc=options.verify_crc,
                           missing="none of which is in checkpoint_files_map", choice_func=options.choice_func,
                           storage_options=options.storage_options)
     options = replace(options, choice_func=None)
-    path = remote.local_path(target)
-    if path.is_dir():
-        raise OutputError("the destination file is a directory", path=path)
-    if path.exists() and not options.overwrite:
-        raise OutputError("output file already exists (--overwrite replaces it)", path=path)
+    if out.is_dir():
+        raise OutputError("the destination file is a directory", path=out.url)
+    if not options.overwrite and out.exists():
+        raise OutputError("output file already exists (--overwrite replaces it)", path=out.url)
     refuse_source_unsupplied(plan, files)
-    r = plan.export.ranks[0]
-    return _run(plan, [(r, str(path))], str(path.parent), options, t0)
+    return _run(plan, [(plan.export.ranks[0], out.url)], out.folder, options, t0)
 
 
 def refuse_source_unsupplied(plan: TransformPlan, src: str | Path | Mapping[int, str | Path]) -> None:
@@ -299,8 +295,8 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
             checks = merged(checks, place.tasks() if client is not None else 1)
         compared = place.run(compare_replicas, checks, options, label="verify", size=lambda j: j.nbytes,
                              name=lambda j: f"rank {j.rank}", progress=options.progress)
-        # In this process, one publisher syncs each file while the next is written.
-        publisher = place.publisher if client is None else None
+        # In this process, one publisher syncs each local file while the next is written.
+        publisher = place.publisher if client is None and local else None
         cut = source_major_groups(plan, [r for r, _ in files], options, place.tasks()) if local else None
         if cut is not None:
             groups = [([files[i] for i in g], union_boxes(plan, [files[i][0] for i in g])) for g in cut]
@@ -395,10 +391,15 @@ def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publ
                       report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
     ticker = Ticker(report)
-    with (disk_full_named(job.target),
-          SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
-                      storage_options=options.storage_options) as reader):
-        return rank_writer(options).write(reader, job.rank, Path(job.target), ticker, publisher)
+    writer = rank_writer(options)
+    out = output_file(job.target, options.storage_options)
+    with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
+                      storage_options=options.storage_options) as reader:
+        if options.format == "safetensors":  # a rank's parts and their index, each published once complete
+            return out.publish_parts(lambda path, files: writer.write(reader, job.rank, path, ticker, publisher,
+                                                                      files))
+        return out.publish(lambda path, pub, files: writer.write(reader, job.rank, path, ticker, pub, files),
+                           publisher)
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:

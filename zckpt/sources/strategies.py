@@ -7,11 +7,10 @@ so that a URL's strategy is named by its URL wherever it is recorded.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from zckpt.core.errors import StrategyError
-from zckpt.formats.strategy import StrategyMap, read_strategies, read_strategy
+from zckpt.formats.strategy import StrategyMap, combine_strategies, parse_strategy, read_strategies, read_strategy
 from zckpt.io import remote
 
 StrategyArg = str | Path | StrategyMap | None
@@ -33,20 +32,20 @@ def load_strategy(strategy: StrategyArg, storage_options: remote.StorageOptions 
 
 
 def _load_remote_strategy(url: str, storage_options: remote.StorageOptions) -> StrategyMap:
-    """A strategy file or directory at a URL: copied to a temporary directory and read there;
-    the map names the URLs (they enter the store's manifest and fingerprint)."""
+    """A strategy file or directory at a URL: each file read whole into memory (one ``GET``;
+    strategy files are KiBs to MiBs) and parsed there, nothing on local disk; the map names
+    the URLs (they enter the store's manifest and fingerprint)."""
     loc = remote.locate(url, storage_options, StrategyError)
     if remote.isdir(loc, StrategyError):
         names = [n for n, d in remote.listdir(loc, StrategyError) if not d]
         picked = sorted(n for n in names if n.endswith(".ckpt")) or sorted(n for n in names if n.endswith(".json"))
         if not picked:
             raise StrategyError("strategy directory holds no .ckpt or .json strategy files", path=url)
-        with (remote.local_dir_copy(url, picked, storage_options, StrategyError) as tmp,
-              remote.named_by_url(tmp, url, children=True)):
-            smap = read_strategies([tmp / n for n in picked])
-        return replace(smap, sources=tuple(loc.child(n).url for n in picked))
+        return combine_strategies(_parse_remote(loc.child(n)) for n in picked)
     if not remote.isfile(loc, StrategyError):
         raise StrategyError("no such strategy file", path=url)
-    with remote.local_copy(url, storage_options, StrategyError) as local, remote.named_by_url(local, url):
-        smap = read_strategy(local)
-    return replace(smap, sources=(url,))
+    return _parse_remote(loc)
+
+
+def _parse_remote(loc: remote.Location) -> StrategyMap:
+    return parse_strategy(remote.read_bytes(loc, StrategyError), loc.url)

@@ -310,8 +310,15 @@ class OutputFile(Protocol):
         """:meth:`publish` for a write that may leave several files (a safetensors rank's
         parts and index), replacing what an earlier write of this file left."""
 
+    @property
+    def folder(self) -> str:
+        """The directory holding the file, as messages name it."""
+
     def is_dir(self) -> bool:
         """The name is taken by a directory."""
+
+    def exists(self) -> bool:
+        """The name is taken."""
 
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """A temporary directory for the work behind the file (a temporary store)."""
@@ -334,8 +341,15 @@ class LocalFile:
     def publish_parts(self, write: WriteParts) -> RankResult:
         return self.publish(lambda path, _, files: write(path, files))
 
+    @property
+    def folder(self) -> str:
+        return str(self.path.parent)
+
     def is_dir(self) -> bool:
         return self.path.is_dir()
+
+    def exists(self) -> bool:
+        return self.path.exists()
 
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """Beside the file (the same filesystem); its folder is made."""
@@ -385,8 +399,15 @@ class RemoteFile:
             remote.remove(_beside(loc, p), OutputError)
         return replace(result, path=folder.child(Path(result.path).name).url)
 
+    @property
+    def folder(self) -> str:
+        return self.location.sibling("").url.rstrip("/")
+
     def is_dir(self) -> bool:
         return remote.isdir(self.location, OutputError)
+
+    def exists(self) -> bool:
+        return remote.exists(self.location, OutputError)
 
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """In the local temporary directory."""
