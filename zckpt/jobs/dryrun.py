@@ -299,7 +299,7 @@ def dry_run_transform(
         checks = merged(checks)
     compared = sum(compare_replicas(j, options) for j in checks)
     band = band_bytes_of(options.block_bytes, options.overlap, options)
-    entries = _source_entries(plan, {n for r, _ in jobs for n in r.names})
+    entries = _source_entries(plan, {n for r, _ in jobs for n in r.names}, options.storage_options)
     files = planned_files(jobs, todo, entries, options, lambda r: source_reads(plan, r, band))
     local = dest.local and not any(remote.is_remote(str(p)) for p in plan.source.rank_files.values())
     helper = takes_helper(options, helper_possible=local and len(todo) > 1,
@@ -317,7 +317,7 @@ def dry_run_transform(
     return _report("transform", dest.url, files, compared, dest.free_space())
 
 
-def _source_entries(plan: TransformPlan, names: set[str]) -> Entries:
+def _source_entries(plan: TransformPlan, names: set[str], storage_options: remote.StorageOptions) -> Entries:
     """The entries' kinds and types, and the string values and map lengths the files hold
     (read from the source files that hold them)."""
 
@@ -327,7 +327,7 @@ def _source_entries(plan: TransformPlan, names: set[str]) -> Entries:
     for w in plan.source.writes:
         kind = specs[w.name].kind
         if w.name in names and kind in ("str", "map") and w.name not in strings and w.name not in maps:
-            with open_source(plan.source.rank_files[w.rank], None, verify_crc=False) as r:
+            with open_source(plan.source.rank_files[w.rank], storage_options, verify_crc=False) as r:
                 if kind == "str":
                     strings[w.name] = r.string(w.name)
                 else:
