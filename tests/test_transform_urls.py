@@ -242,3 +242,36 @@ def test_mindformers_iteration_to_a_url_is_refused(server: tuple[Any, Proxy], jo
         transform(str(job["src"]), f"s3://{BUCKET}/mf", str(job["src_strategy"]), str(job["dst"]),
                         options=TransformOptions(format="mindformers", storage_options=proxy.options()))
     assert proxy.writes("/mf") == []
+
+
+@pytest.mark.parametrize("which", ["src_dir", "src_strategy_file", "dst_dir"])
+def test_unified_safetensors_refuses_urls_by_name(tmp_path: Path, which: str) -> None:
+    """``unified_safetensors`` goes through a local temporary store: a URL is refused by name,
+    before anything is made (no ``s3:`` folder on local disk)."""
+    args = {"src_dir": str(tmp_path / "src"), "src_strategy_file": str(tmp_path / "s.ckpt"),
+            "dst_dir": str(tmp_path / "dst"), which: f"s3://{BUCKET}/{which}"}
+    with pytest.raises(UsageError, match=f"'{which}' must be a local path") as caught:
+        zckpt.unified_safetensors(**args)
+    assert caught.value.path == f"s3://{BUCKET}/{which}"
+    assert list(tmp_path.iterdir()) == [tmp_path / "tmpdir"]
+
+
+@pytest.mark.parametrize("what", ["ckpt", "safetensors", "strategy"])
+def test_info_reads_a_remote_file_by_range(server: tuple[Any, Proxy], job: dict[str, Any], what: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``zckpt info`` of a checkpoint at a URL: the local file's description (but its name),
+    from its header and index (a small part of it fetched, nothing copied); a strategy file
+    at a URL read into memory."""
+    fs, proxy = server
+    local = {"ckpt": job["src"] / "rank_1" / "checkpoint_1.ckpt", "strategy": job["src_strategy"],
+             "safetensors": job["root"] / "local-safetensors" / "rank_1" / "checkpoint_1.safetensors"}[what]
+    url = f"s3://{BUCKET}/info/{local.name}"
+    fs.pipe_file(url[5:], local.read_bytes())
+    assert cli_main(["info", str(local), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    proxy.reset_counts()
+    assert cli_main(["info", url, "--json", *_cli_options(proxy)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == {**want, "path": url}
+    if what != "strategy":
+        assert proxy.fetched("/info/") < local.stat().st_size / 10, proxy.fetched("/info/")

@@ -1,7 +1,8 @@
 """``zckpt info``: describe a checkpoint file (.ckpt or .safetensors), a strategy file, a store or a
 MindFormers Checkpoint 2.0 directory (:mod:`zckpt.jobs.info_mindformers`), on a local disk or at a
-URL (``s3://...``, ``memory://...``: a store is read through zarr, a file is copied to a temporary
-local file first, as ingest does with remote shards)."""
+URL (``s3://...``, ``memory://...``: a store is read through zarr, a checkpoint's header and index
+by byte range as ingest reads remote shards, a strategy file whole into memory; nothing is copied
+to local disk)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 from zckpt.core.errors import CheckpointFormatError, UsageError, ZckptError
 from zckpt.formats.opener import open_shard, shard_format
 from zckpt.formats.rank_files import pick_rank_file
-from zckpt.formats.strategy import read_strategy
+from zckpt.formats.safetensors import SafetensorsReader
+from zckpt.formats.shard_reader import INDEX_SUFFIX, ShardReader
+from zckpt.formats.strategy import StrategyMap, parse_strategy, read_strategy
 from zckpt.io import remote
 from zckpt.jobs.info_mindformers import is_mindformers_dir, survey
 from zckpt.sources.discovery import discover_sources
@@ -44,16 +47,47 @@ def describe(path: str | os.PathLike[str], storage_options: remote.StorageOption
     return _describe_file(local, str(local))
 
 
+STRATEGY_BYTES = 64 << 20
+"""A remote file up to this size is fetched whole to be tried as a strategy file first, as a
+local one is (strategy files are KiBs to MiBs); a larger one is a checkpoint."""
+
+
+CKPT_FIRST = b"\x0a"
+"""A MindSpore checkpoint's first byte: its first entry (protobuf field 1, length-delimited); a
+protobuf strategy file starts with its ``current_stage`` (field 1, varint: ``0x08``), JSON with ``{``."""
+
+
+def _first_byte(loc: remote.Location) -> bytes:
+    with remote.remote_errors(UsageError, loc.url, "cannot read"):
+        return bytes(loc.fs.cat_file(loc.path, start=0, end=1))
+
+
 def _describe_remote(url: str, storage_options: remote.StorageOptions) -> Described:
-    """A store at a URL is opened where it is; a file is spooled to a temporary copy, and
-    errors about the copy name the URL."""
+    """A store at a URL is opened where it is; a checkpoint's entries are read by byte range
+    (its header and index only: :mod:`zckpt.formats.remote_shard`); a strategy file is read
+    whole into memory."""
     loc = remote.locate(url, storage_options, UsageError)
     if remote.isfile(loc.child("zarr.json"), UsageError):
         return _describe_store(url, storage_options)
     if not remote.isfile(loc, UsageError):
         raise UsageError("no such file or store", path=url)
-    with remote.local_copy(url, storage_options, UsageError) as local, remote.named_by_url(local.parent, url):
-        return _describe_file(local, url)
+    if not url.endswith((".safetensors", INDEX_SUFFIX)) and remote.size(loc, UsageError) <= STRATEGY_BYTES \
+            and _first_byte(loc) != CKPT_FIRST:
+        data = remote.read_bytes(loc, UsageError)
+        if url.endswith(".json"):
+            return _describe_strategy(parse_strategy(data, url), url)
+        smap = _as_strategy(data, url)
+        if smap is not None:
+            return _describe_strategy(smap, url)
+    from zckpt.formats.remote_shard import open_remote  # the ranged reader (fsspec): only for a URL
+
+    try:
+        with open_remote(url, storage_options, sparse=True) as r:
+            return _describe_reader(r, url)
+    except CheckpointFormatError:
+        if url.rsplit("/", 1)[-1].endswith(KNOWN_SUFFIXES):
+            raise
+        raise UsageError("not a checkpoint (.ckpt, .safetensors), strategy file or zckpt store", path=url) from None
 
 
 KNOWN_SUFFIXES = (".ckpt", ".safetensors", ".json")
@@ -63,7 +97,7 @@ def _describe_file(path: Path, shown: str) -> Described:
     if shard_format(path) != "ckpt":  # a .safetensors file or a split checkpoint's index
         return _describe_ckpt(path, shown)
     if path.suffix == ".json" or _looks_like_strategy(path):
-        return _describe_strategy(path, shown)
+        return _describe_strategy(read_strategy(path), shown)
     try:
         return _describe_ckpt(path, shown)
     except CheckpointFormatError:
@@ -153,11 +187,24 @@ def _looks_like_strategy(path: Path) -> bool:
     return bool(smap.layouts)
 
 
+def _as_strategy(data: bytes, name: str) -> StrategyMap | None:
+    """``data`` read as a strategy file, if it is one (:func:`_looks_like_strategy`)."""
+    try:
+        smap = parse_strategy(data, name)
+    except Exception:  # any parse failure means "not a strategy file"
+        return None
+    return smap if smap.layouts else None
+
+
 def _describe_ckpt(path: Path, shown: str) -> Described:
-    kind = "ckpt" if shard_format(path) == "ckpt" else "safetensors"
     with open_shard(path) as r:
-        infos = list(r.entries.values())
-        crc = r.has_crc
+        return _describe_reader(r, shown)
+
+
+def _describe_reader(r: ShardReader, shown: str) -> Described:
+    kind = "safetensors" if isinstance(r, SafetensorsReader) else "ckpt"
+    infos = list(r.entries.values())
+    crc = r.has_crc
     entries: list[dict[str, Any]] = [
         {"name": e.name, "kind": e.kind, "dtype": e.ms_type, "shape": list(e.shape), "bytes": e.nbytes,
          "values": len(e.segments)}
@@ -169,8 +216,7 @@ def _describe_ckpt(path: Path, shown: str) -> Described:
     return {"type": kind, "path": shown, "crc": crc, "entries": entries}, lines
 
 
-def _describe_strategy(path: Path, shown: str) -> Described:
-    smap = read_strategy(path)
+def _describe_strategy(smap: StrategyMap, shown: str) -> Described:
     params: list[dict[str, Any]] = []
     for name, per in smap.layouts.items():
         for stage, lay in sorted(per.items()):

@@ -10,7 +10,8 @@ also writes the map and the hyper-parameters).
 
 The sources go through a temporary zckpt store beside ``dst_dir`` (read once, bounded
 memory, any layout zckpt reads: ``.ckpt`` or ``.safetensors`` shards); each part is then
-streamed from the store into its file, ``max_process_num`` parts at a time.
+streamed from the store into its file, ``max_process_num`` parts at a time. The paths are
+local: a URL is refused by name (that store would put the whole model on local disk).
 
 ``hyper_param.safetensors`` is MindSpore's (``_save_hyper_param``): every entry of rank 0's
 file that no part holds, as rank 0 saved it, under its own name (``choice_func`` neither
@@ -41,6 +42,7 @@ from zckpt.formats.opener import open_shard
 from zckpt.formats.rank_files import choose_by_suffix, latest_by_numbers
 from zckpt.formats.strategy import StrategyMap
 from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
+from zckpt.io import remote
 from zckpt.io.fileio import write_atomic
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.ingest import IngestOptions, ingest
@@ -233,6 +235,15 @@ def _check_split(split_dst_file: object) -> tuple[int, int] | tuple[()]:
     return (int(split_dst_file[0]), int(split_dst_file[1]))  # type: ignore[index]
 
 
+def refuse_urls(**paths: str | os.PathLike[str] | None) -> None:
+    """The job goes through a temporary store beside ``dst_dir`` and writes local files: a URL
+    is refused by name rather than spooled to local disk or read as a local path."""
+    for what, p in paths.items():
+        if p is not None and remote.is_remote(p):
+            raise UsageError(f"For 'unified_safetensors', the '{what}' must be a local path (the job goes through "
+                             "a temporary store on local disk); transform_checkpoints takes URLs", path=str(p))
+
+
 def unified_safetensors(
     src_dir: str,
     src_strategy_file: str,
@@ -258,6 +269,7 @@ def unified_safetensors(
     if choice_func is not None and not callable(choice_func):
         raise TypeError(f"The choice_func should be callable, but got {type(choice_func).__name__}.")
     split = _check_split(split_dst_file)
+    refuse_urls(src_dir=src_dir, src_strategy_file=src_strategy_file, dst_dir=dst_dir)
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
     src = Path(src_dir)
