@@ -114,7 +114,7 @@ def _local(root: Path) -> dict[str, bytes]:
 def test_a_worker_killed_mid_job_on_s3_leaves_the_bytes_of_a_clean_run(
         hosts: S3Hosts, tmp_path: Path, phase: str) -> None:
     """Sources on S3 in every phase; the store on S3 for ingest and export; the output on
-    S3 for export (the direct path, transform, writes local files only: relative ``out``)."""
+    S3 for export; transform writes a relative local ``out`` here (its output URLs: tests/test_transform_urls.py)."""
     user = tmp_path / "user"
     user.mkdir()
     model, dst = lost_worker_job(user)

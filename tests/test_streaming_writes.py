@@ -159,7 +159,7 @@ def test_export_streams_to_s3(server: tuple[Any, Proxy], job: dict[str, Path], n
 
 
 def test_transform_api_streams_to_s3(server: tuple[Any, Proxy], job: dict[str, Path]) -> None:
-    """``transform_checkpoints`` into an S3 directory (through a temporary store): the rank
+    """``transform_checkpoints`` into an S3 directory (the direct path): the rank
     files are streamed, identical to the local transform's."""
     fs, proxy = server
     out = f"{BUCKET}/transform"

@@ -79,13 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_args(exp)
 
     tr = sub.add_parser("transform", help="write destination rank files straight from source shards (no store)")
-    tr.add_argument("src_dir", help="local directory with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
+    tr.add_argument("src_dir", help="directory (or URL) with rank_<r>/*.ckpt or rank_<r>/*.safetensors")
     _source_args(tr)
     tr.add_argument("--src-strategy", help="source strategy file or per-rank strategy directory (omit: rank_0 is "
                                            "the full model)")
     tr.add_argument("--dst-strategy", help="destination strategy file or directory (omit: one rank with full "
                                            "tensors)")
-    _output_args(tr, "local output directory (rank_<r>/<prefix><r>.ckpt)")
+    _output_args(tr, "output directory or URL (rank_<r>/<prefix><r>.ckpt)")
     tr.add_argument("--verify-replicas", action="store_true", help="also check that replicated copies are equal")
     old_spelling(tr, "--no-verify-crc", like=_no_verify_arg(tr, "do not check the sources' crc_num (the "
                                                                  "checksum MindSpore's crc_check writes)"))
