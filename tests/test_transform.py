@@ -78,14 +78,15 @@ def test_cli_transform_refuses_s12_and_leaves_nothing(tmp_path: Path, capsys: py
 
 def test_api_takes_the_direct_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No store: the store path's ingest and export must not be called, yet the files are MindSpore's."""
-    import zckpt.api
+    import zckpt.jobs.export
+    import zckpt.jobs.ingest
 
     def no_store(*args: object, **kwargs: object) -> None:
         raise AssertionError("went through a store")
 
-    monkeypatch.setattr(zckpt.api, "ingest", no_store)
-    monkeypatch.setattr(zckpt.api, "export", no_store)
-    monkeypatch.setattr(zckpt.api, "export_rank", no_store)
+    monkeypatch.setattr(zckpt.jobs.ingest, "ingest", no_store)
+    monkeypatch.setattr(zckpt.jobs.export, "export", no_store)
+    monkeypatch.setattr(zckpt.jobs.export, "export_rank", no_store)
     src, src_s, dst_s = SRC, SRC_S, DST_S
     zckpt.transform_checkpoints(str(src), str(tmp_path / "o"), "checkpoint_", str(src_s), str(dst_s), process_num=2)
     assert diff_dirs(EXAMPLE / "dst" / "expected", tmp_path / "o") == []
@@ -278,10 +279,12 @@ def test_existing_outputs_refused_then_resumed_or_overwritten(tmp_path: Path) ->
         (tmp_path / "o" / "rank_1" / "checkpoint_1.ckpt").read_bytes()
 
 
-def test_output_urls_refused_by_the_direct_path(tmp_path: Path) -> None:
-    """The direct path writes local files; its sources may be URLs (tests/test_remote_ranges.py)."""
-    with pytest.raises(UsageError, match="ingest then export"):
-        transform(tmp_path / "src", "s3://bucket/out")
+def test_mindformers_iteration_to_a_url_refused_by_name(tmp_path: Path) -> None:
+    """The direct path writes to output URLs (tests/test_transform_urls.py), but a MindFormers
+    iteration only to a local directory (as export), refused before the sources are read."""
+    with pytest.raises(UsageError, match="MindFormers iteration is written to a local directory") as caught:
+        transform(tmp_path / "src", "memory://zckpt-mf/out", options=TransformOptions(format="mindformers"))
+    assert caught.value.path == "memory://zckpt-mf/out"
 
 
 def test_segment_spans_follow_the_values() -> None:
