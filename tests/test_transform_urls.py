@@ -27,18 +27,17 @@ from zckpt.core.errors import UsageError
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.io import remote, streamed_files
 from zckpt.jobs.generate import write_model
-from zckpt.jobs.generate_model import TensorDef
 from zckpt.jobs.transform import TransformOptions, transform
 
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
 
 from s3_proxy import Fault, Proxy, proxied_bucket  # noqa: E402  (after the skips: it needs moto)
+from test_streaming_writes import SRC_N, _cli_options, _puts, _remote_tree, _tensors  # noqa: E402  (the same job)
 
 BUCKET = "zckpt-transform-urls"
-SRC_N, DST_N = 2, 4
+DST_N = 4
 PART = 5 * 1024 * 1024
-MARKER = ".zckpt-export.json"
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +82,6 @@ def no_local_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
     assert not [p for p in spool.rglob("*") if "moto" not in p.name], "something was written to the temporary directory"
 
 
-def _tensors() -> list[TensorDef]:
-    """About 13 MiB split by rows over the source ranks."""
-    row = make_layout([SRC_N, 1], [1, -1])
-    return [TensorDef("net.a.weight", (1024, 1024), "Float32", row),
-            TensorDef("net.b.weight", (1024, 1024), "Float32", row),
-            TensorDef("net.c.weight", (1024, 2048), "Float16", row),
-            TensorDef("net.d.weight", (512, 1024), "BFloat16", row),
-            TensorDef("net.e.bias", (256,), "Int32", make_layout([SRC_N], [-1]))]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory, server: tuple[Any, Proxy]) -> dict[str, Any]:
     """The sources (local, and copied to S3 with the strategies), and the local transforms."""
@@ -121,22 +110,9 @@ def _local_tree(root: Path) -> dict[str, bytes]:
             and not p.name.startswith(".zckpt")}
 
 
-def _remote_tree(fs: Any, root: str) -> dict[str, bytes]:
-    fs.invalidate_cache()
-    return {p[len(root) + 1:]: fs.cat_file(p) for p in sorted(fs.find(root)) if not p.endswith(MARKER)}
-
-
 def _uploads(fs: Any, prefix: str) -> list[str]:
     page = fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix=prefix.split("/", 1)[1])
     return sorted(u["Key"] for u in page.get("Uploads") or [])
-
-
-def _cli_options(proxy: Proxy) -> list[str]:
-    return [f"--storage-option={k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in proxy.options().items()]
-
-
-def _puts(proxy: Proxy, where: str) -> int:
-    return sum(n for k, n in proxy.requests.items() if k.startswith("PUT ") and where in k)
 
 
 @pytest.mark.parametrize(("name", "fmt", "remote_src"), [("s3-s3", "ckpt", True), ("local-s3", "ckpt", False),
