@@ -3,8 +3,8 @@
 moto's S3 server runs on loopback behind a counting, fault-injecting proxy
 (``tests/s3_proxy.py``); zckpt reaches the server only through the proxy, so the bytes it
 fetched are counted by what crossed the wire. Every result is compared byte for byte with
-the same job run on local paths; ``local_copy`` is made to fail and the temporary directory
-is watched, so a spool anywhere would show.
+the same job run on local paths; the temporary directory is watched, so a spool anywhere
+would show.
 """
 
 from __future__ import annotations
@@ -56,17 +56,9 @@ def server() -> Iterator[tuple[Any, Proxy]]:
 
 @pytest.fixture(autouse=True)
 def no_spool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """A spool of a remote shard fails the test (strategy files, a few KiB read whole, are
-    still read through a temporary copy), and the temporary directory is left empty."""
-    copy = remote.local_copy
-
-    def only_strategies(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if "strategy" not in str(path).rsplit("/", 1)[-1]:
-            raise AssertionError(f"{path} was copied to local disk")
-        return copy(path, *args, **kwargs)
-
-    monkeypatch.setattr(remote, "local_copy", only_strategies)
-    monkeypatch.setattr(remote, "local_dir_copy", None)
+    """No local copy of a remote file exists in zckpt (strategy files are read into memory):
+    the temporary directory is watched, and left empty."""
+    assert not hasattr(remote, "local_copy") and not hasattr(remote, "local_dir_copy")
     spool = tmp_path / "tmpdir"
     spool.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spool))

@@ -2,10 +2,9 @@
 
 moto's S3 server runs on loopback behind the counting, fault-injecting proxy
 (``tests/s3_proxy.py``). Every output written to S3 is compared byte for byte with the same
-transform written locally. Nothing may touch local disk on the way: a local copy of a remote
-file (``remote.local_copy`` / ``local_dir_copy``), the upload of a local file
-(``remote.upload``) and any temporary file or directory fail the test, and the temporary
-directory must stay empty.
+transform written locally. Nothing may touch local disk on the way (zckpt has no local copy
+of a remote file any more): the upload of a local file (``remote.upload``) and any temporary
+file or directory zckpt makes fail the test, and the temporary directory must stay empty.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def no_local_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
     """Parts of :data:`PART`; no local copy, no upload of a local file, no temporary file or
     directory (and the temporary directory left empty)."""
     monkeypatch.setattr(streamed_files, "PART", PART)
-    for name in ("local_copy", "local_dir_copy", "upload", "download"):
-        monkeypatch.setattr(remote, name, _refuse)
+    monkeypatch.setattr(remote, "upload", _refuse)
     spool = tmp_path / "tmpdir"
     spool.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spool))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,6 @@ StorageOptions = Mapping[str, Any] | None
 """Keyword arguments of the fsspec filesystem (``endpoint_url``, ``key``, ``anon``, ...)."""
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-COPY_BLOCK = 16 * 1024 * 1024
 ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "memory"})
 """Filesystems where an uploaded object becomes visible only once complete."""
 
@@ -197,17 +195,6 @@ def identity(loc: Location, err_cls: type[ZckptError]) -> tuple[int, str]:
     return int(info.get("size") or 0), str(version)
 
 
-def download(loc: Location, target: Path, err_cls: type[ZckptError]) -> None:
-    """Copy a remote file to a local one in ``COPY_BLOCK`` pieces (bounded memory)."""
-    with remote_errors(err_cls, loc.url, "cannot download"), loc.fs.open(loc.path, "rb") as src, \
-            open(target, "wb") as dst:
-        while True:
-            block = src.read(COPY_BLOCK)
-            if not block:
-                break
-            dst.write(block)
-
-
 def upload(source: Path, loc: Location, err_cls: type[ZckptError]) -> None:
     """Put a complete local file at ``loc`` so that no reader ever sees it half written: an
     object store publishes an object when its upload completes; elsewhere the file goes to
@@ -219,37 +206,6 @@ def upload(source: Path, loc: Location, err_cls: type[ZckptError]) -> None:
         tmp = loc.path + ".tmp-zckpt"
         loc.fs.put_file(str(source), tmp)
         loc.fs.mv(tmp, loc.path)
-
-
-@contextlib.contextmanager
-def local_copy(
-    path: str | os.PathLike[str], storage_options: StorageOptions, err_cls: type[ZckptError]
-) -> Iterator[Path]:
-    """A local file holding ``path``'s bytes: the path itself when local, else a temporary
-    copy (streamed in blocks, deleted on exit), for small files read whole by code that
-    takes a path (strategy files, ``zckpt info FILE``); source shards are read by range."""
-    if not is_remote(path):
-        yield local_path(path)
-        return
-    url = os.fspath(path)
-    loc = locate(url, storage_options, err_cls)
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    with tempfile.TemporaryDirectory(prefix="zckpt-spool-") as tmp:
-        target = Path(tmp) / name
-        download(loc, target, err_cls)
-        yield target
-
-
-@contextlib.contextmanager
-def local_dir_copy(
-    url: str, names: list[str], storage_options: StorageOptions, err_cls: type[ZckptError]
-) -> Iterator[Path]:
-    """A temporary local directory holding the named files of a remote directory."""
-    loc = locate(url, storage_options, err_cls)
-    with tempfile.TemporaryDirectory(prefix="zckpt-spool-") as tmp:
-        for name in names:
-            download(loc.child(name), Path(tmp) / name, err_cls)
-        yield Path(tmp)
 
 
 @contextlib.contextmanager
