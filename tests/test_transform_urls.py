@@ -135,6 +135,23 @@ def test_cli_transform_to_s3_equals_the_local_transform(server: tuple[Any, Proxy
     assert _uploads(fs, out) == []
 
 
+def test_a_remote_output_is_written_file_by_file_where_groups_would_pay(
+        server: tuple[Any, Proxy], job: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Source-major groups write local files at offsets: where they would be chosen (made to
+    pay here), a remote output is still written one file at a time, front to back, streamed."""
+    from zckpt.write import group_writer
+
+    monkeypatch.setattr(group_writer, "GAIN", 0.0)
+    monkeypatch.setattr(group_writer, "SMALL_PIECE", 1 << 40)
+    fs, proxy = server
+    out = f"{BUCKET}/out-grouped"
+    code = cli_main(["transform", str(job["src"]), "--src-strategy", str(job["src_strategy"]), "--dst-strategy",
+                     str(job["dst"]), "--out", f"s3://{out}", "--quiet", *_cli_options(proxy)])
+    assert code == 0, capsys.readouterr().err
+    assert _remote_tree(fs, out) == _local_tree(job["root"] / "local-ckpt")
+
+
 def test_transform_checkpoints_urls_touch_no_local_disk(server: tuple[Any, Proxy], job: dict[str, Any]) -> None:
     """``transform_checkpoints`` with every path a URL: the direct path (no temporary store, no
     local file: see :func:`no_local_disk`), the local transform's bytes, and source bytes
