@@ -54,7 +54,7 @@ from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_file, refuse_present
 from zckpt.write.mindformers_dir import build_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
-from zckpt.write.writers import group_writer, rank_writer, source_major
+from zckpt.write.writers import group_writer, rank_writer, source_major, write_rank
 
 if TYPE_CHECKING:  # imported where used: importing this module does not load Zarr
     from zckpt.store.store import Store
@@ -189,10 +189,7 @@ def write_file(
         store = store.open(options.storage_options)
     reader = StoreReader(store, options)
     reader.store.prefetch(s.name for s in rank.slices)
-    ticker = Ticker(report)
-    writer = rank_writer(options)
-    return output_file(target, options.storage_options).publish(
-        lambda path, pub, files: writer.write(reader, rank, path, ticker, pub, files), publisher)
+    return write_rank(output_file(target, options.storage_options), reader, rank, options, Ticker(report), publisher)
 
 
 def export_rank(
@@ -284,6 +281,4 @@ def write_safetensors_file(
     rank, target = unit
     reader = StoreReader(store.open(options.storage_options), options)
     reader.store.prefetch(s.name for s in rank.slices)
-    ticker = Ticker(report)
-    return output_file(target, options.storage_options).publish_parts(
-        lambda path, files: rank_writer(options).write(reader, rank, path, ticker, files=files))
+    return write_rank(output_file(target, options.storage_options), reader, rank, options, Ticker(report))

@@ -46,7 +46,7 @@ from zckpt.write.boxes import RankResult
 from zckpt.write.destinations import OutputDir, output_dir, output_file, refuse_present
 from zckpt.write.mindformers_dir import build_iteration, common_document, published
 from zckpt.write.safetensors_file import SUFFIX, no_safetensors_form
-from zckpt.write.writers import OUTPUTS, group_writer, rank_writer, source_major
+from zckpt.write.writers import OUTPUTS, group_writer, source_major, write_rank
 
 _PIPELINE_ONLY = ("accu_grads", "adam_v", "adam_m")
 
@@ -390,16 +390,10 @@ def write_direct_files(jobs: list[DirectJob], options: TransformOptions) -> list
 def write_direct_file(job: DirectJob, options: TransformOptions, publisher: Publisher | None = None,
                       report: Report | None = None) -> RankResult:
     """Write one destination file from the source shards (a Dask task)."""
-    ticker = Ticker(report)
-    writer = rank_writer(options)
-    out = output_file(job.target, options.storage_options)
     with SourceReader(job.boxes, options.block_bytes, overlap=wants_overlap(options.overlap),
                       storage_options=options.storage_options) as reader:
-        if options.format == "safetensors":  # a rank's parts and their index, each published once complete
-            return out.publish_parts(lambda path, files: writer.write(reader, job.rank, path, ticker, publisher,
-                                                                      files))
-        return out.publish(lambda path, pub, files: writer.write(reader, job.rank, path, ticker, pub, files),
-                           publisher)
+        return write_rank(output_file(job.target, options.storage_options), reader, job.rank, options,
+                          Ticker(report), publisher)
 
 
 def check_jobs(plan: TransformPlan, names: set[str], verify_replicas: bool) -> list[CheckJob]:

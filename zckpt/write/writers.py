@@ -29,6 +29,7 @@ from zckpt.write import ckpt_rank, safetensors_file
 from zckpt.write import group_writer as grouping
 from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSettings
 from zckpt.write.ckpt_rank import CkptRankWriter
+from zckpt.write.destinations import OutputFile
 from zckpt.write.file_layouts import Layout, ckpt_layout, safetensors_layout
 from zckpt.write.group_writer import CostedReader, GroupWriter, costs, groups
 from zckpt.write.safetensors_file import SafetensorsFileWriter
@@ -59,6 +60,8 @@ class OutputFormat:
     """The writer of exactly the one file named."""
     layout: Layout
     """Where each byte of one such file goes, for writing several source-major."""
+    parts: bool = False
+    """A rank may become several files (parts and an index), replaced together."""
 
     def group(self, settings: WriterSettings) -> GroupWriter | None:
         """The writer of several files at once, where these settings allow one: files with
@@ -70,7 +73,7 @@ class OutputFormat:
 OUTPUTS: dict[str, OutputFormat] = {f.name: f for f in (
     OutputFormat("ckpt", ckpt_rank.SUFFIX, CkptRankWriter, CkptRankWriter, ckpt_layout),
     OutputFormat("safetensors", safetensors_file.SUFFIX, SafetensorsRankWriter, SafetensorsFileWriter,
-                 safetensors_layout),
+                 safetensors_layout, parts=True),
     # a MindFormers iteration's model and optimizer files: each exactly the file named
     # (zckpt.plan.mf_iteration names them, zckpt.write.mindformers_dir publishes the directory)
     OutputFormat("mindformers", safetensors_file.SUFFIX, SafetensorsFileWriter, SafetensorsFileWriter,
@@ -91,6 +94,16 @@ class FormatOptions(WriteOptions, Protocol):
 
     @property
     def format(self) -> str: ...
+
+
+def write_rank(out: OutputFile, reader: BoxReader, rank: RankExport, options: FormatOptions,
+               ticker: Ticker | None = None, publisher: Publisher | None = None) -> RankResult:
+    """Write destination ``rank`` to ``out`` in the options' format, published as ``out``
+    publishes a file (a rank that may become parts and an index: all of them, once complete)."""
+    writer = rank_writer(options)
+    if output_format(options.format).parts:
+        return out.publish_parts(lambda path, files: writer.write(reader, rank, path, ticker, publisher, files))
+    return out.publish(lambda path, pub, files: writer.write(reader, rank, path, ticker, pub, files), publisher)
 
 
 def rank_writer(options: FormatOptions) -> RankWriter:
