@@ -53,7 +53,7 @@ class Box:
         """Computed once per box: planning and the writers ask a box for it many times."""
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
-    @property
+    @cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 

@@ -14,15 +14,14 @@ part goes through :func:`scatter_boxes`, box by box.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from zckpt.core.layout import Box
-from zckpt.io import fileio
 from zckpt.io.gathered_writes import GatheredWrites
-from zckpt.io.new_files import NewFile
 from zckpt.write.file_layouts import FileLayout, data_offset
 
 
@@ -41,18 +40,15 @@ class Blocks:
     all of them spanning the region past the second dimension; ``base`` holds the file
     offset of each part's first byte where every part lies in one run of its file."""
 
-    files: list[int]
+    files: np.ndarray
     first: np.ndarray
     stop: np.ndarray
-    col0: list[int]
-    col1: list[int]
+    col0: np.ndarray
+    col1: np.ndarray
     cols: int
     inner: int
     itemsize: int
     base: np.ndarray | None = None
-
-    def part_row_bytes(self, k: int) -> int:
-        return (self.col1[k] - self.col0[k]) * self.inner * self.itemsize
 
 
 def blocks(g: Region, itemsize: int, layouts: Sequence[FileLayout] = ()) -> Blocks | None:
@@ -68,11 +64,11 @@ def blocks(g: Region, itemsize: int, layouts: Sequence[FileLayout] = ()) -> Bloc
     c = box.start[1] if box.ndim > 1 else 0
     files = [i for i, _ in g.parts]
     return Blocks(
-        files=files,
+        files=np.array(files, dtype=np.int64),
         first=np.array([b.start[0] for _, b in g.parts], dtype=np.int64),
         stop=np.array([b.stop[0] for _, b in g.parts], dtype=np.int64),
-        col0=[b.start[1] - c if box.ndim > 1 else 0 for _, b in g.parts],
-        col1=[b.stop[1] - c if box.ndim > 1 else 1 for _, b in g.parts],
+        col0=np.array([b.start[1] - c if box.ndim > 1 else 0 for _, b in g.parts], dtype=np.int64),
+        col1=np.array([b.stop[1] - c if box.ndim > 1 else 1 for _, b in g.parts], dtype=np.int64),
         cols=box.shape[1] if box.ndim > 1 else 1,
         inner=math.prod(box.shape[2:]),
         itemsize=itemsize,
@@ -97,64 +93,88 @@ def whole_rows(band: Box, region: Box) -> bool:
     return band.ndim > 0 and band.start[1:] == region.start[1:] and band.stop[1:] == region.stop[1:]
 
 
-def scatter_blocks(name: str, parts: Blocks, band: Box, data: np.ndarray, news: list[NewFile],
-                   fills: list[GatheredWrites], layouts: list[FileLayout]) -> None:
-    """Give each file its part of ``band`` (whole rows of the region): a run of the band's
-    bytes where the part spans the row, else one strided copy of its columns."""
+def scatter_blocks(name: str, parts: Blocks, band: Box, data: np.ndarray, out: GatheredWrites,
+                   layouts: Sequence[FileLayout]) -> None:
+    """Give each file its part of ``band`` (whole rows of the region). Parts of one size
+    that tile the band on a grid (a row split, a column split, both) are cut out with one
+    strided copy and handed to their files with one gathered write; any other part alone."""
     b0, b1 = band.start[0], band.stop[0]
     lo = np.maximum(parts.first, b0)
     hi = np.minimum(parts.stop, b1)
     hit = np.flatnonzero(lo < hi)
     if not hit.size:
         return
-    grid = np.ascontiguousarray(data).reshape(b1 - b0, parts.cols, parts.inner)
-    flat = grid.reshape(-1).view(np.uint8).data
-    full_row = parts.cols * parts.inner * parts.itemsize
-    row_bytes = (np.array(parts.col1)[hit] - np.array(parts.col0)[hit]) * (parts.inner * parts.itemsize)
-    at = (lo[hit] - parts.first[hit]) * row_bytes
-    i = -1
-    try:
-        if parts.base is not None:
-            for i, part in _runs(parts, hit, (lo[hit] - b0).tolist(), (hi[hit] - b0).tolist(),
-                                 (parts.base[hit] + at).tolist(), grid, flat, full_row):
-                fills[i].add(*part)
-            return
-        for k, r0, r1, start in zip(hit.tolist(), (lo[hit] - b0).tolist(), (hi[hit] - b0).tolist(), at.tolist(),
-                                    strict=True):
-            i = parts.files[k]
-            raw = _rows(parts, k, r0, r1, grid, flat, full_row)
-            fill = fills[i]
-            for offset, s0, length in layouts[i].places(name, start, len(raw)):
-                fill.add(offset, raw[s0 : s0 + length])
-    except OSError as err:
-        full = fileio.as_disk_full(err, news[i].path) if i >= 0 else None
-        if full is None:
-            raise
-        raise full from None
+    item = parts.inner * parts.itemsize
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(b1 - b0, parts.cols * item)
+    r0, rows = lo[hit] - b0, hi[hit] - lo[hit]
+    c0, width = parts.col0[hit], parts.col1[hit] - parts.col0[hit]
+    at = (lo[hit] - parts.first[hit]) * width * item
+    files = parts.files[hit]
+    if parts.base is None:
+        for j in range(hit.size):
+            piece = raw[r0[j] : r0[j] + rows[j], c0[j] * item : (c0[j] + width[j]) * item].reshape(-1)
+            i = int(files[j])
+            for offset, s0, length in layouts[i].places(name, int(at[j]), piece.size):
+                out.put_one(i, offset, piece[s0 : s0 + length])
+        return
+    offsets = parts.base[hit] + at
+    for sel in _same(rows, width):
+        n, w = int(rows[sel[0]]), int(width[sel[0]])
+        cut = _grid(raw, r0[sel], c0[sel], n, w * item, item)
+        if cut is not None:
+            pieces, order = cut
+            out.put(files[sel][order], offsets[sel][order], pieces)
+            continue
+        for j in sel.tolist():
+            out.put_one(int(files[j]), int(offsets[j]), raw[r0[j] : r0[j] + n, c0[j] * item : (c0[j] + w) * item])
 
 
-def _runs(parts: Blocks, hit: np.ndarray, r0s: list[int], r1s: list[int], offsets: list[int], grid: np.ndarray,
-          flat: memoryview, full_row: int) -> Iterator[tuple[int, tuple[int, memoryview]]]:
-    """Each hit part's file and ``(file offset, bytes)``, the offsets worked out on arrays:
-    one slice per part (the common case, where each part is one run of its file)."""
-    files, col0, col1, cols = parts.files, parts.col0, parts.col1, parts.cols
-    for k, r0, r1, offset in zip(hit.tolist(), r0s, r1s, offsets, strict=True):
-        if col1[k] - col0[k] == cols:
-            yield files[k], (offset, flat[r0 * full_row : r1 * full_row])
-        else:
-            yield files[k], (offset, _rows(parts, k, r0, r1, grid, flat, full_row))
+def _same(rows: np.ndarray, width: np.ndarray) -> list[np.ndarray]:
+    """Positions split by equal ``(rows, width)``."""
+    if bool((rows == rows[0]).all()) and bool((width == width[0]).all()):
+        return [np.arange(rows.size)]
+    key = rows * (int(width.max()) + 1) + width
+    order = np.argsort(key, kind="stable")
+    return list(np.split(order, np.flatnonzero(np.diff(key[order])) + 1))
 
 
-def _rows(parts: Blocks, k: int, r0: int, r1: int, grid: np.ndarray, flat: memoryview, full_row: int) -> memoryview:
-    """Part ``k``'s bytes in rows ``[r0, r1)`` of the band."""
-    c0, c1 = parts.col0[k], parts.col1[k]
-    if c1 - c0 == parts.cols:
-        return flat[r0 * full_row : r1 * full_row]
-    return np.ascontiguousarray(grid[r0:r1, c0:c1]).reshape(-1).view(np.uint8).data
+def _grid(raw: np.ndarray, r0: np.ndarray, c0: np.ndarray, rows: int, width: int,
+          item: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The parts of ``rows`` rows and ``width`` bytes at band rows ``r0`` and columns ``c0``
+    cut out of ``raw`` on a regular grid, one part per row of the result, and the order of
+    the parts that matches; ``None`` where the parts are not on a grid."""
+    key = r0 * (int(c0.max()) + 1) + c0
+    order = np.argsort(key, kind="stable")
+    key, r0, c0 = key[order], r0[order], c0[order]
+    first = np.ones(key.size, dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    if not first.all():  # replicas: one part for several files
+        cut = _grid(raw, r0[first], c0[first], rows, width, item)
+        if cut is None:
+            return None
+        return cut[0][np.cumsum(first) - 1], order
+    cs = np.flatnonzero(r0 == r0[0]).size
+    if r0.size % cs:
+        return None
+    grid_r, grid_c = r0.reshape(-1, cs), c0.reshape(-1, cs)
+    dr = int(grid_r[1, 0] - grid_r[0, 0]) if grid_r.shape[0] > 1 else 0
+    dc = int(grid_c[0, 1] - grid_c[0, 0]) if cs > 1 else 0
+    if (grid_r != grid_r[0, 0] + dr * np.arange(grid_r.shape[0])[:, None]).any() or \
+            (grid_c != grid_c[0, 0] + dc * np.arange(cs)[None, :]).any():
+        return None
+    line = raw.strides[0]
+    origin = raw.reshape(-1)[int(r0[0]) * line + int(c0[0]) * item :]
+    if cs == 1 and width == line:
+        pieces = as_strided(origin, (r0.size, rows * line), (dr * line, 1), writeable=False)
+    else:
+        grid = as_strided(origin, (grid_r.shape[0], cs, rows, width), (dr * line, dc * item, line, 1),
+                          writeable=False)
+        pieces = np.ascontiguousarray(grid).reshape(r0.size, rows * width)
+    return pieces, order
 
 
-def scatter_boxes(g: Region, band: Box, data: np.ndarray, itemsize: int, news: list[NewFile],
-                  fills: list[GatheredWrites], layouts: list[FileLayout]) -> None:
+def scatter_boxes(g: Region, band: Box, data: np.ndarray, itemsize: int, out: GatheredWrites,
+                  layouts: Sequence[FileLayout]) -> None:
     """Give each file its part of ``band``, box by box (its bytes are contiguous in the file:
     a band is a C-order piece of the region, and the region spans each part's trailing extents)."""
     for i, box in g.parts:
@@ -163,7 +183,5 @@ def scatter_boxes(g: Region, band: Box, data: np.ndarray, itemsize: int, news: l
             continue
         piece = np.ascontiguousarray(data[inter.relative_to(band).slices()] if band.ndim else data)
         raw = piece.reshape(-1).view(np.uint8)
-        fill = fills[i]
-        with fileio.disk_full_named(news[i].path):
-            for offset, start, n in layouts[i].places(g.name, data_offset(inter, box, itemsize), raw.nbytes):
-                fill.add(offset, raw[start : start + n].data)
+        for offset, start, n in layouts[i].places(g.name, data_offset(inter, box, itemsize), raw.nbytes):
+            out.put_one(i, offset, raw[start : start + n])

@@ -168,17 +168,19 @@ class GroupWriter:
     def write(self, reader: BoxReader, files: Sequence[tuple[RankExport, Path]], ticker: Ticker | None = None,
               publisher: Publisher | None = None) -> list[RankResult]:
         ranks = [r for r, _ in files]
-        layouts = [self.layout(reader, r.slices) for r in ranks]
+        distinct, kinds_of_files = shared_layouts(self.layout, reader, ranks)
+        layouts = [distinct[k] for k in kinds_of_files]
         kinds = {s.name: reader.kind(s.name) for r in ranks for s in r.slices}
         with contextlib.ExitStack() as stack:
             news: list[NewFile] = []
-            fills: list[GatheredWrites] = []
             for (_, path), layout in zip(files, layouts, strict=True):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 new = NewFile(path)
                 news.append(new)
                 stack.callback(new.discard)
-                fills.append(_sized(new, layout, path))
+                _size(new, layout, path)
+            out = GatheredWrites([n.file.fileno() for n in news], [p for _, p in files],
+                                 [x.framing for x in distinct], kinds_of_files)
             todo = regions(ranks, kinds)
             helper = stack.enter_context(reading_ahead(self.settings.overlap))
             source = BandSource(reader, [(g.name, g.box) for g in todo], helper)
@@ -188,14 +190,13 @@ class GroupWriter:
                 for band in reader.bands(g.name, g.box):
                     data = source.next(g.name)
                     if parts is None or not whole_rows(band, g.box):
-                        scatter_boxes(g, band, data, itemsize, news, fills, layouts)
+                        scatter_boxes(g, band, data, itemsize, out, layouts)
                     else:
-                        scatter_blocks(g.name, parts, band, data, news, fills, layouts)
+                        scatter_blocks(g.name, parts, band, data, out, layouts)
                 if ticker is not None:
                     ticker.add(g.name, sum(b.size for _, b in g.parts) * itemsize)
-            for new, fill in zip(news, fills, strict=True):
-                with fileio.disk_full_named(new.path):
-                    fill.close()
+            out.close()
+            for new in news:
                 if publisher is not None:
                     publisher.submit(new)
                 else:
@@ -206,13 +207,30 @@ class GroupWriter:
         return _results(files, layouts, reader)
 
 
-def _sized(new: NewFile, layout: FileLayout, path: Path) -> GatheredWrites:
+def shared_layouts(layout: Layout, reader: BoxReader,
+                   ranks: Sequence[RankExport]) -> tuple[list[FileLayout], list[int]]:
+    """The distinct file layouts of ``ranks``, each worked out once per distinct list of
+    (name, shape) (a layout depends on nothing else: 512 data-parallel ranks hold a few
+    distinct lists), and for each rank the position of its own."""
+    seen: dict[tuple[tuple[str, tuple[int, ...]], ...], int] = {}
+    distinct: list[FileLayout] = []
+    kinds: list[int] = []
+    for r in ranks:
+        key = tuple((s.name, s.box.shape) for s in r.slices)
+        k = seen.get(key)
+        if k is None:
+            k = seen[key] = len(distinct)
+            distinct.append(layout(reader, r.slices))
+        kinds.append(k)
+    return distinct, kinds
+
+
+def _size(new: NewFile, layout: FileLayout, path: Path) -> None:
     """Size the new file; its framing is written with its data, as the data reach it."""
     fd = new.file.fileno()
     if not fileio.allocate(fd, layout.size, path):
         with fileio.disk_full_named(path):
             os.ftruncate(fd, layout.size)
-    return GatheredWrites(fd, layout.framing)
 
 
 def _results(files: Sequence[tuple[RankExport, Path]], layouts: list[FileLayout],
