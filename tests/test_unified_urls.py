@@ -160,3 +160,22 @@ def test_an_upload_fault_fails_by_name_and_leaves_nothing(server: tuple[Any, Pro
     fs.invalidate_cache()
     assert fs.find(out) == []
     assert _uploads(fs, out) == []
+
+
+def test_a_failed_local_run_leaves_nothing(job: dict[str, Any], tmp_path_factory: pytest.TempPathFactory,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on local disk: part 1 fails, part 0 (if complete) is removed, an earlier
+    run's map too, no temporary name is left."""
+    out = tmp_path_factory.mktemp("failed")
+    (out / "param_name_map.json").write_text("{}")
+    write_whole = unified.write_whole
+
+    def failing(target: str, *args: Any, **kwargs: Any) -> Any:
+        if target.endswith("part1.safetensors"):
+            raise OutputError("injected", path=target)
+        return write_whole(target, *args, **kwargs)
+
+    monkeypatch.setattr(unified, "write_whole", failing)
+    with pytest.raises(OutputError, match="injected"):
+        zckpt.unified_safetensors(str(job["root"] / "ckpt"), str(job["strategy"]), str(out))
+    assert list(out.iterdir()) == []

@@ -76,10 +76,9 @@ def _rank_dirs(src: str | Path, storage_options: remote.StorageOptions
     (local or a URL), in name order."""
     if isinstance(src, str) and remote.is_remote(src):
         root = remote.locate(src, storage_options, SourceError)
-        subs = [root.child(n) for n, d in remote.listdir(root, SourceError) if d and n[5:].isdigit()
-                and n.startswith("rank_")]
-        return [(s.url.rstrip("/").rsplit("/", 1)[-1], s.url, [(n, not d) for n, d in remote.listdir(s, SourceError)])
-                for s in subs]
+        names = [n for n, d in remote.listdir(root, SourceError) if d and n.startswith("rank_") and n[5:].isdigit()]
+        return [(n, root.child(n).url, [(c, not d) for c, d in remote.listdir(root.child(n), SourceError)])
+                for n in names]
     dirs = [d for d in sorted(Path(src).glob("rank_[0-9]*")) if d.name[5:].isdigit() and d.is_dir()]
     return [(d.name, d, [(f.name, f.is_file()) for f in d.iterdir()]) for d in dirs]
 
@@ -176,11 +175,11 @@ def write_unified(plan: UnifiedPlan, dest: OutputDir, shapes: Mapping[str, tuple
     written: list[str] = []
 
     def part(index: int) -> str:
-        names = plan.parts[index].names
+        names, file = plan.parts[index].names, target[plan.parts[index].file]
         with reader_of(_source_rank(names, shapes, index)) as reader:
-            write_whole(target[plan.parts[index].file], reader, names, shapes, options, index)
-        written.append(target[plan.parts[index].file])
-        return target[plan.parts[index].file]
+            write_whole(file, reader, names, shapes, options, index)
+        written.append(file)
+        return file
 
     try:
         out = _at_most(part, range(len(plan.parts)), max_process_num)
