@@ -235,18 +235,6 @@ def test_mindformers_iteration_to_a_url_is_refused(server: tuple[Any, Proxy], jo
     assert proxy.writes("/mf") == []
 
 
-@pytest.mark.parametrize("which", ["src_dir", "src_strategy_file", "dst_dir"])
-def test_unified_safetensors_refuses_urls_by_name(tmp_path: Path, which: str) -> None:
-    """``unified_safetensors`` goes through a local temporary store: a URL is refused by name,
-    before anything is made (no ``s3:`` folder on local disk)."""
-    args = {"src_dir": str(tmp_path / "src"), "src_strategy_file": str(tmp_path / "s.ckpt"),
-            "dst_dir": str(tmp_path / "dst"), which: f"s3://{BUCKET}/{which}"}
-    with pytest.raises(UsageError, match=f"'{which}' must be a local path") as caught:
-        zckpt.unified_safetensors(**args)
-    assert caught.value.path == f"s3://{BUCKET}/{which}"
-    assert list(tmp_path.iterdir()) == [tmp_path / "tmpdir"]
-
-
 @pytest.mark.parametrize("what", ["ckpt", "safetensors", "strategy"])
 def test_info_reads_a_remote_file_by_range(server: tuple[Any, Proxy], job: dict[str, Any], what: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,16 +2,23 @@
 
 The layout is MindSpore's (see :mod:`zckpt.formats.unified`): ``part<i>.safetensors`` holding
 whole parameters, ``hyper_param.safetensors`` holding the entries the strategy does not
-shard (``global_step``, ``learning_rate``, ``momentum``...), and ``param_name_map.json``.
-As in MindSpore 2.10, parameters are spread over ``ceil(total / 3 GiB)`` parts (at most one
-per parameter), each parameter going to the part with the fewest bytes so far, largest
-first; ``split_dst_file=(k, n)`` writes only machine ``k``'s share of the parts (machine 1
-also writes the map and the hyper-parameters).
+shard (``global_step``, ``learning_rate``, ``momentum``...), and ``param_name_map.json``;
+which entry goes to which part is :mod:`zckpt.jobs.unified_parts`. ``split_dst_file=(k, n)``
+writes only machine ``k``'s share of the parts (machine 1 also writes the map and the
+hyper-parameters).
 
-The sources go through a temporary zckpt store beside ``dst_dir`` (read once, bounded
-memory, any layout zckpt reads: ``.ckpt`` or ``.safetensors`` shards); each part is then
-streamed from the store into its file, ``max_process_num`` parts at a time. The paths are
-local: a URL is refused by name (that store would put the whole model on local disk).
+The parts are written straight from the source shards, as ``transform`` writes its files
+(:mod:`zckpt.jobs.transform`): the sources are planned once (their indexes read; a remote
+shard's by byte range), each part is one destination "rank" of whole tensors, read by a
+:class:`~zckpt.sources.reader.SourceReader` and written by the safetensors writer through
+:func:`~zckpt.write.destinations.output_file`, ``max_process_num`` parts at a time. Every
+needed source byte is read once and the model written once; a URL (``s3://...``) for the
+sources, the strategy or ``dst_dir`` is read by range and uploaded as it is written, nothing
+of the model on local disk. :func:`unify_store` writes the same directory from a zckpt store.
+
+``param_name_map.json`` is written last, once every part of this machine is complete (an
+earlier run's map is removed first: it would name a mix of old and new parts); a failed run
+removes the files it published, so that nothing it leaves looks complete.
 
 ``hyper_param.safetensors`` is MindSpore's (``_save_hyper_param``): every entry of rank 0's
 file that no part holds, as rank 0 saved it, under its own name (``choice_func`` neither
@@ -28,123 +35,194 @@ their parameter into the parts (MindSpore copies rank 0's shard of those into
 
 from __future__ import annotations
 
-import json
-import math
+import contextlib
 import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from zckpt.core.errors import SourceError, UsageError
+from zckpt.core.errors import SourceError, UsageError, ZckptError
 from zckpt.core.layout import Box
-from zckpt.formats.opener import open_shard
 from zckpt.formats.rank_files import choose_by_suffix, latest_by_numbers
 from zckpt.formats.strategy import StrategyMap
-from zckpt.formats.unified import HYPER_FILE, MAP_FILE, part_file
+from zckpt.formats.unified import HYPER_FILE, MAP_FILE
 from zckpt.io import remote
-from zckpt.io.fileio import write_atomic
 from zckpt.jobs.export_job import ExportOptions
-from zckpt.jobs.ingest import IngestOptions, ingest
-from zckpt.plan.entry_layouts import state_owner
-from zckpt.plan.values import RankExport, Slice, TensorSpec
+from zckpt.jobs.transform import TransformOptions, TransformPlan
+from zckpt.jobs.unified_parts import PART_BYTES, ChoiceFunc, Names, UnifiedPlan, check_split, plan_unified
+from zckpt.plan.values import ExportPlan, RankExport, Slice
+from zckpt.sources.discovery import SourceFile, open_source
+from zckpt.sources.prepare import prepare_ingest
+from zckpt.sources.reader import SourceReader
+from zckpt.sources.replicas import compare_replicas, merged, replica_jobs
 from zckpt.sources.strategies import load_strategy
 from zckpt.store.reader import StoreReader, reading
 from zckpt.store.store import Store
 from zckpt.write.box_adapters import Renamed, ShardBoxes
-from zckpt.write.boxes import WriterSettings
+from zckpt.write.boxes import BoxReader, RankResult, WriterSettings
+from zckpt.write.destinations import OutputDir, destination, output_dir, output_file, publish_bytes
 from zckpt.write.safetensors_file import no_safetensors_form
 from zckpt.write.writers import file_writer
 
-PART_BYTES = 3 * 1024**3
-"""MindSpore's target size of one part."""
+__all__ = ["PART_BYTES", "collect_rank_files", "copy_hyper", "unified_safetensors", "unify_store"]
 
-ChoiceFunc = Callable[[str], "bool | str"]
-
-
-def split_weights(sizes: Sequence[tuple[str, int]], groups: int) -> list[list[str]]:
-    """MindSpore's ``_split_weight_dict``: largest first, each to the lightest group so far."""
-    out: list[list[str]] = [[] for _ in range(groups)]
-    total = [0] * groups
-    for name, size in sorted(sizes, key=lambda t: -t[1]):
-        i = total.index(min(total))
-        out[i].append(name)
-        total[i] += size
-    return out
+ReaderOf = Callable[[RankExport], contextlib.AbstractContextManager[BoxReader]]
+"""The reader of one file's whole entries (named as the source names them)."""
 
 
-def machine_share(count: int, split_dst_file: tuple[int, int]) -> range:
-    """The part indices machine ``k`` of ``n`` writes (MindSpore's split of ``count`` parts)."""
-    k, n = split_dst_file
-    avg, rem = divmod(count, n)
-    start = avg * (k - 1) + min(k - 1, rem)
-    return range(start, start + avg + (1 if k <= rem else 0))
+def _rank_dirs(src: str | Path, storage_options: remote.StorageOptions
+               ) -> list[tuple[str, SourceFile, list[tuple[str, bool]]]]:
+    """``(name, directory, [(child, is a file)])`` of each ``rank_<digits>`` directory of ``src``
+    (local or a URL), in name order."""
+    if isinstance(src, str) and remote.is_remote(src):
+        root = remote.locate(src, storage_options, SourceError)
+        names = [n for n, d in remote.listdir(root, SourceError) if d and n.startswith("rank_") and n[5:].isdigit()]
+        return [(n, root.child(n).url, [(c, not d) for c, d in remote.listdir(root.child(n), SourceError)])
+                for n in names]
+    dirs = [d for d in sorted(Path(src).glob("rank_[0-9]*")) if d.name[5:].isdigit() and d.is_dir()]
+    return [(d.name, d, [(f.name, f.is_file()) for f in d.iterdir()]) for d in dirs]
 
 
-def collect_rank_files(src_dir: Path, file_suffix: str | None) -> dict[int, Path]:
+def _child(folder: SourceFile, name: str) -> SourceFile:
+    return folder / name if isinstance(folder, Path) else f"{folder.rstrip('/')}/{name}"
+
+
+def collect_rank_files(src_dir: str | Path, file_suffix: str | None,
+                       storage_options: remote.StorageOptions = None) -> dict[int, SourceFile]:
     """MindSpore's ``_collect_safetensor_files``: ``rank_<r>/*<file_suffix>.safetensors``, several
-    narrowed by :func:`~zckpt.formats.rank_files.choose_by_suffix` (its ``_find_most_matching_file``)."""
-    out: dict[int, Path] = {}
-    for d in sorted(src_dir.glob("rank_[0-9]*")):
-        rank = d.name.split("rank_")[-1]
-        if not d.is_dir() or not rank.isdigit():
-            continue
-        tail = f"{file_suffix}.safetensors" if file_suffix is not None else ".safetensors"
-        files = sorted(f.name for f in d.iterdir() if f.name.endswith(tail) and f.is_file())
+    narrowed by :func:`~zckpt.formats.rank_files.choose_by_suffix` (its ``_find_most_matching_file``);
+    a local path for a local ``src_dir``, a URL for a URL."""
+    return _collect(_rank_dirs(src_dir, storage_options), file_suffix)
+
+
+def _collect(rank_dirs: list[tuple[str, SourceFile, list[tuple[str, bool]]]],
+             file_suffix: str | None) -> dict[int, SourceFile]:
+    out: dict[int, SourceFile] = {}
+    tail = f"{file_suffix}.safetensors" if file_suffix is not None else ".safetensors"
+    for name, d, children in rank_dirs:
+        rank = int(name[5:])
+        files = sorted(n for n, is_file in children if n.endswith(tail) and is_file)
         if len(files) > 1 and file_suffix is not None:
-            out[int(rank)] = d / choose_by_suffix(files, "safetensors", str(d), file_suffix).name
+            out[rank] = _child(d, choose_by_suffix(files, "safetensors", str(d), file_suffix).name)
         elif len(files) > 1:  # a tie on the numbers goes to the last name (MindSpore: the listing's order)
-            out[int(rank)] = d / max(latest_by_numbers(files)[0])
+            out[rank] = _child(d, max(latest_by_numbers(files)[0]))
         elif files:
-            out[int(rank)] = d / files[0]
+            out[rank] = _child(d, files[0])
         elif file_suffix is not None:
-            raise SourceError(f"no safetensors file ending with {file_suffix!r}", path=d)
+            raise SourceError(f"no safetensors file ending with {file_suffix!r}", path=str(d))
     return out
 
 
-def _renamed(name: str, choice_func: ChoiceFunc | None) -> str | None:
-    """The name ``choice_func`` gives an entry: ``None`` to leave it out."""
-    if choice_func is None:
-        return name
-    out = choice_func(name)
-    if isinstance(out, bool):
-        return name if out else None
-    if isinstance(out, str):
-        return out
-    raise UsageError(f"For 'unified_safetensors', the return value type of the function 'choice_func' must be bool "
-                     f"or str, but got {type(out)}.", param=name)
+def unified_sources(src_dir: str | Path, file_suffix: str | None,
+                    storage_options: remote.StorageOptions = None) -> dict[int, SourceFile] | str:
+    """What the job reads, as MindSpore finds it: each rank's safetensors file
+    (:func:`collect_rank_files`), else the directory (its ``.ckpt`` files, found as ingest finds them)."""
+    text = os.fspath(src_dir)
+    if remote.is_remote(text):
+        is_file = remote.isfile(remote.locate(text, storage_options, SourceError), SourceError)
+    else:
+        is_file = Path(text).is_file()
+    if is_file:
+        raise UsageError("For 'unified_safetensors', the 'src_dir' can not be a file.", path=text)
+    rank_dirs = _rank_dirs(src_dir, storage_options)
+    st_files = _collect(rank_dirs, file_suffix)
+    if st_files and any(n.endswith(".ckpt") for _, _, children in rank_dirs for n, _ in children):
+        raise SourceError("For 'unified_safetensors', the 'src_dir' cannot contain both ckpt file and safetensors "
+                          "file simultaneously", path=text)
+    return st_files if st_files else text
 
 
-def write_part(store_path: str, names: Sequence[tuple[str, str]], target: Path, options: ExportOptions,
-               strings: Sequence[tuple[str, str]] = ()) -> Path:
-    """One file holding the whole entries ``(store name, file name)``, streamed from the store."""
-    store = Store.open(store_path)
-    shapes = {e.name: e.shape for e in store.entries()}
-    slices = [Slice(out, Box.full(shapes[src])) for src, out in [*names, *strings]]
-    reader = Renamed(StoreReader(store, options), {out: src for src, out in [*names, *strings]})
-    file_writer("safetensors", WriterSettings.of(options)).write(reader, RankExport(0, tuple(slices)), target)
-    return target
+def write_whole(target: str, reader: BoxReader, names: Names, shapes: Mapping[str, tuple[int, ...]],
+                options: ExportOptions, index: int = 0) -> RankResult:
+    """The file ``target`` (a path or URL) holding the whole entries ``(source name, file name)``."""
+    rank = RankExport(index, tuple(Slice(out, Box.full(shapes[src])) for src, out in names))
+    renamed = Renamed(reader, {out: src for src, out in names})
+    writer = file_writer("safetensors", WriterSettings.of(options))
+    return output_file(target, options.storage_options).publish(
+        lambda path, pub, files: writer.write(renamed, rank, path, None, pub, files))
 
 
-def copy_hyper(rank0_file: str | os.PathLike[str], in_parts: set[str], target: Path,
-               options: ExportOptions) -> Path | None:
+def copy_hyper(rank0_file: SourceFile, in_parts: frozenset[str] | set[str], target: str,
+               options: ExportOptions) -> str | None:
     """MindSpore's ``_save_hyper_param``: the entries of rank 0's file no part holds, streamed
-    as saved into ``target``; ``None`` when there are none."""
-    with open_shard(rank0_file, verify_crc=False) as r:
+    as saved into ``target``; ``None`` when there are none. A remote file is read by range."""
+    with open_source(rank0_file, options.storage_options, verify_crc=False) as r:
         rest = {n: e for n, e in r.entries.items() if n not in in_parts}
         if not rest:
             return None
         for n, e in rest.items():
             if e.kind == "map":
-                raise no_safetensors_form(n, error=UsageError, path=rank0_file)
-        slices = tuple(Slice(n, Box.full(e.shape)) for n, e in rest.items())
-        file_writer("safetensors", WriterSettings.of(options)).write(ShardBoxes(r, options.block_bytes),
-                                                              RankExport(0, slices), target)
+                raise no_safetensors_form(n, error=UsageError, path=str(rank0_file))
+        shapes = {n: e.shape for n, e in rest.items()}
+        write_whole(target, ShardBoxes(r, options.block_bytes), tuple((n, n) for n in rest), shapes, options)
     return target
 
 
-def _write_json(path: Path, doc: object) -> None:
-    write_atomic(path, json.dumps(doc, indent=4).encode("utf-8"))
+def _source_rank(names: Names, shapes: Mapping[str, tuple[int, ...]], index: int) -> RankExport:
+    return RankExport(index, tuple(Slice(src, Box.full(shapes[src])) for src, _ in names))
+
+
+def write_unified(plan: UnifiedPlan, dest: OutputDir, shapes: Mapping[str, tuple[int, ...]], reader_of: ReaderOf,
+                  options: ExportOptions, max_process_num: int, rank0_file: SourceFile | None) -> list[str]:
+    """Write ``plan`` into ``dest`` (parts ``max_process_num`` at a time, then the
+    hyper-parameters and the map); the files written, parts first. A failure removes
+    what this run published."""
+    files = [p.file for p in plan.parts] + ([HYPER_FILE, MAP_FILE] if plan.first_machine else [])
+    dest.make_folders(dest.path / f for f in files)  # (remote: a killed run's uploads of these aborted)
+    target = {f: dest.target(dest.path / f) for f in files}
+    if plan.first_machine:
+        output_file(target[MAP_FILE], options.storage_options).remove()  # it would name a mix of old and new parts
+    written: list[str] = []
+
+    def part(index: int) -> str:
+        names, file = plan.parts[index].names, target[plan.parts[index].file]
+        with reader_of(_source_rank(names, shapes, index)) as reader:
+            write_whole(file, reader, names, shapes, options, index)
+        written.append(file)
+        return file
+
+    try:
+        out = _at_most(part, range(len(plan.parts)), max_process_num)
+        if plan.first_machine:
+            hyper = _write_hyper(plan, target[HYPER_FILE], shapes, reader_of, options, rank0_file)
+            written += [hyper] if hyper is not None else []
+            publish_bytes(output_file(target[MAP_FILE], options.storage_options), plan.name_map(), options.fsync)
+            out += [*([hyper] if hyper is not None else []), target[MAP_FILE]]
+        return out
+    except BaseException:
+        for t in written:
+            with contextlib.suppress(ZckptError, OSError):  # the server may be what failed
+                output_file(t, options.storage_options).remove()
+        raise
+
+
+def _write_hyper(plan: UnifiedPlan, target: str, shapes: Mapping[str, tuple[int, ...]], reader_of: ReaderOf,
+                 options: ExportOptions, rank0_file: SourceFile | None) -> str | None:
+    """``hyper_param.safetensors``: rank 0's entries no part holds, else the plan's whole
+    entries that are not parameters; ``None`` when there are none."""
+    if rank0_file is not None:
+        return copy_hyper(rank0_file, plan.in_parts, target, options)
+    if not plan.hyper and not plan.strings:
+        return None
+    names = plan.hyper + plan.strings
+    with reader_of(_source_rank(names, shapes, -1)) as reader:
+        write_whole(target, reader, names, shapes, options, -1)
+    return target
+
+
+def _at_most(task: Callable[[int], str], items: Sequence[int], workers: int) -> list[str]:
+    """``task`` of each item, ``workers`` at a time; on the first failure the items not
+    started are dropped, those running finish, and the failure is raised."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), workers)), thread_name_prefix="zckpt-unified") as pool:
+        futures = [pool.submit(task, i) for i in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def unify_store(
@@ -169,79 +247,18 @@ def unify_store(
     with reading(store_path):
         store = Store.open(store_path)
         store.check_integrity()
-        return _unify(store, Path(dst_dir), strategy, choice_func, split_dst_file, max_process_num, part_bytes,
-                      rank0_file)
+        plan = plan_unified(store.specs(), strategy, choice_func=choice_func, split_dst_file=split_dst_file,
+                            part_bytes=part_bytes)
+        shapes = {e.name: e.shape for e in store.entries()}
+        options = ExportOptions(format="safetensors", overlap=False)
 
+        @contextlib.contextmanager
+        def reader_of(rank: RankExport) -> Iterator[BoxReader]:
+            yield StoreReader(Store.open(store.url), options)  # a store per thread
 
-def _unify(store: Store, dst: Path, strategy: StrategyMap | None, choice_func: ChoiceFunc | None,
-           split_dst_file: tuple[int, int] | tuple[()], max_process_num: int, part_bytes: int,
-           rank0_file: str | os.PathLike[str] | None) -> list[Path]:
-    """:func:`unify_store` once the store is held and checked."""
-    dst.mkdir(parents=True, exist_ok=True)
-    specs: list[TensorSpec] = store.specs()
-    params: list[tuple[str, str, int]] = []
-    hyper: list[tuple[str, str]] = []
-    strings: list[tuple[str, str]] = []
-    for t in specs:
-        if t.name.startswith("accu_grads"):
-            continue
-        out = _renamed(t.name, choice_func)
-        if out is None:
-            continue
-        if t.kind == "str":
-            strings.append((t.name, out))
-        elif t.kind != "tensor":
-            raise no_safetensors_form(t.name, error=UsageError)
-        elif _is_parameter(t, strategy):
-            params.append((t.name, out, t.nbytes))
-        else:
-            hyper.append((t.name, out))
-    count = min(max(1, math.ceil(sum(p[2] for p in params) / part_bytes)), len(params)) if params else 0
-    groups = split_weights([(p[0], p[2]) for p in params], count) if count else []
-    rename = {p[0]: p[1] for p in params}
-    share = machine_share(count, split_dst_file) if split_dst_file else range(count)
-    first_machine = not split_dst_file or split_dst_file[0] == 1
-    options = ExportOptions(format="safetensors", overlap=False)
-    jobs = [([(n, rename[n]) for n in groups[i]], dst / part_file(i)) for i in share]
-    workers = max(1, min(len(jobs), max_process_num))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-unified") as pool:
-        written = list(pool.map(lambda j: write_part(store.url, j[0], j[1], options), jobs))
-    if first_machine:
-        if rank0_file is not None:
-            copied = copy_hyper(rank0_file, set(rename), dst / HYPER_FILE, options)
-            written += [copied] if copied is not None else []
-        elif hyper or strings:
-            written.append(write_part(store.url, hyper, dst / HYPER_FILE, options, strings))
-        weight_map = {rename[n]: part_file(i) for i, g in enumerate(groups) for n in g}
-        _write_json(dst / MAP_FILE, {"metadata": {"total_size": sum(p[2] for p in params)}, "weight_map": weight_map})
-        written.append(dst / MAP_FILE)
-    return written
-
-
-def _is_parameter(t: TensorSpec, strategy: StrategyMap | None) -> bool:
-    if strategy is None:
-        return math.prod(t.shape) > 1
-    return t.name in strategy.layouts or state_owner(t.name, strategy.layouts) is not None
-
-
-def _check_split(split_dst_file: object) -> tuple[int, int] | tuple[()]:
-    if split_dst_file == () or split_dst_file is None:
-        return ()
-    ok = (isinstance(split_dst_file, (tuple, list)) and len(split_dst_file) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in split_dst_file)
-          and 1 <= split_dst_file[0] <= split_dst_file[1])
-    if not ok:
-        raise UsageError(f"split_dst_file must be () or (k, n) with 1 <= k <= n, got {split_dst_file!r}")
-    return (int(split_dst_file[0]), int(split_dst_file[1]))  # type: ignore[index]
-
-
-def refuse_urls(**paths: str | os.PathLike[str] | None) -> None:
-    """The job goes through a temporary store beside ``dst_dir`` and writes local files: a URL
-    is refused by name rather than spooled to local disk or read as a local path."""
-    for what, p in paths.items():
-        if p is not None and remote.is_remote(p):
-            raise UsageError(f"For 'unified_safetensors', the '{what}' must be a local path (the job goes through "
-                             "a temporary store on local disk); transform_checkpoints takes URLs", path=str(p))
+        dest = destination(Path(dst_dir), None)
+        rank0 = None if rank0_file is None else Path(rank0_file)
+        return [Path(p) for p in write_unified(plan, dest, shapes, reader_of, options, max_process_num, rank0)]
 
 
 def unified_safetensors(
@@ -253,9 +270,12 @@ def unified_safetensors(
     max_process_num: int = 64,
     choice_func: ChoiceFunc | None = None,
     split_dst_file: tuple[int, int] | tuple[()] = (),
+    *,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Merge a sharded job (``src_dir/rank_<r>/*.safetensors`` or ``.ckpt``) into MindSpore's
-    unified safetensors directory ``dst_dir`` (see the module).
+    unified safetensors directory ``dst_dir`` (see the module). Beyond MindSpore, each path
+    may be an fsspec URL (``s3://...``), with the filesystem's options in ``storage_options``.
 
     ``merge_with_redundancy`` is accepted for MindSpore's signature: zckpt takes each region
     from whichever rank holds it and refuses a job where no rank does, deduplicated or not.
@@ -268,22 +288,22 @@ def unified_safetensors(
         raise UsageError(f"max_process_num must be a positive int, got {max_process_num!r}")
     if choice_func is not None and not callable(choice_func):
         raise TypeError(f"The choice_func should be callable, but got {type(choice_func).__name__}.")
-    split = _check_split(split_dst_file)
-    refuse_urls(src_dir=src_dir, src_strategy_file=src_strategy_file, dst_dir=dst_dir)
-    dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    src = Path(src_dir)
-    if src.is_file():
-        raise UsageError("For 'unified_safetensors', the 'src_dir' can not be a file.", path=src)
-    st_files = collect_rank_files(src, file_suffix)
-    ckpt_files = [d for d in src.glob("rank_[0-9]*") if d.name[5:].isdigit() and d.is_dir() and any(d.glob("*.ckpt"))]
-    if st_files and ckpt_files:
-        raise SourceError("For 'unified_safetensors', the 'src_dir' cannot contain both ckpt file and safetensors "
-                          "file simultaneously", path=src)
-    smap = load_strategy(src_strategy_file)
-    sources: dict[int, Path] | str = st_files if st_files else str(src)
-    with tempfile.TemporaryDirectory(prefix=".zckpt-", dir=dst) as tmp:
-        store = Path(tmp) / "store.zarr"
-        report = ingest(sources, store, smap, IngestOptions(workers=1))
-        unify_store(store, dst, smap, choice_func=choice_func, split_dst_file=split, max_process_num=max_process_num,
-                    rank0_file=report.rank_files.get(0))
+    split = check_split(split_dst_file)
+    dest = output_dir(os.fspath(dst_dir), storage_options)
+    dest.create()
+    sources = unified_sources(src_dir, file_suffix, storage_options)
+    smap = load_strategy(src_strategy_file, storage_options)
+    options = TransformOptions(format="safetensors", overlap=False, storage_options=storage_options)
+    prepared = prepare_ingest(sources, smap, storage_options=storage_options)
+    source = prepared.plan
+    for job in merged(replica_jobs(source, prepared.indexes, None, verify_replicas=False)):
+        compare_replicas(job, options)  # ingest's refusals, before any file is written
+    plan = plan_unified(source.tensors, smap, choice_func=choice_func, split_dst_file=split, part_bytes=PART_BYTES)
+    direct = TransformPlan(source, ExportPlan((), 0), smap, None, prepared.indexes)
+
+    def reader_of(rank: RankExport) -> SourceReader:
+        return SourceReader(direct.boxes(rank), options.block_bytes, storage_options=storage_options)
+
+    shapes = {t.name: t.shape for t in source.tensors}
+    rank0 = prepared.sources.files.get(0)  # the job's rank 0, also where the strategy names another stage
+    write_unified(plan, dest, shapes, reader_of, options, max_process_num, rank0)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from zckpt.core.errors import OutputError
 from zckpt.formats.shard_reader import INDEX_SUFFIX
 from zckpt.io import locks, new_files, remote, streamed_files
-from zckpt.io.fileio import Publisher, disk_full_named
+from zckpt.io.fileio import Publisher, disk_full_named, write_atomic
 from zckpt.write import out_dirs, out_records
 from zckpt.write.boxes import RankResult
 from zckpt.write.out_dirs import Jobs
@@ -320,6 +320,9 @@ class OutputFile(Protocol):
     def exists(self) -> bool:
         """The name is taken."""
 
+    def remove(self) -> None:
+        """Remove the file, if there is one (what a failed run of several files published)."""
+
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """A temporary directory for the work behind the file (a temporary store)."""
 
@@ -350,6 +353,9 @@ class LocalFile:
 
     def exists(self) -> bool:
         return self.path.exists()
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """Beside the file (the same filesystem); its folder is made."""
@@ -409,6 +415,9 @@ class RemoteFile:
     def exists(self) -> bool:
         return remote.exists(self.location, OutputError)
 
+    def remove(self) -> None:
+        remote.remove(self.location, OutputError)
+
     def scratch(self) -> tempfile.TemporaryDirectory[str]:
         """In the local temporary directory."""
         return _scratch_in(None)
@@ -429,6 +438,16 @@ def output_file(target: str | Path, storage_options: remote.StorageOptions) -> O
         return RemoteFile(target, storage_options)
     return LocalFile(remote.local_path(target))
 
+
+def publish_bytes(out: OutputFile, data: bytes, fsync: bool = True) -> None:
+    """A small file written whole as ``out``: on local disk a new file named when complete, on
+    object storage one upload (a single ``PUT``), nothing under its name on any failure."""
+
+    def write(path: Path, publisher: Publisher | None, files: new_files.Opener) -> RankResult:
+        write_atomic(path, data, fsync=fsync, files=files)
+        return RankResult(-1, str(path), 0, len(data))
+
+    out.publish(write)
 
 
 def _scratch_in(folder: Path | None) -> tempfile.TemporaryDirectory[str]:
