@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from zckpt.cli.main import main as cli_main
-from zckpt.io import new_files
+from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.io import fileio, new_files
+from zckpt.jobs.generate import write_model
+from zckpt.jobs.generate_model import TensorDef
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "example"
 
@@ -79,7 +82,61 @@ def assert_durable(events: list[Event], final: Path) -> None:
 
 
 def _dir_synced(events: list[Event], folder: Path) -> bool:
-    return any(e[:2] == ("fsync", str(folder)) for e in events)
+    return any(e[:2] == ("fsync", str(folder)) or e[0] == "syncfs" for e in events)
+
+
+@pytest.fixture
+def syncfs(syscalls: list[Event], monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """:func:`syscalls`, with each sync of a whole filesystem (``syncfs``, which covers every
+    file and folder on it) recorded as ``("syncfs", "", "")``."""
+    real = fileio.sync_filesystem
+
+    def sync_filesystem(fd: int, *, close: bool = False) -> bool:
+        synced = real(fd, close=close)
+        if synced:
+            syscalls.append(("syncfs", "", ""))
+        return synced
+
+    monkeypatch.setattr(fileio, "sync_filesystem", sync_filesystem)
+    return syscalls
+
+
+def assert_durable_together(events: list[Event], final: Path) -> None:
+    """As :func:`assert_durable`, a sync of the whole filesystem standing for the file's and
+    the directory's."""
+    final = Path(os.path.realpath(final))
+    renames = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
+    assert renames, f"{final} was not published by a rename or a link to its final name"
+    at = renames[-1]
+    assert any(e[0] == "syncfs" or (e[0] == "fsync" and e[2] == events[at][1]) for e in events[:at]), \
+        f"{final}: its bytes were not synced before the rename"
+    assert _dir_synced(events[at + 1:], final.parent), f"{final}: its directory was not synced after the rename"
+
+
+@pytest.mark.parametrize("command", ["transform", "export"])
+def test_a_group_of_files_published_together_is_durable(tmp_path: Path, syncfs: list[Event], command: str) -> None:
+    """2 ranks -> 40 ranks of 2-row slabs: written source-major as one group and published
+    together (one filesystem sync before the names, one after), still each file synced before
+    its name and its directory after."""
+    model = write_model(tmp_path / "src", [TensorDef(f"w{i}", (80, 16), "Float32", make_layout([2], [0, -1]))
+                                           for i in range(3)], device_num=2, scalars=False)
+    dst = StrategyMap(layouts={t.name: {0: make_layout([40], [0, -1])} for t in model.tensors})
+    (tmp_path / "dst.ckpt").write_bytes(encode_strategy(dst))
+    out = tmp_path / "out"
+    if command == "transform":
+        args = ["transform", str(model.root), "--src-strategy", str(model.strategy_path)]
+    else:
+        assert cli_main(["ingest", str(model.root), "--strategy", str(model.strategy_path), "--store",
+                         str(tmp_path / "s.zarr"), "--quiet"]) == 0
+        args = ["export", str(tmp_path / "s.zarr")]
+    syncfs.clear()
+    assert cli_main([*args, "--dst-strategy" if command == "transform" else "--strategy", str(tmp_path / "dst.ckpt"),
+                     "--out", str(out), "--quiet"]) == 0
+    files = sorted(out.glob("rank_*/*.ckpt"))
+    assert len(files) == 40 >= fileio.BATCH
+    assert ("syncfs", "", "") in syncfs, "the group was not published together"
+    for f in files:
+        assert_durable_together(syncfs, f)
 
 
 def test_ckpt_export_files_are_durable(tmp_path: Path, syscalls: list[Event]) -> None:

@@ -321,3 +321,22 @@ def test_a_region_reader_refuses_a_map_entry_by_name() -> None:
     with pytest.raises(OutputError, match="MapParameter") as err:
         boxes.map_bytes("table")
     assert err.value.param == "table"
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_files_published_together_stop_at_a_failure_and_leave_the_rest_unnamed(tmp_path: Path, fsync: bool) -> None:
+    """40 files published together (one filesystem sync, then the names): the tenth cannot
+    take its name (a directory holds it); the nine before it are named, the thirty after it
+    never appear, under their names or any other."""
+    from zckpt.io.new_files import NewFile
+
+    (tmp_path / "f09").mkdir()
+    news = [NewFile(tmp_path / f"f{i:02d}") for i in range(40)]
+    for i, n in enumerate(news):
+        n.file.write(bytes([i]) * 100)
+    assert len(news) >= fileio.BATCH
+    with pytest.raises(OSError):
+        fileio.publish_all(news, fsync)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"f{i:02d}" for i in range(10)]
+    assert all((tmp_path / f"f{i:02d}").read_bytes() == bytes([i]) * 100 for i in range(9))
+    assert all(n.file.closed for n in news)

@@ -126,6 +126,80 @@ def allocate(fd: int, size: int, path: str | os.PathLike[str]) -> bool:
     return True
 
 
+@functools.cache
+def _syncfs() -> Callable[[int], int] | None:
+    """The C library's ``syncfs``, or ``None`` where there is none."""
+    try:
+        func = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    except OSError:
+        return None
+    if func is None:
+        return None
+    func.argtypes = (ctypes.c_int,)
+    func.restype = ctypes.c_int
+
+    def call(fd: int) -> int:
+        return 0 if func(fd) == 0 else ctypes.get_errno()
+
+    return call
+
+
+def sync_filesystem(fd: int, *, close: bool = False) -> bool:
+    """Write out everything the filesystem holding ``fd`` has not yet written (``syncfs``),
+    waiting until it is on the disk (``fd`` closed after with ``close``); ``False`` where the
+    system has no such call."""
+    call = _syncfs()
+    try:
+        if call is None:
+            return False
+        err = call(fd)
+        if err:
+            raise OSError(err, os.strerror(err))
+        return True
+    finally:
+        if close:
+            os.close(fd)
+
+
+BATCH = 32
+"""Files published together (:func:`publish_all`) from which one filesystem sync replaces a
+sync of each file and of each folder."""
+
+
+def publish_all(news: Sequence[Unpublished], fsync: bool) -> None:
+    """Publish files completed together (a source-major group), each as by its ``publish``.
+
+    With ``fsync``, :data:`BATCH` files or more on one local filesystem: their bytes are made
+    durable by one filesystem sync (``syncfs``), then they are named, then one more sync makes
+    the names durable, in place of a sync of every file and every folder: 512 files in 512
+    folders took 1 024 syncs, each one journal commit. A file is still named only once its
+    bytes are on the disk. The syncs also write out what other writers left on that
+    filesystem, as ``sync`` does."""
+    local = [n for n in news if isinstance(n, NewFile)]
+    batch = fsync and len(news) >= BATCH and len(local) == len(news) and _syncfs() is not None and \
+        len({os.fstat(n.file.fileno()).st_dev for n in local}) == 1
+    done = 0
+    try:
+        if not batch:
+            for n in news:
+                n.publish(fsync)
+                done += 1
+            return
+        for n in local:
+            n.file.flush()
+        with disk_full_named(local[0].path):
+            sync_filesystem(local[0].file.fileno())
+        for n in local:
+            n.publish(False, sync_dir=False)
+            done += 1
+        with disk_full_named(local[0].path.parent):
+            sync_filesystem(os.open(local[0].path.parent, os.O_RDONLY | os.O_DIRECTORY), close=True)
+    except BaseException:
+        for n in news[done:]:
+            n.discard()
+        raise
+
+
 SYNC_THREADS = 8
 """Files a :class:`Publisher` syncs at once."""
 
@@ -163,6 +237,15 @@ class Publisher:
         new.file.flush()
         with self._lock:
             self._pending.append(self._pool.submit(self._publish, new))
+
+    def submit_all(self, news: Sequence[Unpublished]) -> None:
+        """Publish files completed together (:func:`publish_all`; this object now owns them)."""
+        if len(news) < BATCH:
+            for n in news:
+                self.submit(n)
+            return
+        with self._lock:
+            self._pending.append(self._pool.submit(publish_all, list(news), self.fsync))
 
     def _publish(self, new: Unpublished) -> None:
         new.publish(self.fsync, sync_dir=False)

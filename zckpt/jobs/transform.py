@@ -30,7 +30,7 @@ from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher
 from zckpt.jobs.export import safetensors_fingerprint
-from zckpt.jobs.export_job import ExportOptions, ExportReport, stage_jobs
+from zckpt.jobs.export_job import ExportOptions, ExportReport, files_digest, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.mf_iteration import COMMON_FIELDS
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
@@ -372,7 +372,7 @@ def _fingerprint(plan: TransformPlan, jobs: list[tuple[RankExport, Path]], optio
         files[str(rank)] = [str(Path(p).resolve()), st.st_size, st.st_mtime_ns]
     doc = {
         "sources": files,
-        "files": [[str(p.name), [[s.name, s.box.to_json()] for s in r.slices]] for r, p in jobs],
+        "files": files_digest(jobs),
         "crc": options.crc,
         "format": "ckpt",
         "path": "direct",

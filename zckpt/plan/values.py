@@ -135,8 +135,9 @@ class RankExport:
     rank: int
     slices: tuple[Slice, ...]
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
+        """Computed once: grouping 512 ranks compares their names."""
         return tuple(s.name for s in self.slices)
 
 

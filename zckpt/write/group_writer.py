@@ -74,22 +74,40 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     files' slices where they cover it (a split, or replicas), else runs of slices that
     follow each other along the first dimension (a group holding part of a row split), each
     read once."""
+    out: list[Region] = []
+    for name, parts in _parts_by_name(ranks, kinds).items():
+        distinct = {(b.start, b.stop): b for _, b in parts}
+        whole = _bounds(list(distinct.values()))
+        if whole.size <= sum(b.size for b in distinct.values()):
+            out.append(Region(name, whole, tuple(parts)))
+            continue
+        for run in _row_runs(list(distinct.values())):
+            inside = set(run)
+            out.append(Region(name, _bounds(run), tuple(p for p in parts if p[1] in inside)))
+    return out
+
+
+def _parts_by_name(ranks: Sequence[RankExport], kinds: dict[str, str]) -> dict[str, list[tuple[int, Box]]]:
+    """Each tensor's non-empty slices, as (position of the rank, box), in the files' order.
+    Ranks that list the same names (data-parallel replicas of one layout: all 512 of a
+    scale-up) are read column by column, a name at a time."""
     by_name: dict[str, list[tuple[int, Box]]] = {}
+    first = ranks[0].names if ranks else ()
+    if all(r.names == first for r in ranks):
+        for name, column in zip(first, zip(*(r.slices for r in ranks), strict=True), strict=True):
+            if kinds[name] == "tensor":
+                boxes = [s.box for s in column]
+                parts = list(enumerate(boxes))
+                if boxes[0].ndim and 0 in (b.size for b in boxes):
+                    parts = [p for p in parts if p[1].size]
+                if parts:
+                    by_name[name] = parts
+        return by_name
     for i, r in enumerate(ranks):
         for s in r.slices:
             if kinds[s.name] == "tensor" and (s.box.ndim == 0 or s.box.size):
                 by_name.setdefault(s.name, []).append((i, s.box))
-    out: list[Region] = []
-    for name, parts in by_name.items():
-        distinct = list(dict.fromkeys(b for _, b in parts))
-        whole = _bounds(distinct)
-        if whole.size <= sum(b.size for b in distinct):
-            out.append(Region(name, whole, tuple(parts)))
-            continue
-        for run in _row_runs(distinct):
-            inside = set(run)
-            out.append(Region(name, _bounds(run), tuple(p for p in parts if p[1] in inside)))
-    return out
+    return by_name
 
 
 def _bounds(boxes: Sequence[Box]) -> Box:
@@ -196,12 +214,11 @@ class GroupWriter:
                 if ticker is not None:
                     ticker.add(g.name, sum(b.size for _, b in g.parts) * itemsize)
             out.close()
-            for new in news:
-                if publisher is not None:
-                    publisher.submit(new)
-                else:
-                    new.publish(self.settings.fsync)
             stack.pop_all()
+            if publisher is not None:
+                publisher.submit_all(news)
+            else:
+                fileio.publish_all(news, self.settings.fsync)
         if ticker is not None:
             ticker.close()
         return _results(files, layouts, reader)
