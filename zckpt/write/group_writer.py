@@ -81,9 +81,12 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
         if whole.size <= sum(b.size for b in distinct.values()):
             out.append(Region(name, whole, tuple(parts)))
             continue
-        for run in _row_runs(list(distinct.values())):
-            inside = set(run)
-            out.append(Region(name, _bounds(run), tuple(p for p in parts if p[1] in inside)))
+        runs = _row_runs(list(distinct.values()))
+        run_of = {(b.start, b.stop): k for k, run in enumerate(runs) for b in run}
+        members: list[list[tuple[int, Box]]] = [[] for _ in runs]
+        for p in parts:
+            members[run_of[p[1].start, p[1].stop]].append(p)
+        out.extend(Region(name, _bounds(run), tuple(m)) for run, m in zip(runs, members, strict=True))
     return out
 
 
@@ -119,13 +122,16 @@ def _row_runs(boxes: Sequence[Box]) -> list[list[Box]]:
     """``boxes`` (distinct) in runs whose union is a box: the same extent past the first
     dimension, rows that touch or overlap."""
     runs: list[list[Box]] = []
+    end = 0  # the last run's furthest row
     for b in sorted(boxes, key=lambda b: (b.start[1:], b.stop[1:], b.start[:1])):
         last = runs[-1] if runs else None
         if last is not None and last[-1].start[1:] == b.start[1:] and last[-1].stop[1:] == b.stop[1:] \
-                and b.ndim and b.start[0] <= max(x.stop[0] for x in last):
+                and b.ndim and b.start[0] <= end:
             last.append(b)
         else:
             runs.append([b])
+            end = 0
+        end = max(end, b.stop[0]) if b.ndim else end
     return runs
 
 
@@ -142,18 +148,26 @@ def small_pieces(reader: BoxReader, ranks: Sequence[RankExport]) -> bool:
 
 def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
     """Bytes read to write ``ranks`` one by one, and as one group."""
-    kinds = {s.name: reader.kind(s.name) for r in ranks for s in r.slices}
+    kinds = _kinds(reader, ranks)
     slices: dict[str, list[Box]] = {}
     for r in ranks:
         for s in r.slices:
             if kinds[s.name] == "tensor":
                 slices.setdefault(s.name, []).append(s.box)
-    read: dict[str, list[Box]] = {}
-    for g in regions(ranks, kinds):
-        read.setdefault(g.name, []).append(g.box)
     alone = sum(reader.read_costs(name, boxes) for name, boxes in slices.items())
-    together = sum(reader.read_costs(name, boxes) for name, boxes in read.items())
-    return alone, together
+    return alone, group_cost(reader, ranks, kinds)
+
+
+def group_cost(reader: CostedReader, ranks: Sequence[RankExport], kinds: dict[str, str] | None = None) -> int:
+    """Bytes read to write ``ranks`` as one group."""
+    read: dict[str, list[Box]] = {}
+    for g in regions(ranks, kinds if kinds is not None else _kinds(reader, ranks)):
+        read.setdefault(g.name, []).append(g.box)
+    return sum(reader.read_costs(name, boxes) for name, boxes in read.items())
+
+
+def _kinds(reader: BoxReader, ranks: Sequence[RankExport]) -> dict[str, str]:
+    return {name: reader.kind(name) for name in dict.fromkeys(n for r in ranks for n in r.names)}
 
 
 def max_files() -> int:

@@ -133,8 +133,8 @@ def source_major(reader: CostedReader, ranks: Sequence[RankExport], options: For
     if together * grouping.GAIN >= alone and not (together <= alone and grouping.small_pieces(reader, ranks)):
         return None
     cut = groups(ranks, tasks)
-    if len(cut) > len(whole):
-        split = sum(costs(reader, [ranks[i] for i in g])[1] for g in cut)
+    if len(cut) > len(whole) and together < alone:  # (else the halves read no more than one by one: no more)
+        split = sum(grouping.group_cost(reader, [ranks[i] for i in g]) for g in cut)
         if split > together * grouping.SPLIT_COST:
             return whole  # the other process stays idle rather than read the shared rows twice
     return cut
