@@ -16,7 +16,8 @@ written. On S3 the file is a :class:`zckpt.io.s3_parts.PartsInFlight`: up to
 :data:`~zckpt.io.s3_parts.IN_FLIGHT` (4) parts of a file on the wire at once from s3fs's
 event loop (s3fs's own file sends one at a time), parts of exactly :data:`PART` bytes but the
 last; at most ``(IN_FLIGHT + 1) * PART`` bytes per file (the parts in flight and the one being
-filled: 80 MiB) and one write of the writer's (a band at most). Elsewhere (GCS: fsspec's file
+filled: 80 MiB) and one write of the writer's (a band at most); a process writes as many
+files at once as it runs tasks (one per worker thread). Elsewhere (GCS: fsspec's file
 sends a part synchronously) a thread per file feeds fsspec's file: the bytes waiting for that
 thread (:data:`PART`, or one larger write), the part being filled (as much again) and, while
 it goes up, the client's copy of it.
