@@ -21,9 +21,12 @@ multipart uploads: the bytes sent (counted by the proxy) against the bytes of th
 the bytes written under ``$TMPDIR`` while it ran, and the time against plain uploads of
 the same files (a local export of the same job) with the same client: ``put_file`` one file
 at a time (as one export task writes them), and ``put`` (s3fs uploads the files at once).
+Loopback has no round trip, and moto and the proxy share this process's CPU with the client:
+``--put-latency`` holds every ``PUT`` of that comparison (parts, small objects) that many
+seconds at the proxy, as a network would, where parts on the wire at once pay.
 The figures are of loopback and moto (a Python server): relative, not absolute.
 
-    python bench/bench_remote.py [--mib 64] [--src 8] [--dst 4]
+    python bench/bench_remote.py [--mib 64] [--src 8] [--dst 4] [--put-latency 0]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from s3_proxy import Proxy, moto_server  # noqa: E402  (tests/ put on the path above)
+from s3_proxy import Fault, Proxy, moto_server  # noqa: E402  (tests/ put on the path above)
 
 from zckpt.core.dtypes import ms_dtype  # noqa: E402
 from zckpt.formats.ckpt import CkptReader  # noqa: E402
@@ -154,22 +157,27 @@ def run(label: str, proxy: Proxy, fs: Any, tmp: Path, needed: int, call: Any) ->
           + ("" if obs is None else f", obstore get_range x8 threads {obs:.2f} s ({obs / took:.2f})"))
 
 
-def run_write(proxy: Proxy, fs: Any, tmp: Path, store: Path, dst: Path, opts: dict[str, Any]) -> None:
-    """``export`` to S3 (streamed) against a plain ``put`` of the same files."""
+def run_write(proxy: Proxy, fs: Any, tmp: Path, store: Path, dst: Path, opts: dict[str, Any],
+              latency: float = 0.0) -> None:
+    """``export`` to S3 (streamed) against a plain ``put`` of the same files, every ``PUT``
+    held ``latency`` seconds."""
     local = tmp.parent / "out-local"
     t0 = time.perf_counter()
     export(str(store), str(local), str(dst))
     on_disk = time.perf_counter() - t0
     files = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     proxy.reset_counts()
+    proxy.faults = [Fault(f"/{BUCKET}/", "delay", method="PUT", stall_seconds=latency)] if latency else []
     with TmpWatch(tmp) as watch:
         t0 = time.perf_counter()
         export(str(store), f"s3://{BUCKET}/out", str(dst), options=ExportOptions(storage_options=opts))
         took = time.perf_counter() - t0
     sent = sum(n for p, n in proxy.uploaded.items() if p.startswith(f"/{BUCKET}/out/rank_"))
     parts = sum(n for k, n in proxy.requests.items() if k.startswith(f"PUT /{BUCKET}/out/rank_"))
-    print(f"export to S3 (streamed): files {files / MiB:.2f} MiB, sent {sent / MiB:.2f} MiB ({sent / files:.3f}x) "
-          f"in {parts} PUTs, spooled {watch.peak} B, {took:.2f} s = {files / MiB / took:.1f} MiB/s")
+    held = f", every PUT held {latency:g} s" if latency else ""
+    print(f"export to S3 (streamed{held}): files {files / MiB:.2f} MiB, sent {sent / MiB:.2f} MiB "
+          f"({sent / files:.3f}x) in {parts} PUTs, spooled {watch.peak} B, {took:.2f} s = "
+          f"{files / MiB / took:.1f} MiB/s")
     print(f"  the same export to local disk: {on_disk:.2f} s")
     named = sorted(p for p in local.rglob("*") if p.is_file())
     t0 = time.perf_counter()
@@ -179,6 +187,7 @@ def run_write(proxy: Proxy, fs: Any, tmp: Path, store: Path, dst: Path, opts: di
     t0 = time.perf_counter()
     fs.put(str(local), f"{BUCKET}/plain", recursive=True)
     batched = time.perf_counter() - t0
+    proxy.faults = []
     print(f"  the same files as plain uploads (throughput of zckpt / of the plain uploads): s3fs put_file one "
           f"by one in {streamed_files.PART // MiB} MiB parts {one:.2f} s ({one / took:.2f}), s3fs put (files at "
           f"once, its own part size) {batched:.2f} s ({batched / took:.2f})")
@@ -189,6 +198,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--src", type=int, default=8)
     ap.add_argument("--dst", type=int, default=4)
+    ap.add_argument("--put-latency", type=float, default=0.0, help="seconds each PUT of the write comparison is held")
     a = ap.parse_args()
     import s3fs
 
@@ -241,7 +251,7 @@ def main() -> None:
                 lambda store_url=store_url, serve=serve: export(
                     store_url, root / f"export-{len(serve)}", dst, ranks=[1],
                     options=ExportOptions(storage_options=opts)))
-        run_write(proxy, fs, spool, root / "store.zarr", dst, opts)
+        run_write(proxy, fs, spool, root / "store.zarr", dst, opts, a.put_latency)
 
 
 if __name__ == "__main__":

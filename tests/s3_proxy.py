@@ -5,8 +5,10 @@ body bytes of ``GET`` answers and of ``PUT`` requests: what a client really fetc
 not what it says it did.
 Faults can be injected on requests whose path contains a string: a connection reset, a
 ``500`` / ``503 SlowDown`` answer, a stalled answer, or a body cut short; or requests merely
-delayed (a slow server, so that a test can catch a client in the middle of its writes). The
-tests of range reads, the lost-worker tests on S3 and ``bench/bench_remote.py`` use it.
+delayed (a slow server, so that a test can catch a client in the middle of its writes). It
+also counts, per object, the most parts of a multipart upload on the wire at once. The tests
+of range reads and of streamed writes, the lost-worker tests on S3 and ``bench/bench_remote.py``
+use it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class Fault:
     stall_seconds: float = 5.0
     min_length: int = 0
     """Only ranged requests at least this long (payloads, not the header walk's blocks)."""
+    query: str = ""
+    """Only requests whose query string contains this (``partNumber=3``: one part of an upload)."""
 
 
 class Proxy:
@@ -100,6 +104,9 @@ class Proxy:
         """Body bytes of ``PUT`` requests per object (a whole object or a part of an upload)."""
         self.ranges: list[tuple[str, int, int]] = []
         """``(object path, start, stop)`` of every ranged ``GET`` answered (a benchmark replays them)."""
+        self.parts_at_once: Counter[str] = Counter()
+        """The most ``PUT``s of parts of an object's multipart upload received and not yet answered."""
+        self._parts_now: Counter[str] = Counter()
         self._lock = threading.Lock()
         proxy = self
 
@@ -132,6 +139,7 @@ class Proxy:
             self.injected.clear()
             self.uploaded.clear()
             self.ranges.clear()
+            self.parts_at_once.clear()
 
     def fetched(self, where: str = "") -> int:
         """Body bytes of ``GET`` answers for objects whose path contains ``where``."""
@@ -151,10 +159,11 @@ class Proxy:
                 "config_kwargs": {"retries": {"total_max_attempts": 1}, "read_timeout": 2, "connect_timeout": 2},
                 **extra}
 
-    def _fault(self, method: str, path: str, length: int) -> Fault | None:
+    def _fault(self, method: str, path: str, query: str, length: int) -> Fault | None:
         with self._lock:
             for f in self.faults:
-                if f.times > 0 and f.method == method and f.where in path and length >= f.min_length:
+                if f.times > 0 and f.method == method and f.where in path and f.query in query \
+                        and length >= f.min_length:
                     f.times -= 1
                     self.injected[f.kind] += 1
                     return f
@@ -184,13 +193,26 @@ class Proxy:
             body = _read_chunked(h.rfile)
             headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
             headers.append(("Content-Length", str(len(body))))
-        path = target.split("?", 1)[0]
+        path, _, query = target.partition("?")
         obj = "?" not in target or "list-type" not in target
+        part = method == "PUT" and "partNumber=" in query
         with self._lock:
             self.requests[f"{method} {path}"] += 1
             if method == "PUT":
                 self.uploaded[path] += len(body)
-        fault = self._fault(method, path, _range_length(hmap.get("range", "")))
+            if part:
+                self._parts_now[path] += 1
+                self.parts_at_once[path] = max(self.parts_at_once[path], self._parts_now[path])
+        try:
+            return self._answer(h, method, target, path, query, obj, headers, hmap, body)
+        finally:
+            if part:
+                with self._lock:
+                    self._parts_now[path] -= 1
+
+    def _answer(self, h: socketserver.StreamRequestHandler, method: str, target: str, path: str, query: str,
+                obj: bool, headers: list[tuple[str, str]], hmap: dict[str, str], body: bytes) -> bool:
+        fault = self._fault(method, path, query, _range_length(hmap.get("range", "")))
         if fault is not None and fault.kind == "reset":
             h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False

@@ -410,3 +410,61 @@ def test_finished_safetensors_directory_is_kept_as_the_rerun_keeps_it(command: s
     assert {Path(f["path"]).relative_to(out).as_posix(): f["bytes"] for f in doc["files"]} == _outputs(out)
     assert cli_main([*args, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kept"] == len(doc["files"])
+
+
+def _groups(doc: dict[str, Any]) -> list[list[int]]:
+    """The ranks of each source-major group the dry run announces, in order."""
+    groups: dict[int, list[int]] = {}
+    for f in doc["files"]:
+        if f["group"] is not None:
+            groups.setdefault(f["group"], []).append(f["rank"])
+    return [groups[g] for g in sorted(groups)]
+
+
+def test_groups_on_a_scheduler_are_cut_for_its_threads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``--scheduler`` the run cuts source-major groups for the cluster's worker threads
+    (``Client.nthreads``); the dry run asks the scheduler and announces the same groups (it
+    cut them for ``--workers``, 1 with a scheduler: one group), in a transform and an export."""
+    distributed = pytest.importorskip("distributed")
+    from zckpt.formats.strategy import StrategyMap, make_layout
+    from zckpt.jobs.transform import plan_transform, source_major_groups
+    from zckpt.store.reader import StoreReader
+    from zckpt.store.store import Store
+    from zckpt.write.writers import source_major
+
+    model = write_model(tmp_path / "src", [TensorDef(f"w{i}", (64, 8), "Float32", make_layout([2], [0, -1]))
+                                           for i in range(4)], device_num=2)
+    dst = tmp_path / "dst.ckpt"
+    dst.write_bytes(encode_strategy(StrategyMap(layouts={t.name: {0: make_layout([32], [0, -1])}
+                                                         for t in model.tensors if t.name.startswith("w")})))
+    ingest(model.root, tmp_path / "s.zarr", model.strategy_path)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as c:
+        at = ["--scheduler", c.scheduler_address]
+        _, transformed, err = _dry(["transform", str(model.root), "--src-strategy", str(model.strategy_path),
+                                    "--dst-strategy", str(dst), "--out", str(tmp_path / "direct"), *at], capsys)
+        _, exported, err2 = _dry(["export", str(tmp_path / "s.zarr"), "--strategy", str(dst), "--out",
+                                  str(tmp_path / "o"), *at], capsys)
+    assert transformed is not None and exported is not None, err + err2
+    plan = plan_transform(model.root, model.strategy_path, dst)
+    by_rank = {r.rank: r for r in plan.export.ranks}
+    ranks = [f["rank"] for f in transformed["files"]]
+    want = source_major_groups(plan, [by_rank[r] for r in ranks], TransformOptions(), 2)
+    assert want is not None and len(want) == 2, want
+    assert _groups(transformed) == [[ranks[i] for i in g] for g in want] == [list(range(16)), list(range(16, 32))]
+    store = Store.open(tmp_path / "s.zarr")
+    ranks = [f["rank"] for f in exported["files"]]
+    cut = source_major(StoreReader(store, ExportOptions()), [by_rank[r] for r in ranks], ExportOptions(), 2)
+    assert cut is not None and _groups(exported) == [[ranks[i] for i in g] for g in cut] == _groups(transformed)
+    assert not (tmp_path / "direct").exists() and not (tmp_path / "o").exists()
+
+
+def test_unreachable_scheduler_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dry run that cannot reach its scheduler says so (it asks it how many threads it has)."""
+    dask = pytest.importorskip("dask")
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        code, doc, err = _dry(["transform", str(SRC), "--src-strategy", SRC_S, "--dst-strategy", DST_S, "--out",
+                               str(tmp_path / "o"), "--scheduler", "tcp://127.0.0.1:1"], capsys)
+    assert code == 1 and doc is not None and doc["error"]["type"] == "UsageError", (doc, err)
+    assert doc["error"]["message"].startswith("cannot reach the Dask scheduler tcp://127.0.0.1:1: "), doc
+    assert doc["error"]["param"] == "--scheduler", doc
+    assert not (tmp_path / "o").exists()

@@ -28,6 +28,7 @@ from zckpt.cli.main import main as cli_main
 from zckpt.core.errors import OutputError
 from zckpt.formats.strategy import ParamLayout, StrategyMap, encode_strategy, make_layout
 from zckpt.io import remote, streamed_files
+from zckpt.io.ranged import RangePolicy
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef
 from zckpt.write.destinations import output_dir
@@ -36,6 +37,8 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (pip in
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
 
 from s3_proxy import Fault, Proxy, proxied_bucket  # noqa: E402  (after the skips: it needs moto)
+
+from zckpt.io import s3_parts  # noqa: E402  (after the skips: it needs s3fs)
 
 BUCKET = "zckpt-streams"
 SRC_N, DST_N = 2, 2
@@ -363,3 +366,91 @@ def test_memory_filesystem_streams_through_a_temporary_name(job: dict[str, Path]
     got = {p.split("/out/", 1)[1]: fs.cat_file(p) for p in fs.find("/zckpt-streams/out")}
     assert got == _local_tree(job["root"] / "ckpt")
     fs.rm("/zckpt-streams", recursive=True)
+
+
+def _stream(fs: Any, path: str, data: bytes, options: dict[str, Any]) -> streamed_files.StreamedFile:
+    """``data`` written to ``s3://path`` in writes of 1 MiB as a writer writes, then published
+    (discarded on failure, as the writers do)."""
+    f = streamed_files.StreamedFile(Path(path), remote.locate(f"s3://{path}", options),
+                                    lambda _: None)
+    try:
+        for i in range(0, len(data), 1 << 20):
+            f.file.write(data[i : i + (1 << 20)])
+        f.publish(False)
+    except BaseException:
+        f.discard()
+        raise
+    return f
+
+
+def _etag(data: bytes, part: int) -> str:
+    """The ETag S3 gives an object uploaded in parts of ``part`` bytes."""
+    import hashlib
+
+    parts = [data[i : i + part] for i in range(0, len(data), part)]
+    return '"' + hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + f'-{len(parts)}"'
+
+
+def test_parts_of_a_file_go_up_together(server: tuple[Any, Proxy]) -> None:
+    """A file of six parts, each part held 0.3 s by the proxy: IN_FLIGHT parts of it are on the
+    wire at once (s3fs's own file sends one at a time), no more; the object is the bytes
+    written, in parts of exactly PART bytes (its ETag says so: a resume compares it)."""
+    fs, proxy = server
+    path = f"{BUCKET}/parts/file.bin"
+    data = os.urandom(5 * PART + 12345)
+    proxy.reset_counts()
+    proxy.faults = [Fault("/parts/", "delay", method="PUT", stall_seconds=0.3)]
+    try:
+        _stream(fs, path, data, proxy.options())
+    finally:
+        proxy.faults = []
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == data
+    assert proxy.parts_at_once[f"/{path}"] == s3_parts.IN_FLIGHT > 1
+    assert proxy.requests[f"PUT /{path}"] == 6 and proxy.uploaded[f"/{path}"] == len(data)
+    assert fs.info(path)["ETag"] == _etag(data, PART)
+    assert _uploads(fs, f"{BUCKET}/parts") == []
+
+
+def test_a_transient_fault_on_a_part_is_retried(server: tuple[Any, Proxy], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 503 on one part (s3fs's own retries off): zckpt tries the part again, as a ranged read,
+    and the upload completes."""
+    fs, proxy = server
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    path = f"{BUCKET}/parts-retried/file.bin"
+    data = os.urandom(3 * PART + 1)
+    proxy.reset_counts()
+    proxy.faults = [Fault("/parts-retried/", "503", method="PUT", query="partNumber=2", times=1)]
+    try:
+        _stream(fs, path, data, proxy.options())
+    finally:
+        proxy.faults = []
+    fs.invalidate_cache()
+    assert proxy.injected["503"] == 1 and proxy.requests[f"PUT /{path}"] == 5
+    assert fs.cat_file(path) == data
+
+
+def test_a_failed_part_among_parts_in_flight_leaves_nothing(server: tuple[Any, Proxy],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part 3 of six fails (every try) while parts 1, 2 and 4 are on the wire (held 1.5 s): an
+    OutputError naming the object; the parts in flight are cancelled and waited for, the upload
+    is aborted: no object under the name, no upload on the server, even once the held parts
+    have reached it."""
+    fs, proxy = server
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    monkeypatch.setattr(s3_parts.PartsInFlight, "policy", RangePolicy(attempts=2, backoff=0.05))
+    path = f"{BUCKET}/parts-failed/file.bin"
+    proxy.reset_counts()
+    proxy.faults = [Fault("/parts-failed/", "500", method="PUT", query="partNumber=3"),
+                    Fault("/parts-failed/", "delay", method="PUT", stall_seconds=1.5)]
+    try:
+        with pytest.raises(OutputError, match="cannot upload.*part 3 of the upload failed") as caught:
+            _stream(fs, path, os.urandom(5 * PART + 1), proxy.options())
+    finally:
+        proxy.faults = []
+    assert caught.value.path == f"s3://{path}"
+    assert proxy.injected["500"] == 2 and proxy.parts_at_once[f"/{path}"] >= 3
+    time.sleep(2)  # the held parts reach the server
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+    assert _uploads(fs, f"{BUCKET}/parts-failed") == []

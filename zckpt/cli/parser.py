@@ -236,7 +236,9 @@ def _storage_args(p: argparse.ArgumentParser) -> None:
 def _dry_run_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="make every check and refusal of the run, write nothing, and print the files and bytes it "
-                        "would write and read and whether the disk has room (exit 1 where the run would stop)")
+                        "would write and read and whether the disk has room (exit 1 where the run would stop); with "
+                        "--scheduler, export and transform ask the scheduler for its worker threads, to plan the same "
+                        "groups of files as the run")
 
 
 def _verify_args(sub: Any) -> None:

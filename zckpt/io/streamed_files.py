@@ -2,17 +2,25 @@
 
 A remote rank file used to be written to a local temporary file and uploaded once complete:
 twice the I/O, and local disk the size of a rank file. Here the writers' bytes go to fsspec's
-buffered file (``fs.open(path, "wb", block_size=PART)``; on S3 s3fs's ``S3File``: a multipart
-upload fed a part each time :data:`PART` bytes are buffered), which publishes the object
-under its final name only when the upload completes (``close``) and is aborted on any failure
-(``discard``): a final name never holds a partial object. The writers append front to back
-(a remote output is written destination-major, one file at a time per task; source-major
-groups, which write at offsets of many files at once, are for local outputs). A thread per
-file feeds the upload, so that a part goes up while the writer produces the next; memory
-stays bounded per file being written: the bytes waiting for that thread (:data:`PART`, or
-one larger write: a band at most), the part being filled (as much again) and, while it goes
-up, s3fs's copy of it. The writers get these files from an :class:`Uploads`, handed to them as
-the opener of their new files (:data:`zckpt.io.new_files.Opener`) in place of the local one.
+buffered file (``fs.open(path, "wb", block_size=PART)``; on S3 a multipart upload fed a part
+each time :data:`PART` bytes are buffered), which publishes the object under its final name
+only when the upload completes (``close``) and is aborted on any failure (``discard``): a
+final name never holds a partial object. The writers append front to back (a remote output is
+written destination-major, one file at a time per task; source-major groups, which write at
+offsets of many files at once, are for local outputs). The writers get these files from an
+:class:`Uploads`, handed to them as the opener of their new files
+(:data:`zckpt.io.new_files.Opener`) in place of the local one.
+
+A part goes up while the writer produces the next, and memory stays bounded per file being
+written. On S3 the file is a :class:`zckpt.io.s3_parts.PartsInFlight`: up to
+:data:`~zckpt.io.s3_parts.IN_FLIGHT` (4) parts of a file on the wire at once from s3fs's
+event loop (s3fs's own file sends one at a time), parts of exactly :data:`PART` bytes but the
+last; at most ``(IN_FLIGHT + 1) * PART`` bytes per file (the parts in flight and the one being
+filled: 80 MiB) and one write of the writer's (a band at most); a process writes as many
+files at once as it runs tasks (one per worker thread). Elsewhere (GCS: fsspec's file
+sends a part synchronously) a thread per file feeds fsspec's file: the bytes waiting for that
+thread (:data:`PART`, or one larger write), the part being filled (as much again) and, while
+it goes up, the client's copy of it.
 
 Written by hand here is only what fsspec does not do: a multipart upload whose process was
 killed outlives it on the server (invisible, billed, never completed). :func:`abort_uploads`
@@ -54,13 +62,14 @@ uploads, GCS's resumable uploads)."""
 
 
 class _Upload:
-    """The writers' file object over fsspec's. Their bytes are copied (they reuse their
-    buffers) and handed to a thread of the file that feeds fsspec's, so that a part goes up
-    while the writer produces the next one; at most :data:`PART` bytes wait (more only for one
-    larger write). Every failure is an :class:`OutputError` naming the URL, raised by the
-    writer's next call."""
+    """The writers' file object over fsspec's. Every failure is an :class:`OutputError` naming
+    the URL, raised by the writer's call or its next one. ``threaded``: the writers' bytes are
+    copied (they reuse their buffers) and handed to a thread of the file that feeds fsspec's,
+    so that a part goes up while the writer produces the next one; at most :data:`PART` bytes
+    wait (more only for one larger write). Without it (S3: :class:`~zckpt.io.s3_parts.PartsInFlight`
+    sends its parts from s3fs's event loop already) they go straight to fsspec's file."""
 
-    def __init__(self, raw: Any, url: str) -> None:
+    def __init__(self, raw: Any, url: str, threaded: bool) -> None:
         self.raw = raw
         self.url = url
         self.size = 0
@@ -69,10 +78,22 @@ class _Upload:
         self._done = False
         self._error: BaseException | None = None
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._feed, name="zckpt-upload", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._feed, name="zckpt-upload", daemon=True)
+            self._thread.start()
 
     def write(self, data: bytes | memoryview) -> int:
+        if self._thread is None:
+            self._raise()
+            try:
+                n = int(self.raw.write(data))
+            except BaseException as err:
+                self._error = err
+                self._raise()
+                raise
+            self.size += n
+            return n
         chunk = bytes(data)
         with self._cond:
             while self._waiting and self._waiting + len(chunk) > PART and self._error is None:
@@ -96,12 +117,13 @@ class _Upload:
     def finish(self, *, drop: bool = False) -> None:
         """Wait until every byte written is handed to fsspec's file (with ``drop``: drop what
         waits), then raise a failure of the thread."""
-        with self._cond:
-            if drop:
-                self._chunks.clear()
-            self._done = True
-            self._cond.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            with self._cond:
+                if drop:
+                    self._chunks.clear()
+                self._done = True
+                self._cond.notify_all()
+            self._thread.join()
         if not drop:
             self._raise()
 
@@ -131,6 +153,17 @@ class _Upload:
                 raise self._error
 
 
+def _open(location: remote.Location, at: str) -> tuple[Any, bool]:
+    """fsspec's buffered file at ``at`` (on S3 one that sends :data:`~zckpt.io.s3_parts.IN_FLIGHT`
+    parts at once), and whether it needs a thread feeding it (:class:`_Upload`)."""
+    if location.protocol in S3:
+        from zckpt.io import s3_parts  # (s3fs is optional: only S3 outputs need it)
+
+        if isinstance(location.fs, s3_parts.S3FileSystem):
+            return s3_parts.PartsInFlight(location.fs, at, PART), False
+    return location.fs.open(at, "wb", block_size=PART), True
+
+
 class StreamedFile:
     """A file uploaded as it is written (an :class:`~zckpt.io.new_files.Unpublished`): named
     ``path`` for the writers (a path that exists nowhere), ``location`` on the server."""
@@ -141,8 +174,8 @@ class StreamedFile:
         self._on_publish = on_publish
         self._at = location.path if location.protocol in WHOLE_ON_CLOSE else location.path + ".tmp-zckpt"
         with remote.remote_errors(OutputError, location.url, "cannot upload"):
-            raw = location.fs.open(self._at, "wb", block_size=PART)
-        self._upload = _Upload(raw, location.url)
+            raw, threaded = _open(location, self._at)
+        self._upload = _Upload(raw, location.url, threaded)
         self.file = cast(BinaryIO, self._upload)
 
     def publish(self, fsync: bool, *, sync_dir: bool = True) -> None:

@@ -48,7 +48,7 @@ from zckpt.jobs.transform import (
     source_major_groups,
 )
 from zckpt.plan.values import RankExport, Slice
-from zckpt.run.choose import takes_helper
+from zckpt.run.choose import planned_tasks, takes_helper
 from zckpt.sources.discovery import open_source
 from zckpt.sources.prepare import prepare_ingest, store_source
 from zckpt.sources.replicas import compare_replicas, merged, replica_jobs
@@ -86,11 +86,14 @@ class PlannedFile:
     read_data: int | None = None
     """Data bytes read for it, where that is not its own data: written source-major, a group's
     reads go with its first file (:func:`grouped_files`)."""
+    group: int | None = None
+    """The source-major group it is written in (a task of the run: the groups are cut for the
+    tasks the run runs at once); ``None``: written on its own."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank if self.rank >= 0 else None, "path": self.path, "bytes": self.bytes,
                 "data_bytes": self.data,
-                "tensors": self.tensors, "kept": self.kept,
+                "tensors": self.tensors, "kept": self.kept, "group": self.group,
                 "sources": [{"rank": s.rank, "path": s.path, "bytes": s.bytes, "read": s.read} for s in self.sources]}
 
 
@@ -135,7 +138,8 @@ class DryRunReport:
         for f in self.files:
             what = "kept (complete)" if f.kept else f"{size(f.bytes)} to write"
             who = "store" if f.rank < 0 else f"rank {f.rank}"
-            out.append(f"  {who}: {f.path}: {what}, {f.tensors} tensors")
+            group = "" if f.group is None else f", source-major group {f.group}"
+            out.append(f"  {who}: {f.path}: {what}, {f.tensors} tensors{group}")
             for s in f.sources:
                 more = f" ({size(s.read)} read)" if s.read != s.bytes else ""
                 out.append(f"    reads {size(s.bytes)}{more} from rank {s.rank}: {s.path}")
@@ -305,7 +309,7 @@ def dry_run_transform(
     helper = takes_helper(options, helper_possible=local and len(todo) > 1,
                           ranks=max(len(plan.source.rank_files), len(todo)),
                           nbytes=sum(f.data for f in files if not f.kept))
-    cut = source_major_groups(plan, [r for r, _ in todo], options, 2 if helper else options.workers) \
+    cut = source_major_groups(plan, [r for r, _ in todo], options, planned_tasks(options, helper=helper)) \
         if local else None  # as the run: source-major groups write local files in place
 
     def group_reads(ranks: list[RankExport]) -> tuple[int, tuple[SourceRead, ...]]:
@@ -350,16 +354,17 @@ def _report(command: str, target: str, files: list[PlannedFile], compared: int, 
 def grouped_files(files: list[PlannedFile], todo: Sequence[tuple[RankExport, Path]], cut: list[list[int]] | None,
                   reads: Callable[[list[RankExport]], tuple[int, tuple[SourceRead, ...]]]) -> list[PlannedFile]:
     """``files`` as written source-major in the groups ``cut`` (positions in ``todo``), as the
-    real run would: each group's data bytes and source reads (``reads``) go with its first file."""
+    real run would: each file says its group, whose data bytes and source reads (``reads``) go
+    with its first file."""
     if cut is None:
         return files
     where = {f.path: i for i, f in enumerate(files)}
     out = list(files)
-    for g in cut:
+    for n, g in enumerate(cut):
         data, sources = reads([todo[i][0] for i in g])
         for k, i in enumerate(g):
             at = where[str(todo[i][1])]
-            out[at] = replace(out[at], sources=sources if k == 0 else (), read_data=data if k == 0 else 0)
+            out[at] = replace(out[at], sources=sources if k == 0 else (), read_data=data if k == 0 else 0, group=n)
     return out
 
 
@@ -401,7 +406,7 @@ def dry_run_export(
     helper = options.format == "ckpt" and takes_helper(options, helper_possible=local and len(todo) > 1,
                                                        nbytes=nbytes, ranks=sources)
     cut = source_major(StoreReader(store, options), [r for r, _ in todo], options,
-                       2 if helper else options.workers) if local else None
+                       planned_tasks(options, helper=helper)) if local else None
 
     def group_reads(ranks: list[RankExport]) -> tuple[int, tuple[SourceRead, ...]]:
         regs = regions(ranks, dict(entries.kinds))

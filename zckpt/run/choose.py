@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from zckpt.io.fileio import Publisher
-from zckpt.run.engines import Engine, RunOptions, dask_client, run_all
+from zckpt.run.engines import Engine, RunOptions, dask_client, run_all, scheduler_threads, threads_of
 from zckpt.run.helper import Helper, hand_over, overlap_beside, start, wanted
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class Placement:
         if self.helper is not None:
             return 2
         if self.client is not None:
-            return max(1, sum(int(n) for n in self.client.nthreads().values()))
+            return threads_of(self.client)
         return self.engine.workers
 
     def share(self, nbytes: int) -> int:
@@ -98,6 +98,19 @@ def takes_helper(options: PlaceOptions, *, helper_possible: bool, nbytes: int, r
     in_process = engine.scheduler is None and engine.workers == 1
     return helper_possible and in_process and wanted(options.helper, options.workers, options.scheduler, nbytes,
                                                      ranks)
+
+
+def planned_tasks(options: PlaceOptions, *, helper: bool) -> int:
+    """:meth:`Placement.tasks` of a phase, for a dry run that starts nothing: two beside a
+    helper process (``helper``: :func:`takes_helper`); with a scheduler, its workers' threads,
+    asked of it (connected, read, closed; a :class:`~zckpt.core.errors.UsageError` when it cannot
+    be reached); else ``--workers`` (a LocalCluster of that many one-thread workers, or this
+    process)."""
+    if helper:
+        return 2
+    engine = Engine.of(options)
+    engine.check()
+    return scheduler_threads(engine.scheduler) if engine.scheduler is not None else engine.workers
 
 
 @contextmanager

@@ -131,7 +131,11 @@ def dask_client(engine: Engine) -> Iterator[Any]:
         raise UsageError(f"Dask distributed, a dependency of zckpt, cannot be imported ({err}); reinstall zckpt "
                          "(pip install zckpt)") from None
     if engine.scheduler is not None:
-        client = Client(engine.scheduler)
+        try:
+            client = Client(engine.scheduler)
+        except (OSError, ValueError) as err:  # unreachable (a timeout), or not an address
+            raise UsageError(f"cannot reach the Dask scheduler {engine.scheduler}: {err}",
+                             param="--scheduler") from err
         try:
             yield client
         finally:
@@ -147,6 +151,18 @@ def dask_client(engine: Engine) -> Iterator[Any]:
     finally:
         client.close()
         cluster.close()
+
+
+def threads_of(client: Any) -> int:
+    """How many tasks a cluster runs at once: the threads of its workers (at least one)."""
+    return max(1, sum(int(n) for n in client.nthreads().values()))
+
+
+def scheduler_threads(address: str) -> int:
+    """:func:`threads_of` the cluster of a running scheduler, asked of it (connected, read,
+    closed): what a dry run plans a run on it for."""
+    with dask_client(Engine(scheduler=address)) as client:
+        return threads_of(client)
 
 
 def usable_cpus() -> int:
