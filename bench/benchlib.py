@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,14 @@ def peak(r: dict[str, Any]) -> int:
 
 
 def phase_env() -> dict[str, str]:
-    """The environment of a zckpt phase: this checkout first on the import path."""
-    return {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    """The environment of a zckpt phase: this checkout first on the import path, its modules
+    compiled to bytecode once here, as an installed package's are (pip compiles them). With
+    ``PYTHONDONTWRITEBYTECODE`` set, as in some containers, every phase process and its
+    helper process compiled all of zckpt again: 0.3 s each, counted in the phase's time."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE.parent / "zckpt")], check=False,
+                   env=env, capture_output=True)
+    return {**env, "PYTHONPATH": str(HERE.parent)}
 
 
 def run_phase(python: str, *args: str, env: dict[str, str] | None = None,
