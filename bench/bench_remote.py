@@ -57,6 +57,7 @@ from zckpt.jobs.generate_model import TensorDef  # noqa: E402
 from zckpt.jobs.ingest import IngestOptions, ingest  # noqa: E402
 from zckpt.jobs.segmented import read_slice  # noqa: E402
 from zckpt.jobs.transform import TransformOptions, plan_transform, transform, transform_rank  # noqa: E402
+from zckpt.jobs.unified import unified_safetensors  # noqa: E402
 from zckpt.store.store import Store  # noqa: E402
 
 MiB = 1024 * 1024
@@ -231,6 +232,9 @@ def main() -> None:
         need_all = sum(s.box.size * sizes.get(s.name, 0) for r in plan.export.ranks for s in r.slices)
         run("transform (all ranks)", proxy, fs, spool, need_all,
             lambda: transform(url, root / "out", f"{url}/strategy.ckpt", dst, options=t_opts))
+        run("unified_safetensors (every tensor, whole, into parts on S3)", proxy, fs, spool,
+            sum(t.nbytes for t in plan.source.tensors if t.kind == "tensor"),
+            lambda: unified_safetensors(url, f"{url}/strategy.ckpt", f"s3://{BUCKET}/unified", storage_options=opts))
         run("ingest", proxy, fs, spool, total,
             lambda: ingest(url, str(root / "store.zarr"), f"{url}/strategy.ckpt",
                            IngestOptions(storage_options=opts, overwrite=True)))

@@ -295,3 +295,36 @@ def test_a_failed_resume_keeps_the_marker_it_resumes_from(store: Path, tmp_path:
     damaged = _damaged_copy(store, tmp_path)
     assert cli_main(_run("export", out, damaged, "--quiet")) == 1
     assert _tree(out) == kept
+
+
+def test_records_beyond_the_limit_are_trimmed_oldest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records of finished directories stay at most ``KEEP``: the oldest go first, and
+    none goes while there are no more than that."""
+    import os
+
+    monkeypatch.setenv(out_records.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setattr(out_records, "KEEP", 3)
+    for i in range(3):
+        out_records.remember(f"dir{i}", "f", {})
+        path = out_records._record_path(f"dir{i}")
+        os.utime(path, ns=(i * 10**9, i * 10**9))
+    assert all(out_records.recall(f"dir{i}", "f") == {} for i in range(3))
+    out_records.remember("dir3", "f", {})
+    assert [out_records.recall(f"dir{i}", "f") for i in range(4)] == [None, {}, {}, {}]
+
+
+def test_a_killed_tasks_temporaries_go_from_every_folder_but_nothing_else(tmp_path: Path) -> None:
+    """What a killed task left (``*.tmp-zckpt``, in any rank folder) goes at the end of the
+    run; other files, and a link of that name, stay."""
+    from zckpt.write.out_dirs import drop_temporaries
+
+    for r in range(3):
+        (tmp_path / f"rank_{r}").mkdir()
+        (tmp_path / f"rank_{r}" / f"checkpoint_{r}.ckpt").write_bytes(b"x")
+        (tmp_path / f"rank_{r}" / f".checkpoint_{r}.ckpt.1.2.tmp-zckpt").write_bytes(b"y")
+    (tmp_path / "keep.tmp-zckpt.not").write_bytes(b"z")
+    (tmp_path / "link.tmp-zckpt").symlink_to(tmp_path / "rank_0" / "checkpoint_0.ckpt")
+    drop_temporaries(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if not p.is_dir()) == [
+        "keep.tmp-zckpt.not", "link.tmp-zckpt", "rank_0/checkpoint_0.ckpt", "rank_1/checkpoint_1.ckpt",
+        "rank_2/checkpoint_2.ckpt"]

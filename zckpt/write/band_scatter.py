@@ -6,9 +6,12 @@ parts of a few KiB: with a box intersection, a view, a copy and an offset per pa
 Python, the parts cost more than the bytes. The parts of a region are nearly always
 blocks of its rows (an optimizer or row split: whole rows; a column split: a range of the
 second dimension in each row), so they are held as arrays (:class:`Blocks`) and a band's
-share of all of them is found with a few array operations; what is left per part is one
-slice and one gathered write (:class:`~zckpt.io.gathered_writes.GatheredWrites`). Any other
-part goes through :func:`scatter_boxes`, box by box.
+share of all of them is found with a few array operations. Where the parts of one size tile
+the band on a grid (row blocks x column blocks, replicas sharing one), they are cut out
+with one strided copy and handed to all their files at once
+(:class:`~zckpt.io.gathered_writes.GatheredWrites`): a band costs a few array operations,
+whatever its number of parts. Other parts go one by one; parts cut past the second
+dimension through :func:`scatter_boxes`, box by box.
 """
 
 from __future__ import annotations

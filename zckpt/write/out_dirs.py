@@ -244,9 +244,11 @@ def finish_local(out: Path, jobs: Jobs, fingerprint: str, fsync: bool = True) ->
 def drop_temporaries(out: Path) -> None:
     """Remove the temporary files below ``out`` at the end of a run that held it: what a task
     killed on a Dask worker (and run again elsewhere) left behind."""
-    for stray in out.rglob("*.tmp-zckpt"):
-        if stray.is_file() and not stray.is_symlink():
-            stray.unlink(missing_ok=True)
+    for folder, _, names in os.walk(out):  # (os.walk: pathlib's rglob took 0.5 s over 512 rank folders)
+        for name in names:
+            stray = Path(folder, name)
+            if name.endswith(".tmp-zckpt") and stray.is_file() and not stray.is_symlink():
+                stray.unlink(missing_ok=True)
 
 
 def finish_remote(out: remote.Location, jobs: Jobs, fingerprint: str) -> None:

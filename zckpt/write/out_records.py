@@ -96,7 +96,11 @@ def forget(where: str) -> None:
 
 def _trim(folder: Path) -> None:
     """Remove the oldest records beyond :data:`KEEP` (directories long gone, mostly)."""
-    entries = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+    with os.scandir(folder) as it:
+        names = [e.name for e in it if e.name.endswith(".json")]
+    if len(names) <= KEEP:  # (no stat of every record on every run)
+        return
+    entries = sorted((folder / n for n in names), key=lambda p: p.stat().st_mtime_ns)
     for old in entries[: max(0, len(entries) - KEEP)]:
         with contextlib.suppress(OSError):
             old.unlink()
