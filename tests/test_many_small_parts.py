@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
+from zckpt.io.fileio import WriteBehind
 from zckpt.io.gathered_writes import GatheredWrites
 from zckpt.jobs.export import export
 from zckpt.jobs.export_job import ExportOptions
@@ -58,8 +60,9 @@ def test_gathered_writes_give_the_bytes_of_plain_writes_in_fewer_calls(tmp_path:
     try:
         for fd, w in zip(fds, want, strict=True):
             os.ftruncate(fd, len(w))
+        behind = _Recorder()
         out = GatheredWrites(fds, [tmp_path / f"f{j}" for j in range(4)],
-                             [framing, other[::5]], kinds, window=64 * 1024)
+                             [framing, other[::5]], kinds, window=64 * 1024, behind=behind)
         data = [k for k in range(len(pieces)) if k % 5]
         if order == "shuffled":
             random.Random(2).shuffle(data)
@@ -72,14 +75,29 @@ def test_gathered_writes_give_the_bytes_of_plain_writes_in_fewer_calls(tmp_path:
             if k % 5:
                 out.put_one(3, other[k][0], memoryview(contents[3][k][1]))
         out.close()
-        for fd, w in zip(fds, want, strict=True):
+        for j, (fd, w) in enumerate(zip(fds, want, strict=True)):
             assert os.pread(fd, len(w) + 1, 0) == w
+            covered = np.zeros(len(w), dtype=np.int64)  # each byte handed to the write-back once
+            for at, n in behind.ranges[str(tmp_path / f"f{j}")]:
+                covered[at : at + n] += 1
+            assert (covered == 1).all(), j
     finally:
         for fd in fds:
             os.close(fd)
     if order == "rising":
         size = sum(len(w) for w in want)
         assert out.calls <= 2 * size // (64 * 1024) + 8 < len(pieces) // 5, (out.calls, len(pieces))
+
+
+class _Recorder(WriteBehind):
+    """A write-behind that records the ranges it is told of (and starts no thread)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        for path, at, n in ranges:
+            self.ranges.setdefault(path, []).append((at, n))
 
 
 def framing_or_data(k: int, piece: tuple[int, bytes], content: list[tuple[int, bytes]]) -> bytes:

@@ -13,10 +13,11 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from zckpt.core.errors import DiskFullError
 from zckpt.io.checksums import Sink
@@ -417,8 +418,30 @@ class SharedFiles:
         self.close()
 
 
+class Descriptors(Protocol):
+    """Open descriptors by path, lent to one user at a time (:class:`SharedFiles`)."""
+
+    def acquire(self, path: str) -> int: ...
+
+    def release(self, path: str) -> None: ...
+
+
+class OpenFiles:
+    """:class:`Descriptors` of files a caller holds open (a group's new files, unnamed)."""
+
+    def __init__(self, fds: Mapping[str, int]) -> None:
+        self._fds = fds
+
+    def acquire(self, path: str) -> int:
+        return self._fds[path]
+
+    def release(self, path: str) -> None:
+        pass
+
+
 class WriteBehind:
-    """Starts the disk writes of byte ranges just written into :class:`SharedFiles`, on a
+    """Starts the disk writes of byte ranges just written into open files (:class:`SharedFiles`
+    of an ingest, a source-major group's new files: :class:`OpenFiles`), on a
     thread of its own, instead of leaving every dirty page to the final ``sync``: the kernel
     writes nothing back before a tenth of the memory is dirty (or 30 s have passed), so a
     2 GiB ingest on a 24 GiB host wrote nothing until it ended, then waited a second for the
@@ -428,7 +451,7 @@ class WriteBehind:
     the page cache), while the writers go on. Only a hint: :meth:`close` asks for the batches
     handed over and drops the last, partial one; nothing here is a durability promise."""
 
-    def __init__(self, files: SharedFiles, batch_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(self, files: Descriptors, batch_bytes: int = 32 * 1024 * 1024) -> None:
         self._files = files
         self._batch = batch_bytes
         self._pending: list[tuple[str, int, int]] = []
@@ -441,7 +464,7 @@ class WriteBehind:
             self._thread.start()
 
     def add(self, ranges: Sequence[tuple[str, int, int]]) -> None:
-        """``(path, offset, length)`` of ranges written (into files of :class:`SharedFiles`)."""
+        """``(path, offset, length)`` of ranges written (into files of the :class:`Descriptors`)."""
         if self._thread is None:
             return
         with self._lock:

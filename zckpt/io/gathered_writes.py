@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zckpt.io.fileio import disk_full_named, write_at
+from zckpt.io.fileio import WriteBehind, disk_full_named, write_at
 
 WINDOW = 128 * 1024
 """Bytes gathered per file before they are written."""
@@ -45,8 +45,10 @@ class GatheredWrites:
     the same framing bytes at the same offsets (files of one layout)."""
 
     def __init__(self, fds: Sequence[int], paths: Sequence[Path], framings: Sequence[Sequence[tuple[int, bytes]]],
-                 kinds: Sequence[int], window: int = WINDOW) -> None:
+                 kinds: Sequence[int], window: int = WINDOW, behind: WriteBehind | None = None) -> None:
         n = len(fds)
+        self.behind = behind
+        """Told every range written (keyed by ``str(path)``), to start its write-back."""
         self.fds = list(fds)
         self.paths = list(paths)
         self.window = window
@@ -146,3 +148,5 @@ class GatheredWrites:
         with disk_full_named(self.paths[row]):
             write_at(self.fds[row], data.data if data.flags.c_contiguous else np.ascontiguousarray(data).data, at)
         self.calls += 1
+        if self.behind is not None:
+            self.behind.add([(str(self.paths[row]), at, data.nbytes)])

@@ -29,7 +29,7 @@ from typing import Protocol
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
 from zckpt.io import fileio
-from zckpt.io.fileio import Publisher
+from zckpt.io.fileio import OpenFiles, Publisher, WriteBehind
 from zckpt.io.gathered_writes import GatheredWrites
 from zckpt.io.new_files import NewFile
 from zckpt.plan.values import RankExport
@@ -211,8 +211,10 @@ class GroupWriter:
                 news.append(new)
                 stack.callback(new.discard)
                 _size(new, layout, path)
+            behind = stack.enter_context(WriteBehind(OpenFiles({str(p): n.file.fileno()
+                                                                for (_, p), n in zip(files, news, strict=True)})))
             out = GatheredWrites([n.file.fileno() for n in news], [p for _, p in files],
-                                 [x.framing for x in distinct], kinds_of_files)
+                                 [x.framing for x in distinct], kinds_of_files, behind=behind)
             todo = regions(ranks, kinds)
             helper = stack.enter_context(reading_ahead(self.settings.overlap))
             source = BandSource(reader, [(g.name, g.box) for g in todo], helper)
@@ -228,6 +230,7 @@ class GroupWriter:
                 if ticker is not None:
                     ticker.add(g.name, sum(b.size for _, b in g.parts) * itemsize)
             out.close()
+            behind.close()
             stack.pop_all()
             if publisher is not None:
                 publisher.submit_all(news)
