@@ -429,3 +429,35 @@ def test_the_helper_imports_the_same_zckpt_from_an_uninstalled_tree(tmp_path: Pa
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(copy), str(copy)]
+
+
+@pytest.mark.parametrize("command", ["export", "transform"])
+def test_a_helper_given_nothing_leaves_this_process_its_read_ahead(command: str, job: GeneratedModel, tmp_path: Path,
+                                                                   submitted: list[int],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """One source-major group (files that share their reads are not cut in two): the helper
+    process gets nothing, so the group's task reads ahead on a second thread, as without a
+    helper (beside a helper with work, each process has one core and reads inline)."""
+    from zckpt.run import engines as runner
+    from zckpt.write import boxes
+
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(group_writer, "GAIN", 0.0)
+    monkeypatch.setattr(group_writer, "SPLIT_COST", 0.0)  # never cut: one group
+    asked: list[bool] = []
+    real = boxes.reading_ahead
+
+    def spy(overlap: bool) -> Any:
+        asked.append(overlap)
+        return real(overlap)
+
+    monkeypatch.setattr(group_writer, "reading_ahead", spy)
+    dst = _dst_strategy(job, tmp_path, 6)
+    if command == "export":
+        store = tmp_path / "s.zarr"
+        assert cli_main(_args(job, store, "--no-helper")) == 0
+        args = ["export", str(store), "--strategy", str(dst)]
+    else:
+        args = ["transform", str(job.root), "--src-strategy", str(job.strategy_path), "--dst-strategy", str(dst)]
+    assert cli_main([*args, "--out", str(tmp_path / "out"), "--quiet", "--helper"]) == 0
+    assert not submitted and asked == [True]

@@ -140,11 +140,13 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
             batches = [[units[i] for i in g] for g in cut]
             batch_bytes = [sum(by_target[t] for _, t in b) for b in batches]
             helped = place.hand_over(batches, batch_bytes, write_groups, planned, options)
+            options = replace(options, overlap=place.overlap(helped is not None))
             done = place.run(write_group, batches, shared, options, publisher, label="export",
                              name=lambda b: f"ranks {b[0][0].rank}-{b[-1][0].rank}", progress=options.progress,
                              size=lambda b: sum(by_target[t] for _, t in b), aside=helped)
             return ExportReport(dest.url, tuple(r for rs in done for r in rs), time.perf_counter() - t0)
         aside = place.hand_over(units, unit_bytes, write_files, planned, options)
+        options = replace(options, overlap=place.overlap(aside is not None))
         results = place.run(write_file, units, shared, options, publisher, label="export", name=task_name,
                             size=lambda u: by_target[u[1]], progress=options.progress, aside=aside)
     return ExportReport(dest.url, tuple(results), time.perf_counter() - t0)

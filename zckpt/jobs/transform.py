@@ -302,6 +302,7 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
             groups = [([files[i] for i in g], union_boxes(plan, [files[i][0] for i in g])) for g in cut]
             group_bytes = [sum(by_target[t] for _, t in g) for g, _ in groups]
             helped = place.hand_over(groups, group_bytes, write_direct_groups, options)
+            options = replace(options, overlap=place.overlap(helped is not None))
             done = place.run(write_direct_group, groups, options, publisher, label="transform",
                              name=lambda g: f"ranks {g[0][0][0].rank}-{g[0][-1][0].rank}",
                              progress=options.progress, size=lambda g: sum(by_target[t] for _, t in g[0]),
@@ -310,6 +311,7 @@ def _run(plan: TransformPlan, files: list[tuple[RankExport, str]], out: str, opt
                                    bytes_compared=sum(compared))
         units = [DirectJob(r, t, plan.boxes(r)) for r, t in files]
         aside = place.hand_over(units, unit_bytes, write_direct_files, options)
+        options = replace(options, overlap=place.overlap(aside is not None))
         results = place.run(write_direct_file, units, options, publisher, label="transform", name=_task_name,
                             progress=options.progress, size=lambda u: by_target[u.target], aside=aside)
     return TransformReport(out, tuple(results), time.perf_counter() - t0, bytes_compared=sum(compared))

@@ -74,9 +74,11 @@ class Placement:
         """Each task's part of a per-process memory bound (:meth:`Engine.share`)."""
         return self.engine.share(nbytes)
 
-    def overlap(self) -> bool:
-        """Whether each task reads on a second thread (:func:`zckpt.run.helper.overlap_beside`)."""
-        return overlap_beside(self.overlap_flag, self.client, self.helper)
+    def overlap(self, helped: bool = True) -> bool:
+        """Whether each task reads on a second thread (:func:`zckpt.run.helper.overlap_beside`);
+        ``helped=False`` once the helper process was given nothing (one group of files that
+        share their reads): this process then has the second core to itself."""
+        return overlap_beside(self.overlap_flag, self.client, self.helper if helped else None)
 
     def hand_over(self, units: Sequence[Any], sizes: Sequence[int], fn: Callable[..., list[R]], *args: Any,
                   step: int = 1) -> tuple[int, Callable[[], list[R]]] | None:
