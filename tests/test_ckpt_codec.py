@@ -832,3 +832,34 @@ def test_a_verified_range_is_written_from_the_bytes_its_checks_read(
         with pytest.raises(_Bad, match=f"block {byte // 64} of 16"):
             write(tmp_path / f"bad{byte}.ckpt")
         assert not list(tmp_path.glob(f"bad{byte}.ckpt*"))
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_a_growing_file_has_its_write_back_started_as_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               fsync: bool) -> None:
+    """Every ``BEHIND_BYTES`` written (arrays, and ranges the kernel copies), the bytes since
+    the last hand-over go to the write-back thread, back to back from the file's start; the
+    file's bytes are those of a writer that hands nothing over. Without fsync nothing is."""
+    from zckpt.io import fileio
+
+    handed: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(fileio.WriteBehind, "add", lambda self, ranges: handed.extend(ranges))
+    monkeypatch.setattr(ckpt_writer, "BEHIND_BYTES", 4096)
+    src = tmp_path / "src.bin"
+    src.write_bytes(np.arange(50_000, dtype=np.uint8).tobytes())
+    data = np.arange(6000, dtype=np.float32).reshape(60, 100)
+    out = {}
+    for name, big in (("handed", 4096), ("plain", 1 << 62)):
+        monkeypatch.setattr(ckpt_writer, "BEHIND_BYTES", big)
+        with CkptWriter(tmp_path / f"{name}.ckpt", fsync=fsync) as w:
+            w.write_array("a", "Float32", data)
+            w.write_blocks("b", "UInt8", (50_000 - 4096,), [FileRange(src, 4096, 50_000 - 4096)])
+        out[name] = (tmp_path / f"{name}.ckpt").read_bytes()
+    assert out["handed"] == out["plain"]
+    mine = [(at, n) for path, at, n in handed if path.endswith("handed.ckpt")]
+    if not fsync:
+        assert not handed
+        return
+    assert mine and mine[0][0] == 0 and all(n >= 4096 for _, n in mine)
+    assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:], strict=False))
+    assert mine[-1][0] + mine[-1][1] > len(out["handed"]) - 4096

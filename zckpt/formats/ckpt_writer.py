@@ -63,6 +63,11 @@ class CkptWriter:
         self._kernel = isinstance(self._new, NewFile)
         """The file has a descriptor the kernel can copy into (not a remote upload)."""
         self._f: BinaryIO | None = self._new.file
+        self._behind = fileio.WriteBehind(fileio.OpenFiles({str(self.path): self._f.fileno()})) \
+            if self._kernel and fsync else None
+        """Starts the write-back of what is written as the file grows: its sync at the end (a
+        merge to one file: 2 GiB) then waits for little."""
+        self._behind_at = 0
 
     def __enter__(self) -> CkptWriter:
         return self
@@ -83,8 +88,23 @@ class CkptWriter:
         self._unflushed = True
         n = len(data) if isinstance(data, bytes) else data.nbytes
         self.bytes_written += n
+        if self._behind is not None and self.bytes_written - self._behind_at >= BEHIND_BYTES:
+            self._write_behind()
         if self._crc_enabled:
             self._crc = binascii.crc32(data, self._crc)
+
+    def _write_behind(self) -> None:
+        """Hand the bytes written since the last call to the write-back thread."""
+        assert self._f is not None and self._behind is not None
+        self._f.flush()
+        self._unflushed = False
+        self._behind.add([(str(self.path), self._behind_at, self.bytes_written - self._behind_at)])
+        self._behind_at = self.bytes_written
+
+    def _stop_behind(self) -> None:
+        if self._behind is not None:
+            self._behind.close()
+            self._behind = None
 
     def _claim(self, name: str) -> None:
         if name in self._names:
@@ -173,6 +193,8 @@ class CkptWriter:
                 self._unflushed = False
             done = fileio.kernel_copy(src, self._f.fileno(), offset, length)
             self.bytes_written += done
+            if self._behind is not None and self.bytes_written - self._behind_at >= BEHIND_BYTES:
+                self._write_behind()
         view = self._view()
         while done < length:
             n = os.preadv(src, [view[: min(len(view), length - done)]], offset + done)
@@ -256,6 +278,7 @@ class CkptWriter:
             self._f.write(CRC_MAGIC + self._crc.to_bytes(10, "big"))
         f, self._f = self._f, None
         self._close_sources()
+        self._stop_behind()
         f.flush()
         self.size = f.tell()
         if self._publisher is not None:
@@ -266,9 +289,13 @@ class CkptWriter:
 
     def abort(self) -> None:
         self._close_sources()
+        self._stop_behind()
         self._f = None
         self._new.discard()
 
+
+BEHIND_BYTES = 8 * 1024 * 1024
+"""Bytes written between two hand-overs to the write-back thread."""
 
 OPEN_SOURCES = 64
 """Source files a writer keeps open at once (least recently used closed first)."""
