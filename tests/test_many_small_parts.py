@@ -118,6 +118,8 @@ def _layout(sizes: list[int]) -> FileLayout:
     ((40, 6, 3), [Box((r, c, 0), (r + 10, c + 2, 3)) for r in range(0, 40, 10) for c in range(0, 6, 2)]),  # a grid
     ((40, 6), [Box((r, c), (r + 5, c + 3)) for c in range(0, 6, 3) for r in range(0, 40, 5)]),  # column-major
     ((40, 6), [Box((r, 0), (r + 8, 6)) for r in range(0, 40, 8)] * 2),  # row split, each part twice (replicas)
+    ((40, 64), [Box((0, c), (40, c + 16)) for c in range(0, 64, 16)] * 3),  # replicas larger than the window
+    ((40, 8), [Box((0, c), (40, c + 4)) for c in range(0, 8, 4)] * 2),  # replicas smaller than the window
     ((40, 6), [Box((0, 0), (20, 3)), Box((20, 3), (40, 6)), Box((0, 3), (20, 6)), Box((0, 0), (20, 3))]),
 ])
 @pytest.mark.parametrize("offsets", ["on arrays", "by places"])

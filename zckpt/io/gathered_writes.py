@@ -66,13 +66,16 @@ class GatheredWrites:
         self.calls = 0
         """Writes made (for tests and benchmarks)."""
 
-    def put(self, rows: Rows, at: Rows, data: np.ndarray) -> None:
+    def put(self, rows: Rows, at: Rows, data: np.ndarray, index: Rows | None = None) -> None:
         """Write ``data[j]`` (bytes, ``uint8``) to row ``rows[j]`` at offset ``at[j]``, after the
-        framing of that file that lies before it; ``data`` is 2-D (one piece per row) or 1-D
-        (the same bytes for every row)."""
+        framing of that file that lies before it; ``data`` is 2-D (one piece per row, or with
+        ``index`` the piece ``data[index[j]]``: replicas share one) or 1-D (the same bytes for
+        every row)."""
+        pieces: np.ndarray | _Indexed = data if index is None else _Indexed(data, index)
         for sel in self._cohorts(rows, at):
             r = rows if sel is None else rows[sel]
-            piece = data if sel is None or data.ndim == 1 else data[sel]
+            piece = pieces if sel is None or pieces.ndim == 1 else \
+                pieces.rows(sel) if isinstance(pieces, _Indexed) else pieces[sel]
             k = int(r[0])
             offset = int(at[0] if sel is None else at[sel[0]])
             self._frames_before(r, k, offset)
@@ -116,7 +119,7 @@ class GatheredWrites:
         if j != start:
             self._next[rows] = j
 
-    def _put(self, rows: Rows, k: int, offset: int, piece: np.ndarray) -> None:
+    def _put(self, rows: Rows, k: int, offset: int, piece: np.ndarray | _Indexed) -> None:
         """Rows in one state (row ``k``'s): ``piece`` (one per row, or shared) at ``offset``."""
         n = piece.shape[-1]
         used = int(self._used[k])
@@ -125,14 +128,15 @@ class GatheredWrites:
             used = 0
         if n >= self.window:
             for j, row in enumerate(rows.tolist()):
-                self._write(row, piece[j] if piece.ndim == 2 else piece, offset)
+                self._write(row, _row(piece, j), offset)
             return
         if not used:
             self._start[rows] = offset
+        whole = piece.array() if isinstance(piece, _Indexed) else piece
         if len(rows) == 1:
-            self._buf[k, used : used + n] = piece.reshape(-1)
+            self._buf[k, used : used + n] = whole.reshape(-1)
         else:
-            self._buf[rows, used : used + n] = piece
+            self._buf[rows, used : used + n] = whole
         self._used[rows] = used + n
 
     def _flush(self, rows: Rows, k: int) -> None:
@@ -150,3 +154,33 @@ class GatheredWrites:
         self.calls += 1
         if self.behind is not None:
             self.behind.add([(str(self.paths[row]), at, data.nbytes)])
+
+
+def _row(piece: np.ndarray | _Indexed, j: int) -> np.ndarray:
+    """Row ``j``'s piece: its own, or the one piece shared by every row (1-D)."""
+    if isinstance(piece, _Indexed):
+        return piece.row(j)
+    return piece[j] if piece.ndim == 2 else piece
+
+
+class _Indexed:
+    """Pieces shared by several rows (replicas), row ``j``'s being ``data[index[j]]``, each
+    taken where it lies: only a piece copied into the window is copied."""
+
+    ndim = 2
+
+    def __init__(self, data: np.ndarray, index: Rows) -> None:
+        self.data = data
+        self.index = index
+        self.shape = (len(index), int(data.shape[1]))
+
+    def rows(self, sel: np.ndarray) -> _Indexed:
+        return _Indexed(self.data, self.index[sel])
+
+    def row(self, j: int) -> np.ndarray:
+        out: np.ndarray = self.data[int(self.index[j])]
+        return out
+
+    def array(self) -> np.ndarray:
+        out: np.ndarray = self.data[self.index]
+        return out

@@ -125,8 +125,8 @@ def scatter_blocks(name: str, parts: Blocks, band: Box, data: np.ndarray, out: G
         n, w = int(rows[sel[0]]), int(width[sel[0]])
         cut = _grid(raw, r0[sel], c0[sel], n, w * item, item)
         if cut is not None:
-            pieces, order = cut
-            out.put(files[sel][order], offsets[sel][order], pieces)
+            pieces, order, shared = cut
+            out.put(files[sel][order], offsets[sel][order], pieces, shared)
             continue
         for j in sel.tolist():
             out.put_one(int(files[j]), int(offsets[j]), raw[r0[j] : r0[j] + n, c0[j] * item : (c0[j] + w) * item])
@@ -142,10 +142,11 @@ def _same(rows: np.ndarray, width: np.ndarray) -> list[np.ndarray]:
 
 
 def _grid(raw: np.ndarray, r0: np.ndarray, c0: np.ndarray, rows: int, width: int,
-          item: int) -> tuple[np.ndarray, np.ndarray] | None:
+          item: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """The parts of ``rows`` rows and ``width`` bytes at band rows ``r0`` and columns ``c0``
-    cut out of ``raw`` on a regular grid, one part per row of the result, and the order of
-    the parts that matches; ``None`` where the parts are not on a grid."""
+    cut out of ``raw`` on a regular grid, one distinct part per row of the result; the order
+    of the parts that matches, and where parts repeat (replicas) which row each one is;
+    ``None`` where the parts are not on a grid."""
     key = r0 * (int(c0.max()) + 1) + c0
     order = np.argsort(key, kind="stable")
     key, r0, c0 = key[order], r0[order], c0[order]
@@ -155,7 +156,7 @@ def _grid(raw: np.ndarray, r0: np.ndarray, c0: np.ndarray, rows: int, width: int
         cut = _grid(raw, r0[first], c0[first], rows, width, item)
         if cut is None:
             return None
-        return cut[0][np.cumsum(first) - 1], order
+        return cut[0], order, np.cumsum(first) - 1
     cs = np.flatnonzero(r0 == r0[0]).size
     if r0.size % cs:
         return None
@@ -173,7 +174,7 @@ def _grid(raw: np.ndarray, r0: np.ndarray, c0: np.ndarray, rows: int, width: int
         grid = as_strided(origin, (grid_r.shape[0], cs, rows, width), (dr * line, dc * item, line, 1),
                           writeable=False)
         pieces = np.ascontiguousarray(grid).reshape(r0.size, rows * width)
-    return pieces, order
+    return pieces, order, None
 
 
 def scatter_boxes(g: Region, band: Box, data: np.ndarray, itemsize: int, out: GatheredWrites,
