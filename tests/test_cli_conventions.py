@@ -116,6 +116,13 @@ def _new_file_open(pid: int, out: Path) -> bool:
     return False
 
 
+def _ctrl_c_heard() -> None:
+    """A terminal's Ctrl-C reaches the child: a suite started in the background of a shell
+    without job control runs with SIGINT ignored, which a child inherits (and Python then
+    installs no handler for it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     tensors = [TensorDef(f"w{i}", (2048, 1024), "Float32") for i in range(24)]  # 192 MiB
     model = write_model(tmp_path / "src", tensors, device_num=1, strategy_format=None, scalars=False)
@@ -124,7 +131,7 @@ def test_ctrl_c_exits_130_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     for _ in range(3):
         proc = subprocess.Popen([*CLI, "export", str(store), "--out", str(out), "--quiet", "--overwrite",
                                  "--max-mem", "16MiB", "--no-overlap"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_heard)
         deadline = time.monotonic() + 30
         while not _new_file_open(proc.pid, out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)

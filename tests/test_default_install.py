@@ -32,6 +32,8 @@ DST_S = str(EXAMPLE / "dst" / "strategy.ckpt")
 NOT_INSTALLED = {
     "mindspore": "the user's own MindSpore, imported only to load values into a network it gave",
     "grpc_tools": "third_party/mindspore_proto/regen.py regenerates protoc's modules (a developer tool, test extra)",
+    "s3fs": "the s3 extra (pip install 'zckpt[s3]'): imported by io/s3_parts only for an s3:// output, whose "
+            "filesystem is s3fs's already",
 }
 """Packages zckpt imports that its install does not bring, and why."""
 
