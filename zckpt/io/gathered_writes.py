@@ -51,6 +51,7 @@ class GatheredWrites:
         """Told every range written (keyed by ``str(path)``), to start its write-back."""
         self.fds = list(fds)
         self.paths = list(paths)
+        self._keys = [str(p) for p in self.paths]  # the write-back's names of the files
         self.window = window
         self._buf = np.empty((n, window), dtype=np.uint8)  # pages are touched only as rows fill
         self._start = np.zeros(n, dtype=np.int64)
@@ -153,7 +154,7 @@ class GatheredWrites:
             write_at(self.fds[row], data.data if data.flags.c_contiguous else np.ascontiguousarray(data).data, at)
         self.calls += 1
         if self.behind is not None:
-            self.behind.add([(str(self.paths[row]), at, data.nbytes)])
+            self.behind.add([(self._keys[row], at, data.nbytes)])
 
 
 def _row(piece: np.ndarray | _Indexed, j: int) -> np.ndarray:
