@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +170,52 @@ def test_remote_stores_keep_batches_of_half_the_budget(tmp_path: Path) -> None:
     finally:
         fs, path = fsspec.core.url_to_fs(base)
         fs.rm(path, recursive=True)
+
+
+class _CountingReader:
+    """A reader of one (8, 4) float32 tensor, one row per batch, that counts the batches
+    asked of it and holds back the first until released."""
+
+    band_bytes = 16
+    read_bytes = checked_bytes = 0
+
+    def __init__(self, ahead: int) -> None:
+        self.batches_ahead = ahead
+        self.asked: list[int] = []
+        self.release = threading.Event()
+
+    def kind(self, name: str) -> str:
+        return "tensor"
+
+    def ms_type(self, name: str) -> str:
+        return "Float32"
+
+    def bands(self, name: str, box: Box) -> list[Box]:
+        return c_order_pieces(box, 4)
+
+    def materialise(self, batch: list[tuple[str, Box]]) -> list[np.ndarray]:
+        self.asked.append(batch[0][1].start[0])
+        if len(self.asked) == 1:
+            self.release.wait(10)
+        return [np.full(b.shape, b.start[0], np.float32) for _, b in batch]
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_band_source_reads_its_readers_batches_ahead(ahead: int) -> None:
+    """While one batch is read, ``batches_ahead`` more are asked for, never more: the reader
+    runs ahead of the writer by that many (in memory: that many batches and the one written);
+    the bands still come out in order."""
+    reader = _CountingReader(ahead)
+    with ThreadPoolExecutor(1) as helper:
+        source = boxes.BandSource(reader, [("w", Box((0, 0), (8, 4)))], helper)
+        threading.Timer(0.2, reader.release.set).start()
+        first = source.next("w")
+        assert len(source.ahead) == ahead  # the batch handed out, and `ahead` more asked for
+        rest = [source.next("w") for _ in range(7)]
+    assert reader.asked == list(range(8))
+    assert [int(a[0, 0]) for a in [first, *rest]] == list(range(8))
+
+
+def test_local_batches_and_those_read_ahead_fit_the_budget() -> None:
+    for budget in (4 * 2**20, 16 * 2**20, 2**30):
+        assert boxes.batch_bytes(budget, True) * (1 + boxes.batches_ahead(True)) <= budget

@@ -49,6 +49,7 @@ from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.msnet import load_into_network
 from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec
+from zckpt.run.collect import fewer_collections
 from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store.reader import StoreReader, check_coverage, reading
@@ -298,6 +299,7 @@ def _train_strategy(train_strategy_filename: str | None) -> str:
     return str(found)
 
 
+@fewer_collections()
 def load_distributed_checkpoint(
     network: Any,
     checkpoint_filenames: list[str] | None = None,

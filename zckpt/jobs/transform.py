@@ -35,6 +35,7 @@ from zckpt.plan.export_plan import build_export_plan
 from zckpt.plan.mf_iteration import COMMON_FIELDS
 from zckpt.plan.values import ExportPlan, IngestPlan, RankExport, Slice, TensorSpec, Write
 from zckpt.run.choose import placement
+from zckpt.run.collect import fewer_collections
 from zckpt.run.engines import travelling, wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.partial_inputs import needed_params, refuse_unsupplied
@@ -164,6 +165,7 @@ def _where(src: str | Path | Mapping[int, str | Path]) -> str | None:
     return None if isinstance(src, Mapping) else str(src)
 
 
+@fewer_collections()
 def transform(
     src: str | Path,
     out_dir: str | Path,
@@ -240,6 +242,7 @@ def _transform_into(plan: TransformPlan, dest: OutputDir, options: TransformOpti
     return replace(report, kept=len(jobs) - len(todo))
 
 
+@fewer_collections()
 def transform_rank(
     files: Mapping[int, str | Path],
     rank: int,

@@ -51,6 +51,7 @@ from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.transform import TransformOptions, TransformPlan
 from zckpt.jobs.unified_parts import PART_BYTES, ChoiceFunc, Names, UnifiedPlan, check_split, plan_unified
 from zckpt.plan.values import ExportPlan, RankExport, Slice
+from zckpt.run.collect import fewer_collections
 from zckpt.sources.discovery import SourceFile, open_source
 from zckpt.sources.prepare import prepare_ingest
 from zckpt.sources.reader import SourceReader
@@ -261,6 +262,7 @@ def unify_store(
         return [Path(p) for p in write_unified(plan, dest, shapes, reader_of, options, max_process_num, rank0)]
 
 
+@fewer_collections()
 def unified_safetensors(
     src_dir: str,
     src_strategy_file: str,

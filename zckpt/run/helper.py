@@ -28,6 +28,7 @@ from typing import IO, Any, TypeVar
 
 from zckpt.core.errors import ZckptError
 from zckpt.run import engines
+from zckpt.run.collect import fewer_collections
 
 R = TypeVar("R")
 
@@ -187,17 +188,18 @@ def main(argv: Sequence[str]) -> int:
         importlib.import_module(name)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the call's prints must not mix with the result
-    try:
-        fn, args = pickle.load(sys.stdin.buffer)
-    except EOFError:
-        return 0  # not needed after all
-    try:
-        result = fn(*args)
-    except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
-        _answer(out, "error", err)
-        return 1
-    _answer(out, "ok", result)
-    return 0
+    with fewer_collections():  # the call's arguments are a plan's many small values
+        try:
+            fn, args = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return 0  # not needed after all
+        try:
+            result = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
+            _answer(out, "error", err)
+            return 1
+        _answer(out, "ok", result)
+        return 0
 
 
 if __name__ == "__main__":

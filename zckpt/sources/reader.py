@@ -32,7 +32,7 @@ from zckpt.formats.remote_shard import RemoteShard
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.io import remote
 from zckpt.plan.values import Slice, TensorSpec, Write
-from zckpt.write.boxes import batch_bytes
+from zckpt.write.boxes import batch_bytes, batches_ahead
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,8 @@ class SourceReader:
         self.boxes = boxes
         self.shards = ShardFiles(boxes.files, boxes.entries, storage_options)
         self.band_bytes = batch_bytes(block_bytes, overlap)
-        """Largest batch of bands read at once (two are in flight when reading ahead)."""
+        """Largest batch of bands read at once (more are in flight when reading ahead)."""
+        self.batches_ahead = batches_ahead(True)
         self.read_bytes = 0
         self.checked_bytes = 0
         self._scratch = bytearray()

@@ -33,7 +33,7 @@ from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
 from zckpt.store import read_costs
 from zckpt.store.remote_chunks import ChunkRange
-from zckpt.write.boxes import batch_bytes
+from zckpt.write.boxes import batch_bytes, batches_ahead
 
 if TYPE_CHECKING:
     from zckpt.store.chunk_records import Checked
@@ -110,8 +110,10 @@ class StoreReader:
         self._entries = {e.name: e for e in store.entries()}
         self._lazy: dict[str, Any] = {}
         self._checked: Checked = set()
-        self.band_bytes = batch_bytes(options.block_bytes, wants_overlap(options.overlap), local=store.location is None)
-        """Largest batch of slices read at once (two are in flight when reading ahead)."""
+        local = store.location is None
+        self.band_bytes = batch_bytes(options.block_bytes, wants_overlap(options.overlap), local=local)
+        """Largest batch of slices read at once (more are in flight when reading ahead)."""
+        self.batches_ahead = batches_ahead(local)
         self.read_bytes = 0
         self.checked_bytes = 0
         self._rows = bytearray()

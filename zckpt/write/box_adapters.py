@@ -30,6 +30,7 @@ class ShardBoxes:
     def __init__(self, shard: ShardReader, block_bytes: int) -> None:
         self.shard = shard
         self.band_bytes = block_bytes
+        self.batches_ahead = 1
         self.read_bytes = 0
         self.checked_bytes = 0
 
@@ -76,6 +77,7 @@ class RegionBoxes:
         self.entries = {n: (kind, ms_type, box) for n, kind, ms_type, box in entries}
         self.read = read
         self.band_bytes = 1
+        self.batches_ahead = 1
         self.read_bytes = 0
         self.checked_bytes = 0
 
@@ -115,6 +117,7 @@ class Renamed:
         self.reader = reader
         self.names = names
         self.band_bytes = reader.band_bytes
+        self.batches_ahead = reader.batches_ahead
 
     @property
     def read_bytes(self) -> int:

@@ -35,13 +35,25 @@ export (155 000 page faults, a quarter of its CPU time; 36 000 with 8 MiB batche
 this small are served again from what the allocator freed, and one read ahead is still
 plenty to keep the writer busy."""
 
+AHEAD = 3
+"""Batches read ahead at most (in order, on the one helper thread). With one, the reader and
+the writer waited for each other in turn: a tp8xdp2 -> tp2xdp4 export from the store, cold,
+spent 29% of its writer's time waiting for a batch while the reader sat idle 31% of its own
+(a batch's read and its scatter take about as long, each varying with the disk)."""
+
 
 def batch_bytes(block_bytes: int, overlap: bool, *, local: bool = True) -> int:
-    """Largest batch of bands a reader hands out at once: half of ``block_bytes`` when the
-    next batch is read ahead (two in flight), and at most :data:`LOCAL_BATCH_BYTES` for
-    local files (remote stores keep large batches: their reads are concurrent round trips)."""
-    limit = max(1, block_bytes // (2 if overlap else 1))
+    """Largest batch of bands a reader hands out at once: ``block_bytes`` shared by the batch
+    being written and those read ahead (:func:`batches_ahead`), and at most
+    :data:`LOCAL_BATCH_BYTES` for local files (remote stores keep large batches, one ahead:
+    their reads are concurrent round trips)."""
+    limit = max(1, block_bytes // (1 + batches_ahead(local)) if overlap else block_bytes)
     return min(limit, LOCAL_BATCH_BYTES) if local else limit
+
+
+def batches_ahead(local: bool) -> int:
+    """Batches a reader of local files (:data:`AHEAD`) or of remote ones (1) has read ahead."""
+    return AHEAD if local else 1
 
 
 class WriteOptions(Protocol):
@@ -102,6 +114,11 @@ class BoxReader(Protocol):
         ...
 
     @property
+    def batches_ahead(self) -> int:
+        """Batches read ahead at most while one is written (when reading ahead at all)."""
+        ...
+
+    @property
     def read_bytes(self) -> int:
         """Bytes read so far for the data (a :class:`RankResult`'s ``read_bytes``)."""
         ...
@@ -151,8 +168,7 @@ class BandSource:
             bands += [(name, b) for b in cut]
         self.batches = collections.deque(self._batches(bands, reader.band_bytes))
         self.ready: collections.deque[tuple[str, np.ndarray]] = collections.deque()
-        self.ahead: Future[list[np.ndarray]] | None = None
-        self.ahead_batch: list[tuple[str, Box]] = []
+        self.ahead: collections.deque[tuple[list[tuple[str, Box]], Future[list[np.ndarray]]]] = collections.deque()
 
     def _batches(self, bands: list[tuple[str, Box]], limit: int) -> list[list[tuple[str, Box]]]:
         out: list[list[tuple[str, Box]]] = []
@@ -167,20 +183,18 @@ class BandSource:
         return out
 
     def _read_ahead(self) -> None:
-        if self.helper is not None and self.batches:
-            self.ahead_batch = self.batches.popleft()
-            self.ahead = self.helper.submit(self.reader.materialise, self.ahead_batch)
+        while self.helper is not None and self.batches and len(self.ahead) < self.reader.batches_ahead:
+            batch = self.batches.popleft()
+            self.ahead.append((batch, self.helper.submit(self.reader.materialise, batch)))
 
     def _fill(self) -> None:
         if self.helper is None:
             batch = self.batches.popleft()
             arrays = self.reader.materialise(batch)
         else:
-            if self.ahead is None:
-                self._read_ahead()
-            assert self.ahead is not None
-            batch, arrays = self.ahead_batch, self.ahead.result()
-            self.ahead = None
+            self._read_ahead()
+            batch, pending = self.ahead.popleft()
+            arrays = pending.result()
             self._read_ahead()
         for (name, _), arr in zip(batch, arrays, strict=True):
             self.ready.append((name, arr))
