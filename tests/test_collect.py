@@ -21,7 +21,9 @@ from zckpt.run.helper import Helper
 
 def _model(root: Path) -> Path:
     tensors = [TensorDef("w", (8, 4), "Float32", make_layout((2,), [[0], []]))]
-    return write_model(root / "src", tensors, device_num=2).strategy_path
+    strategy = write_model(root / "src", tensors, device_num=2).strategy_path
+    assert strategy is not None
+    return strategy
 
 
 def _jobs(root: Path, strategy: Path) -> dict[str, Callable[[], Any]]:
