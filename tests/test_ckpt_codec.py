@@ -863,3 +863,29 @@ def test_a_growing_file_has_its_write_back_started_as_it_grows(tmp_path: Path, m
     assert mine and mine[0][0] == 0 and all(n >= 4096 for _, n in mine)
     assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:], strict=False))
     assert mine[-1][0] + mine[-1][1] > len(out["handed"]) - 4096
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_shards_of_one_model_share_their_names(tmp_path: Path, plain: bool) -> None:
+    """Names and type names are interned as indexes are read (both walks), so a plan over
+    many shards holds, and ships to another process, each name once."""
+    readers = []
+    for r in range(2):
+        path = tmp_path / f"r{r}.ckpt"
+        with CkptWriter(path) as w:
+            w.write_array("layer.weight", "Float16", np.full((2, 3), r, np.float16))
+        if not plain:  # the Value's tensor before its tag: the field-by-field walk reads it
+            data = path.read_bytes()
+            tag = [f for f in wire.iter_fields(data, 0, len(data))][0]
+            value = [f for f in wire.iter_fields(data, tag.value, tag.value + tag.length)]
+            parts = [wire.encode_len_field(f.number, f.length) + data[f.value : f.value + f.length]
+                     for f in reversed(value)]
+            body = b"".join(parts)
+            path.write_bytes(wire.encode_len_field(1, len(body)) + body)
+        readers.append(CkptReader(path))
+    try:
+        a, b = (next(iter(r.entries.items())) for r in readers)
+        assert a[0] == "layer.weight" and a[0] is b[0] and a[1].ms_type is b[1].ms_type
+    finally:
+        for r in readers:
+            r.close()

@@ -461,3 +461,16 @@ def test_a_helper_given_nothing_leaves_this_process_its_read_ahead(command: str,
         args = ["transform", str(job.root), "--src-strategy", str(job.strategy_path), "--dst-strategy", str(dst)]
     assert cli_main([*args, "--out", str(tmp_path / "out"), "--quiet", "--helper"]) == 0
     assert not submitted and asked == [True]
+
+
+def test_submit_returns_while_the_helper_is_still_importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call larger than the pipe holds is sent on a thread: the caller goes on with its own
+    share while the helper finishes its imports, and the helper still gets the call whole."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    payload = bytes(range(256)) * 16384  # 4 MiB
+    with Helper(["slow_to_import"]) as h:
+        t0 = time.monotonic()
+        h.submit(len, payload)
+        assert time.monotonic() - t0 < 1.5
+        assert h.result() == len(payload)

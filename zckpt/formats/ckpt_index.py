@@ -4,8 +4,10 @@ For every entry the walk records its MindSpore type, dims and where its payload 
 without touching a payload: one loop over MindSpore's usual layout, and a field-by-field walk
 that reads anything else and names what is wrong. A parameter that MindSpore split over
 several consecutive ``Value`` messages of the same tag becomes one entry with several payload
-segments. This is the half of :class:`~zckpt.formats.ckpt.CkptReader` that reads the file's
-structure (it is the reader's base class); the reader adds the CRC check and the values.
+segments. Names and type names are interned: 256 shards of one model name each parameter 256
+times, and a plan shipped to another process then carries each name once. This is the half
+of :class:`~zckpt.formats.ckpt.CkptReader` that reads the file's structure (it is the
+reader's base class); the reader adds the CRC check and the values.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import mmap
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import BinaryIO
 
@@ -126,7 +129,7 @@ class CkptIndex:
                     n, pos = read(buf, pos + 1, vend)
                 if pos + n > vend:
                     return None
-                tag = bytes(buf[pos : pos + n]).decode("utf-8")
+                tag = sys.intern(bytes(buf[pos : pos + n]).decode("utf-8"))
                 pos += n
                 if pos >= vend or buf[pos] != 0x12:  # then Value.tensor, ending the Value
                     return None
@@ -156,7 +159,7 @@ class CkptIndex:
                                 v, stop = read(buf, stop, pos)
                                 dims.append(v)
                         elif key == 0x12:
-                            ms_type = bytes(buf[pos : pos + n]).decode("ascii")
+                            ms_type = sys.intern(bytes(buf[pos : pos + n]).decode("ascii"))
                             pos += n
                         else:
                             content = Segment(pos, n)
@@ -267,7 +270,7 @@ class CkptIndex:
         for f in wire.iter_fields(self._buf, start, end):
             if f.number == 1 and f.wire_type == wire.WIRE_LEN:
                 try:
-                    tag = bytes(self._buf[f.value : f.value + f.length]).decode("utf-8")
+                    tag = sys.intern(bytes(self._buf[f.value : f.value + f.length]).decode("utf-8"))
                 except UnicodeDecodeError:
                     raise self._fail(f"tag at byte {f.value} is not UTF-8") from None
             elif f.number in (2, 3) and f.wire_type == wire.WIRE_LEN:
@@ -300,7 +303,7 @@ class CkptIndex:
                     raise self._fail(f"more than {MAX_NDIM} dims", tag)
             elif f.number == 2 and f.wire_type == wire.WIRE_LEN:
                 try:
-                    ms_type = bytes(self._buf[f.value : f.value + f.length]).decode("ascii")
+                    ms_type = sys.intern(bytes(self._buf[f.value : f.value + f.length]).decode("ascii"))
                 except UnicodeDecodeError:
                     raise self._fail("tensor_type is not ASCII", tag) from None
             elif f.number == 3 and f.wire_type == wire.WIRE_LEN:
