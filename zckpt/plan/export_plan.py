@@ -10,7 +10,7 @@ is :mod:`zckpt.plan.ingest_plan`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from zckpt.core.errors import LayoutError
 from zckpt.core.layout import Box, Sharding, rank_box, resolve
@@ -98,34 +98,48 @@ def build_export_plan(
             raise LayoutError(f"destination rank {r} is outside the destination's {device_num} ranks")
     if strategy is not None:
         _refuse_unlisted_stages(strategy, wanted, stage_dev)
-    shardings: dict[tuple[str, int], Sharding] = {}
     same: dict[Sharding, Sharding] = {}  # equal shardings as one object: their boxes are built once
     boxes: dict[tuple[int, int], Box] = {}
+    held: dict[int, list[tuple[str, Sharding | Slice]]] = {}
     out: list[RankExport] = []
     for r in wanted:
         stage = stage_of(r, stage_dev)
+        items = held.get(stage)
+        if items is None:
+            items = held[stage] = _stage_items(tensors, dst_layouts, dropped, stage, same)
+        local = r % stage_dev
         slices: list[Slice] = []
-        for t in tensors:
-            if t.name in dropped:
+        for name, held_as in items:
+            if isinstance(held_as, Slice):
+                slices.append(held_as)
                 continue
-            per = dst_layouts.get(t.name, {})
-            if per and stage not in per:
-                continue
-            lay = per.get(stage) if per else None
-            if lay is None or t.kind != "tensor":
-                slices.append(Slice(t.name, Box.full(t.shape)))
-                continue
-            key = (t.name, stage)
-            if key not in shardings:
-                sh = resolve(lay, t.shape, param=t.name)
-                shardings[key] = same.setdefault(sh, sh)
-            sh = shardings[key]
-            box = boxes.get((id(sh), r))
+            box = boxes.get((id(held_as), local))
             if box is None:
-                box = boxes[id(sh), r] = rank_box(sh, r % stage_dev)
-            slices.append(Slice(t.name, box))
+                box = boxes[id(held_as), local] = rank_box(held_as, local)
+            slices.append(Slice(name, box))
         out.append(RankExport(r, tuple(slices)))
     return ExportPlan(tuple(out), device_num)
+
+
+def _stage_items(tensors: Sequence[TensorSpec], dst_layouts: Mapping[str, Mapping[int, ParamLayout]],
+                 dropped: Container[str], stage: int,
+                 same: dict[Sharding, Sharding]) -> list[tuple[str, Sharding | Slice]]:
+    """What a rank of ``stage`` holds of each entry, in order: its sharding, or the one
+    :class:`Slice` of the whole entry every such rank shares (1 024 ranks, one slice each)."""
+    items: list[tuple[str, Sharding | Slice]] = []
+    for t in tensors:
+        if t.name in dropped:
+            continue
+        per = dst_layouts.get(t.name, {})
+        if per and stage not in per:
+            continue
+        lay = per.get(stage) if per else None
+        if lay is None or t.kind != "tensor":
+            items.append((t.name, Slice(t.name, Box.full(t.shape))))
+            continue
+        sh = resolve(lay, t.shape, param=t.name)
+        items.append((t.name, same.setdefault(sh, sh)))
+    return items
 
 
 def served_boxes(tensors: Sequence[TensorSpec], strategies: Iterable[StrategyMap | None]) -> dict[str, list[Box]]:

@@ -74,8 +74,12 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     files' slices where they cover it (a split, or replicas), else runs of slices that
     follow each other along the first dimension (a group holding part of a row split), each
     read once."""
+    return _regions(_parts_by_name(ranks, kinds))
+
+
+def _regions(by_name: dict[str, list[tuple[int, Box]]]) -> list[Region]:
     out: list[Region] = []
-    for name, parts in _parts_by_name(ranks, kinds).items():
+    for name, parts in by_name.items():
         distinct = {(b.start, b.stop): b for _, b in parts}
         whole = _bounds(list(distinct.values()))
         if whole.size <= sum(b.size for b in distinct.values()):
@@ -137,31 +141,35 @@ def _row_runs(boxes: Sequence[Box]) -> list[list[Box]]:
 
 def small_pieces(reader: BoxReader, ranks: Sequence[RankExport]) -> bool:
     """Whether the files' parts of their tensors are below :data:`SMALL_PIECE` on average."""
+    itemsizes: dict[str, int] = {}  # 0: not a tensor
     count = total = 0
     for r in ranks:
         for s in r.slices:
-            if reader.kind(s.name) == "tensor":
+            itemsize = itemsizes.get(s.name)
+            if itemsize is None:
+                itemsize = itemsizes[s.name] = (ms_dtype(reader.ms_type(s.name)).storage.itemsize
+                                                if reader.kind(s.name) == "tensor" else 0)
+            if itemsize:
                 count += 1
-                total += s.box.size * ms_dtype(reader.ms_type(s.name)).storage.itemsize
+                total += s.box.size * itemsize
     return count > 0 and total < SMALL_PIECE * count
 
 
 def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
     """Bytes read to write ``ranks`` one by one, and as one group."""
-    kinds = _kinds(reader, ranks)
-    slices: dict[str, list[Box]] = {}
-    for r in ranks:
-        for s in r.slices:
-            if kinds[s.name] == "tensor":
-                slices.setdefault(s.name, []).append(s.box)
-    alone = sum(reader.read_costs(name, boxes) for name, boxes in slices.items())
-    return alone, group_cost(reader, ranks, kinds)
+    by_name = _parts_by_name(ranks, _kinds(reader, ranks))  # empty slices left out: they read nothing
+    alone = sum(reader.read_costs(name, [b for _, b in parts]) for name, parts in by_name.items())
+    return alone, _read_cost(reader, _regions(by_name))
 
 
 def group_cost(reader: CostedReader, ranks: Sequence[RankExport], kinds: dict[str, str] | None = None) -> int:
     """Bytes read to write ``ranks`` as one group."""
+    return _read_cost(reader, regions(ranks, kinds if kinds is not None else _kinds(reader, ranks)))
+
+
+def _read_cost(reader: CostedReader, todo: Sequence[Region]) -> int:
     read: dict[str, list[Box]] = {}
-    for g in regions(ranks, kinds if kinds is not None else _kinds(reader, ranks)):
+    for g in todo:
         read.setdefault(g.name, []).append(g.box)
     return sum(reader.read_costs(name, boxes) for name, boxes in read.items())
 
