@@ -238,3 +238,26 @@ def test_a_group_holds_at_most_half_the_files_the_process_may_open(monkeypatch: 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
     assert group_writer.max_files() == 448
     assert [len(g) for g in group_writer.groups(ranks)] == [342, 342, 340]
+
+
+@pytest.mark.parametrize("shape, parts", [
+    ((12,), [(0, ((0,), (4,))), (1, ((4,), (12,))), (2, ((0,), (4,)))]),
+    ((6, 8), [(0, ((0, 0), (3, 4))), (1, ((0, 4), (3, 8))), (2, ((3, 0), (6, 8))), (3, ((0, 0), (3, 4)))]),
+    ((4, 6, 5), [(0, ((0, 0, 0), (2, 6, 5))), (1, ((2, 0, 0), (4, 3, 5))), (2, ((2, 3, 0), (4, 6, 5)))]),
+])
+def test_blocks_hold_each_part_and_count_its_bytes(shape: tuple[int, ...],
+                                                   parts: list[tuple[int, tuple[tuple[int, ...], ...]]]) -> None:
+    """A region's parts as arrays: rows and columns of each, and their bytes (replicas each
+    counted), as the parts' own boxes say."""
+    boxes = [(i, Box(*corners)) for i, corners in parts]
+    got = blocks(Region("w", Box.full(shape), tuple(boxes)), 2)
+    assert got is not None
+    assert got.nbytes() == sum(b.size for _, b in boxes) * 2
+    assert got.files.tolist() == [i for i, _ in boxes]
+    assert got.first.tolist() == [b.start[0] for _, b in boxes]
+    assert got.stop.tolist() == [b.stop[0] for _, b in boxes]
+    if len(shape) > 1:
+        assert got.col0.tolist() == [b.start[1] for _, b in boxes]
+        assert got.col1.tolist() == [b.stop[1] for _, b in boxes]
+    cut = [(0, Box((0,) * len(shape), shape[:-1] + (1,)))]
+    assert (blocks(Region("w", Box.full(shape), tuple(cut)), 2) is None) == (len(shape) > 2)

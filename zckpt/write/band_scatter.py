@@ -53,26 +53,31 @@ class Blocks:
     itemsize: int
     base: np.ndarray | None = None
 
+    def nbytes(self) -> int:
+        """Bytes of all the parts together (replicas each counted)."""
+        return int(((self.stop - self.first) * (self.col1 - self.col0)).sum()) * self.inner * self.itemsize
+
 
 def blocks(g: Region, itemsize: int, layouts: Sequence[FileLayout] = ()) -> Blocks | None:
     """The parts of ``g`` as :class:`Blocks`, or ``None`` where one is cut past the second
     dimension (or the tensor is a scalar). Given the files' ``layouts``, each part's file
     offset is kept where its tensor is one run of its file (one ``.ckpt`` Value)."""
     box = g.box
-    if box.ndim == 0:
+    n = box.ndim
+    if n == 0:
         return None
-    rest = (box.start[2:], box.stop[2:])
-    if any((b.start[2:], b.stop[2:]) != rest for _, b in g.parts):
+    corners = np.array([b.start + b.stop for _, b in g.parts], dtype=np.int64).reshape(len(g.parts), 2 * n)
+    if n > 2 and not ((corners[:, 2:n] == box.start[2:]).all() and (corners[:, n + 2:] == box.stop[2:]).all()):
         return None
-    c = box.start[1] if box.ndim > 1 else 0
     files = [i for i, _ in g.parts]
+    ones = np.ones(len(files), dtype=np.int64)
     return Blocks(
         files=np.array(files, dtype=np.int64),
-        first=np.array([b.start[0] for _, b in g.parts], dtype=np.int64),
-        stop=np.array([b.stop[0] for _, b in g.parts], dtype=np.int64),
-        col0=np.array([b.start[1] - c if box.ndim > 1 else 0 for _, b in g.parts], dtype=np.int64),
-        col1=np.array([b.stop[1] - c if box.ndim > 1 else 1 for _, b in g.parts], dtype=np.int64),
-        cols=box.shape[1] if box.ndim > 1 else 1,
+        first=corners[:, 0],
+        stop=corners[:, n],
+        col0=corners[:, 1] - box.start[1] if n > 1 else 0 * ones,
+        col1=corners[:, n + 1] - box.start[1] if n > 1 else ones,
+        cols=box.shape[1] if n > 1 else 1,
         inner=math.prod(box.shape[2:]),
         itemsize=itemsize,
         base=_bases(g.name, files, layouts) if layouts else None,

@@ -236,7 +236,8 @@ class GroupWriter:
                     else:
                         scatter_blocks(g.name, parts, band, data, out, layouts)
                 if ticker is not None:
-                    ticker.add(g.name, sum(b.size for _, b in g.parts) * itemsize)
+                    done = parts.nbytes() if parts is not None else sum(b.size for _, b in g.parts) * itemsize
+                    ticker.add(g.name, done)
             out.close()
             behind.close()
             stack.pop_all()
