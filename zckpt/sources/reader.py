@@ -32,7 +32,7 @@ from zckpt.formats.remote_shard import RemoteShard
 from zckpt.formats.shard_reader import ShardReader
 from zckpt.io import remote
 from zckpt.plan.values import Slice, TensorSpec, Write
-from zckpt.write.boxes import batch_bytes, batches_ahead
+from zckpt.write.boxes import BoxCorners, batch_bytes, batches_ahead
 
 
 @dataclass(frozen=True)
@@ -296,21 +296,26 @@ class SourceReader:
             return [box]
         return c_order_pieces(box, max(1, self.band_bytes // self._itemsize(name)))
 
-    def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
+    def read_costs(self, name: str, boxes: Sequence[Box], corners: BoxCorners | None = None) -> int:
         """Bytes reading each of ``boxes`` apart takes from the shards: each piece's whole
         source rows, worked out on all boxes and all source boxes at once (a plan of 512
         files asks it for every slice)."""
         itemsize = self._itemsize(name)
-        flat = [b for b in boxes if b.ndim and b.size]
-        cost = sum(b.size for b in boxes if not (b.ndim and b.size)) * itemsize
+        cost = 0
+        if corners is None:
+            flat = [b for b in boxes if b.ndim and b.size]
+            cost = sum(b.size for b in boxes if not (b.ndim and b.size)) * itemsize
+            if not flat:
+                return cost
+            corners = np.array([b.start for b in flat]), np.array([b.stop for b in flat])
         writes = self.boxes.writes.get(name, ())
-        if not flat or not writes:
+        if not writes:
             return cost
         if name not in self._corners:
             self._corners[name] = _corners(writes)
         starts, stops = self._corners[name]
-        lo = np.array([b.start for b in flat])[:, None, :]
-        hi = np.array([b.stop for b in flat])[:, None, :]
+        lo = corners[0][:, None, :]
+        hi = corners[1][:, None, :]
         inter = np.minimum(stops[None], hi) - np.maximum(starts[None], lo)
         meets = np.all(inter > 0, axis=2)
         rows = (stops[:, 1:] - starts[:, 1:]).prod(axis=1)

@@ -18,6 +18,7 @@ import numpy as np
 from zckpt.core.layout import Box
 from zckpt.io.checksums import BLOCK_BYTES
 from zckpt.store.geometry import ChunkInfo
+from zckpt.write.boxes import BoxCorners
 
 
 def box_cost(info: ChunkInfo, box: Box, by_rows: bool, verify: bool) -> int:
@@ -37,10 +38,15 @@ def box_cost(info: ChunkInfo, box: Box, by_rows: bool, verify: bool) -> int:
     return span + min(part, rows * touched * BLOCK_BYTES)
 
 
-def boxes_cost(info: ChunkInfo, boxes: Sequence[Box], by_rows: bool, verify: bool) -> int:
-    """:func:`box_cost` of each box, summed, in a few array operations."""
-    start = np.array([b.start for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
-    stop = np.array([b.stop for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
+def boxes_cost(info: ChunkInfo, boxes: Sequence[Box], by_rows: bool, verify: bool,
+               corners: BoxCorners | None = None) -> int:
+    """:func:`box_cost` of each box, summed, in a few array operations (``corners``: the
+    boxes' starts and stops as arrays, when the caller has them)."""
+    if corners is not None:
+        start, stop = corners
+    else:
+        start = np.array([b.start for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
+        stop = np.array([b.stop for b in boxes], dtype=np.int64).reshape(len(boxes), -1)
     if not (stop > start).all():
         return sum(box_cost(info, b, by_rows, verify) for b in boxes if b.size)
     chunks = np.array(info.chunks, dtype=np.int64)

@@ -33,7 +33,7 @@ from zckpt.plan.values import ExportPlan
 from zckpt.run.engines import wants_overlap
 from zckpt.store import read_costs
 from zckpt.store.remote_chunks import ChunkRange
-from zckpt.write.boxes import batch_bytes, batches_ahead
+from zckpt.write.boxes import BoxCorners, batch_bytes, batches_ahead
 
 if TYPE_CHECKING:
     from zckpt.store.chunk_records import Checked
@@ -151,13 +151,13 @@ class StoreReader:
         itemsize = ms_dtype(self._entries[name].ms_type).storage.itemsize
         return c_order_pieces(box, max(1, self.band_bytes // itemsize))
 
-    def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
+    def read_costs(self, name: str, boxes: Sequence[Box], corners: BoxCorners | None = None) -> int:
         """:meth:`read_cost` of each box, summed (:func:`zckpt.store.read_costs.boxes_cost`)."""
         e = self._entries[name]
         if len(boxes) < 8 or not e.shape or e.offset is not None:
             return sum(self.read_cost(name, b) for b in boxes)
         return read_costs.boxes_cost(self.store.chunk_info(name), boxes, self.options.reader == "zarr",
-                                     self.options.verify_checksums)
+                                     self.options.verify_checksums, corners)
 
     def read_cost(self, name: str, box: Box) -> int:
         """Bytes reading ``box`` takes from the store (:func:`zckpt.store.read_costs.box_cost`;

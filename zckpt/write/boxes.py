@@ -72,6 +72,10 @@ class WriteOptions(Protocol):
     def max_file_bytes(self) -> int: ...
 
 
+BoxCorners = tuple[np.ndarray, np.ndarray]
+"""Boxes of one tensor as two ``(boxes, ndim)`` arrays: their starts and their stops."""
+
+
 @dataclass(frozen=True)
 class WriterSettings:
     """How a writer writes, whatever its format (a format ignores what it has no use for)."""

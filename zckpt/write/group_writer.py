@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.layout import Box
 from zckpt.io import fileio
@@ -35,7 +37,7 @@ from zckpt.io.new_files import NewFile
 from zckpt.plan.values import RankExport
 from zckpt.run.progress import Ticker
 from zckpt.write.band_scatter import Region, blocks, scatter_blocks, scatter_boxes, whole_rows
-from zckpt.write.boxes import BandSource, BoxReader, RankResult, WriterSettings, reading_ahead
+from zckpt.write.boxes import BandSource, BoxCorners, BoxReader, RankResult, WriterSettings, reading_ahead
 from zckpt.write.file_layouts import FileLayout, Layout
 
 GAIN = 1.1
@@ -63,9 +65,10 @@ where the process may not open that many files (:func:`max_files`)."""
 class CostedReader(BoxReader, Protocol):
     """A reader that can say what reading a box costs before reading it."""
 
-    def read_costs(self, name: str, boxes: Sequence[Box]) -> int:
+    def read_costs(self, name: str, boxes: Sequence[Box], corners: BoxCorners | None = None) -> int:
         """Bytes reading each of ``boxes`` of ``name`` apart takes from where the bytes live
-        (one call per entry: a plan of 512 files asks it for 50 000 slices)."""
+        (one call per entry: a plan of 512 files asks it for 50 000 slices). ``corners``: the
+        boxes' starts and stops as arrays, when the caller has them (every box non-empty)."""
         ...
 
 
@@ -74,47 +77,83 @@ def regions(ranks: Sequence[RankExport], kinds: dict[str, str]) -> list[Region]:
     files' slices where they cover it (a split, or replicas), else runs of slices that
     follow each other along the first dimension (a group holding part of a row split), each
     read once."""
-    return _regions(_parts_by_name(ranks, kinds))
+    return _regions(_columns(ranks, kinds))
 
 
-def _regions(by_name: dict[str, list[tuple[int, Box]]]) -> list[Region]:
-    out: list[Region] = []
+@dataclass(frozen=True)
+class _Column:
+    """One tensor's non-empty slices in a list of files: (position of the file, box) in the
+    files' order, and the boxes' corners as arrays, so that a group's prices and regions are
+    worked out on arrays (a scale-up to 1 024 ranks: 150 000 slices) and any run of the
+    files is a slice of them."""
+
+    parts: list[tuple[int, Box]]
+    pos: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    def between(self, first: int, stop: int) -> _Column:
+        """The slices of the files at positions ``[first, stop)``."""
+        a, b = (int(x) for x in np.searchsorted(self.pos, [first, stop]))
+        return _Column(self.parts[a:b], self.pos[a:b], self.lo[a:b], self.hi[a:b])
+
+
+def _column(parts: list[tuple[int, Box]]) -> _Column | None:
+    """The :class:`_Column` of ``parts`` (ascending positions), empty boxes left out."""
+    nd = parts[0][1].ndim
+    corners = np.array([b.start + b.stop for _, b in parts], dtype=np.int64).reshape(len(parts), 2 * nd)
+    pos = np.array([i for i, _ in parts], dtype=np.int64)
+    lo, hi = corners[:, :nd], corners[:, nd:]
+    if nd:
+        keep = (hi > lo).all(axis=1)
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            parts, pos, lo, hi = [parts[i] for i in idx], pos[idx], lo[idx], hi[idx]
+    return _Column(parts, pos, lo, hi) if parts else None
+
+
+def _columns(ranks: Sequence[RankExport], kinds: dict[str, str]) -> dict[str, _Column]:
+    """Each tensor's :class:`_Column`, in the files' order. Ranks that list the same names
+    (data-parallel replicas of one layout: all 512 of a scale-up) are read column by
+    column, a name at a time."""
+    by_name: dict[str, list[tuple[int, Box]]] = {}
+    first = ranks[0].names if ranks else ()
+    if all(r.names == first for r in ranks):
+        for name, column in zip(first, zip(*(r.slices for r in ranks), strict=True), strict=True):
+            if kinds[name] == "tensor":
+                by_name[name] = list(enumerate(s.box for s in column))
+    else:
+        for i, r in enumerate(ranks):
+            for s in r.slices:
+                if kinds[s.name] == "tensor":
+                    by_name.setdefault(s.name, []).append((i, s.box))
+    out: dict[str, _Column] = {}
     for name, parts in by_name.items():
-        distinct = {(b.start, b.stop): b for _, b in parts}
-        whole = _bounds(list(distinct.values()))
-        if whole.size <= sum(b.size for b in distinct.values()):
+        col = _column(parts)
+        if col is not None:
+            out[name] = col
+    return out
+
+
+def _regions(columns: dict[str, _Column]) -> list[Region]:
+    out: list[Region] = []
+    for name, col in columns.items():
+        parts, nd = col.parts, col.lo.shape[1]
+        if nd == 0:
+            out.append(Region(name, parts[0][1], tuple(parts)))
+            continue
+        distinct, first = np.unique(np.concatenate([col.lo, col.hi], axis=1), axis=0, return_index=True)
+        whole = Box(tuple(col.lo.min(axis=0).tolist()), tuple(col.hi.max(axis=0).tolist()))
+        if whole.size <= int((distinct[:, nd:] - distinct[:, :nd]).prod(axis=1).sum()):
             out.append(Region(name, whole, tuple(parts)))
             continue
-        runs = _row_runs(list(distinct.values()))
+        runs = _row_runs([parts[i][1] for i in sorted(first.tolist())])
         run_of = {(b.start, b.stop): k for k, run in enumerate(runs) for b in run}
         members: list[list[tuple[int, Box]]] = [[] for _ in runs]
         for p in parts:
             members[run_of[p[1].start, p[1].stop]].append(p)
         out.extend(Region(name, _bounds(run), tuple(m)) for run, m in zip(runs, members, strict=True))
     return out
-
-
-def _parts_by_name(ranks: Sequence[RankExport], kinds: dict[str, str]) -> dict[str, list[tuple[int, Box]]]:
-    """Each tensor's non-empty slices, as (position of the rank, box), in the files' order.
-    Ranks that list the same names (data-parallel replicas of one layout: all 512 of a
-    scale-up) are read column by column, a name at a time."""
-    by_name: dict[str, list[tuple[int, Box]]] = {}
-    first = ranks[0].names if ranks else ()
-    if all(r.names == first for r in ranks):
-        for name, column in zip(first, zip(*(r.slices for r in ranks), strict=True), strict=True):
-            if kinds[name] == "tensor":
-                boxes = [s.box for s in column]
-                parts = list(enumerate(boxes))
-                if boxes[0].ndim and 0 in (b.size for b in boxes):
-                    parts = [p for p in parts if p[1].size]
-                if parts:
-                    by_name[name] = parts
-        return by_name
-    for i, r in enumerate(ranks):
-        for s in r.slices:
-            if kinds[s.name] == "tensor" and (s.box.ndim == 0 or s.box.size):
-                by_name.setdefault(s.name, []).append((i, s.box))
-    return by_name
 
 
 def _bounds(boxes: Sequence[Box]) -> Box:
@@ -155,16 +194,27 @@ def small_pieces(reader: BoxReader, ranks: Sequence[RankExport]) -> bool:
     return count > 0 and total < SMALL_PIECE * count
 
 
-def costs(reader: CostedReader, ranks: Sequence[RankExport]) -> tuple[int, int]:
-    """Bytes read to write ``ranks`` one by one, and as one group."""
-    by_name = _parts_by_name(ranks, _kinds(reader, ranks))  # empty slices left out: they read nothing
-    alone = sum(reader.read_costs(name, [b for _, b in parts]) for name, parts in by_name.items())
-    return alone, _read_cost(reader, _regions(by_name))
+class Prices:
+    """What reading groups of ``ranks`` costs, each group a run of their positions: each
+    tensor's slices are taken from the files once, whatever the groups asked about."""
 
+    def __init__(self, reader: CostedReader, ranks: Sequence[RankExport]) -> None:
+        self.reader = reader
+        self.columns = _columns(ranks, _kinds(reader, ranks))
 
-def group_cost(reader: CostedReader, ranks: Sequence[RankExport], kinds: dict[str, str] | None = None) -> int:
-    """Bytes read to write ``ranks`` as one group."""
-    return _read_cost(reader, regions(ranks, kinds if kinds is not None else _kinds(reader, ranks)))
+    def _of(self, first: int, stop: int) -> dict[str, _Column]:
+        cut = {name: col.between(first, stop) for name, col in self.columns.items()}
+        return {name: col for name, col in cut.items() if col.parts}
+
+    def alone(self, first: int, stop: int) -> int:
+        """Bytes read to write the files at ``[first, stop)`` one by one."""
+        return sum(self.reader.read_costs(name, [b for _, b in col.parts],
+                                          (col.lo, col.hi) if col.lo.shape[1] else None)
+                   for name, col in self._of(first, stop).items())
+
+    def together(self, first: int, stop: int) -> int:
+        """Bytes read to write the files at ``[first, stop)`` as one group."""
+        return _read_cost(self.reader, _regions(self._of(first, stop)))
 
 
 def _read_cost(reader: CostedReader, todo: Sequence[Region]) -> int:

@@ -31,7 +31,7 @@ from zckpt.write.boxes import BoxReader, RankResult, WriteOptions, WriterSetting
 from zckpt.write.ckpt_rank import CkptRankWriter
 from zckpt.write.destinations import OutputFile
 from zckpt.write.file_layouts import Layout, ckpt_layout, safetensors_layout
-from zckpt.write.group_writer import CostedReader, GroupWriter, costs, groups
+from zckpt.write.group_writer import CostedReader, GroupWriter, groups
 from zckpt.write.safetensors_file import SafetensorsFileWriter
 from zckpt.write.safetensors_rank import SafetensorsRankWriter
 
@@ -127,14 +127,15 @@ def source_major(reader: CostedReader, ranks: Sequence[RankExport], options: For
     allow it; ``None``: one by one."""
     if len(ranks) < 2 or output_format(options.format).group(WriterSettings.of(options)) is None:
         return None
+    prices = grouping.Prices(reader, ranks)
     whole = groups(ranks, 1)
-    priced = [costs(reader, [ranks[i] for i in g]) for g in whole]
-    alone, together = sum(a for a, _ in priced), sum(t for _, t in priced)
+    alone = sum(prices.alone(g[0], g[-1] + 1) for g in whole)
+    together = sum(prices.together(g[0], g[-1] + 1) for g in whole)
     if together * grouping.GAIN >= alone and not (together <= alone and grouping.small_pieces(reader, ranks)):
         return None
     cut = groups(ranks, tasks)
     if len(cut) > len(whole) and together < alone:  # (else the halves read no more than one by one: no more)
-        split = sum(grouping.group_cost(reader, [ranks[i] for i in g]) for g in cut)
+        split = sum(prices.together(g[0], g[-1] + 1) for g in cut)
         if split > together * grouping.SPLIT_COST:
             return whole  # the other process stays idle rather than read the shared rows twice
     return cut
