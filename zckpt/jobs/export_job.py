@@ -56,7 +56,8 @@ class ExportOptions:
     from :data:`zckpt.run.helper.HELPER_BYTES` on, with a core to spare and no Dask cluster."""
     overlap: bool | None = None
     """Each task reads and checks on a second thread while it writes: the next band of
-    slices is read ahead (each band then at most half of ``block_bytes``). ``None`` (auto):
+    slices is read ahead (the batches written and read ahead together within ``block_bytes``:
+    :func:`zckpt.write.boxes.batch_bytes`). ``None`` (auto):
     only when every host runs fewer tasks at once than it has cores
     (:func:`zckpt.run.engines.overlap_for`)."""
     scheduler: str | None = None

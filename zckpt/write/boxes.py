@@ -32,8 +32,8 @@ LOCAL_BATCH_BYTES = 8 * 1024 * 1024
 shards). Each fresh batch is memory the kernel must fault in and zero, at about the cost of
 reading it: 128 MiB batches (a 1 GiB budget) made the 8 -> 4 benchmark fault in 600 MiB per
 export (155 000 page faults, a quarter of its CPU time; 36 000 with 8 MiB batches). Batches
-this small are served again from what the allocator freed, and one read ahead is still
-plenty to keep the writer busy."""
+this small are served again from what the allocator freed; a few of them are read ahead
+(:data:`AHEAD`) to keep the writer busy."""
 
 AHEAD = 3
 """Batches read ahead at most (in order, on the one helper thread). With one, the reader and
