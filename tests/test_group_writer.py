@@ -14,12 +14,14 @@ from test_e2e_fixtures import PLAIN, _strategy
 
 from zckpt.core.dtypes import ms_dtype
 from zckpt.core.errors import StoreError
+from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.safetensors import SafetensorsReader
 from zckpt.jobs.export import export
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.ingest import ingest
 from zckpt.jobs.transform import TransformOptions, transform
+from zckpt.plan.values import RankExport, Slice
 from zckpt.write import group_writer
 
 MODES = {"source_major": 0.0, "one_by_one": math.inf}
@@ -194,3 +196,21 @@ def test_a_source_reader_prices_whole_source_rows(tmp_path: Path) -> None:
         assert reader.read_costs("w", [Box((1, 0), (5, 3)), Box((6, 3), (8, 6))]) == (4 + 2) * 6 * 4
         assert reader.read_costs("w", [Box((0, 0), (8, 6))]) == 8 * 6 * 4
         assert reader.read_costs("c", [Box((1, 0), (5, 3))]) == 2 * 4 * 2 * 4
+
+
+def test_regions_read_each_distinct_run_once_and_skip_the_gaps() -> None:
+    """Replicas count once when a group's slices are checked for covering their bounding box:
+    rows [0, 2) held twice and rows [4, 6) once leave rows [2, 4) unread (two runs), and
+    positions stay the files' own, in the files' order."""
+    def rank(r: int, rows: tuple[int, int]) -> RankExport:
+        return RankExport(r, (Slice("w", Box((rows[0], 0), (rows[1], 4))), Slice("s", Box((), ()))))
+
+    ranks = [rank(0, (0, 2)), rank(1, (4, 6)), rank(2, (0, 2))]
+    got = group_writer.regions(ranks, {"w": "tensor", "s": "tensor"})
+    assert [(g.name, g.box) for g in got] == [("w", Box((0, 0), (2, 4))), ("w", Box((4, 0), (6, 4))),
+                                              ("s", Box((), ()))]
+    assert [i for i, _ in got[0].parts] == [0, 2] and [i for i, _ in got[1].parts] == [1]
+    assert [i for i, _ in got[2].parts] == [0, 1, 2]
+    tiled = group_writer.regions([rank(0, (0, 2)), rank(1, (2, 6)), rank(2, (0, 2))], {"w": "tensor", "s": "tensor"})
+    assert [(g.name, g.box) for g in tiled] == [("w", Box((0, 0), (6, 4))), ("s", Box((), ()))]
+    assert [i for i, _ in tiled[0].parts] == [0, 1, 2]
