@@ -76,21 +76,21 @@ class Corners:
     every destination file asks which of the same writes meet its slice."""
 
     def __init__(self) -> None:
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._arrays: dict[str, BoxCorners] = {}
 
-    def of(self, name: str, writes: Sequence[Write]) -> tuple[np.ndarray, np.ndarray]:
+    def of(self, name: str, writes: Sequence[Write]) -> BoxCorners:
         got = self._arrays.get(name)
         if got is None:
             got = self._arrays[name] = _corners(writes)
         return got
 
 
-def _corners(writes: Sequence[Write]) -> tuple[np.ndarray, np.ndarray]:
+def _corners(writes: Sequence[Write]) -> BoxCorners:
     return (np.array([w.box.start for w in writes], dtype=np.int64),
             np.array([w.box.stop for w in writes], dtype=np.int64))
 
 
-def meeting(writes: Sequence[Write], box: Box, corners: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
+def meeting(writes: Sequence[Write], box: Box, corners: BoxCorners | None = None) -> list[int]:
     """Indices of the writes whose boxes overlap ``box``, in order: one vectorised test over
     all of them (a 512-rank job gives each parameter up to hundreds of source boxes, and a
     destination file meets a few). ``corners``: their boxes as arrays, when made already."""
@@ -240,7 +240,7 @@ class SourceReader:
         self.checked_bytes = 0
         self._scratch = bytearray()
         """Source rows a piece is cut from (one batch is read at a time): reused."""
-        self._corners: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._corners = Corners()
         """Each entry's source boxes as arrays, made on first use."""
 
     def __enter__(self) -> SourceReader:
@@ -262,9 +262,7 @@ class SourceReader:
             found = [(w, w.box) for w in writes]
         else:
             lo, hi = box.start, box.stop
-            if name not in self._corners:
-                self._corners[name] = _corners(writes)
-            for i in meeting(writes, box, self._corners[name]):  # one vectorised test: hundreds of writes
+            for i in meeting(writes, box, self._corners.of(name, writes)):  # one vectorised test: hundreds of writes
                 w = writes[i]
                 start, stop = tuple(map(max, w.box.start, lo)), tuple(map(min, w.box.stop, hi))
                 found.append((w, Box(start, stop)))
@@ -311,9 +309,7 @@ class SourceReader:
         writes = self.boxes.writes.get(name, ())
         if not writes:
             return cost
-        if name not in self._corners:
-            self._corners[name] = _corners(writes)
-        starts, stops = self._corners[name]
+        starts, stops = self._corners.of(name, writes)
         lo = corners[0][:, None, :]
         hi = corners[1][:, None, :]
         inter = np.minimum(stops[None], hi) - np.maximum(starts[None], lo)

@@ -70,13 +70,12 @@ def blocks(g: Region, itemsize: int, layouts: Sequence[FileLayout] = ()) -> Bloc
     if n > 2 and not ((corners[:, 2:n] == box.start[2:]).all() and (corners[:, n + 2:] == box.stop[2:]).all()):
         return None
     files = [i for i, _ in g.parts]
-    ones = np.ones(len(files), dtype=np.int64)
     return Blocks(
         files=np.array(files, dtype=np.int64),
         first=corners[:, 0],
         stop=corners[:, n],
-        col0=corners[:, 1] - box.start[1] if n > 1 else 0 * ones,
-        col1=corners[:, n + 1] - box.start[1] if n > 1 else ones,
+        col0=corners[:, 1] - box.start[1] if n > 1 else np.zeros(len(files), dtype=np.int64),
+        col1=corners[:, n + 1] - box.start[1] if n > 1 else np.ones(len(files), dtype=np.int64),
         cols=box.shape[1] if n > 1 else 1,
         inner=math.prod(box.shape[2:]),
         itemsize=itemsize,
