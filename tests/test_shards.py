@@ -215,7 +215,8 @@ def _fd_target(fd: str) -> str:
 def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the source files do not fit the read-ahead share of memory, planning opens each
     shard for its headers only (each page read alone, not 8 MiB of payload around it, which a
-    job larger than the page cache would read twice); when they fit, they are read whole. The
+    job larger than the page cache would read twice); when they fit, they are read whole
+    after the first, walked for its headers to see how large its entries are (small here). The
     index and the store are the same either way."""
     src, dst = _model(tmp_path)
     seen: list[bool] = []
@@ -232,12 +233,47 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
     monkeypatch.setattr(fileio, "read_soon", lambda paths, share=0.25: True)
     seen.clear()
     _ingest(src, tmp_path / "whole.zarr", 1 << 20)
-    assert len(seen) == RANKS and not any(seen)
+    assert seen == [True] + [False] * (RANKS - 1)
     zckpt.export(tmp_path / "sparse.zarr", tmp_path / "out", str(dst))
     _check_export(tmp_path / "out")
     with CkptReader(src / "rank_3" / "checkpoint_3.ckpt", sparse=True) as a, \
             CkptReader(src / "rank_3" / "checkpoint_3.ckpt") as b:
         assert a.entries == b.entries
+
+
+HUGE = TensorDef("huge", (2048, 512), "Float32", make_layout((8,), [[0], []]))
+"""4 MiB over 8 source ranks: entries of 512 KiB, large enough to walk every header first."""
+
+
+@pytest.mark.parametrize("crc", [False, True])
+def test_headers_of_large_entries_are_walked_before_the_files_are_read_ahead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc: bool) -> None:
+    """Where a shard's entries are large (:data:`zckpt.sources.prepare.HEADERS_FIRST_BYTES`),
+    every shard is walked for its headers before the files are read ahead, so that the plan
+    does not wait for the last byte of the job; where their checksums are verified (every
+    byte read anyway) they are read ahead first. The store is the same either way."""
+    write_model(tmp_path / "src", [HUGE], device_num=8, scalars=False, crc=crc)
+    src = tmp_path / "src"
+    events: list[str] = []
+    original = CkptReader.__init__
+
+    def spy(self: CkptReader, path: str | os.PathLike[str], *, verify_crc: bool = True, sparse: bool = False) -> None:
+        events.append("sparse" if sparse else "whole")
+        original(self, path, verify_crc=verify_crc, sparse=sparse)
+
+    def soon(paths: object, share: float = 0.25) -> bool:
+        events.append("read ahead")
+        return True
+
+    monkeypatch.setattr(CkptReader, "__init__", spy)
+    monkeypatch.setattr(fileio, "read_soon", soon)
+    report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
+    first = ["sparse", "read ahead", *["whole"] * 7]
+    assert events[:9] == (first if crc else ["sparse"] * 8 + ["read ahead"])
+    assert report.complete
+    zckpt.export(tmp_path / "s.zarr", tmp_path / "out")
+    with CkptReader(tmp_path / "out" / "rank_0" / "checkpoint_0.ckpt") as r:
+        assert r.array(HUGE.name).tobytes() == global_value(HUGE.name, HUGE.shape, HUGE.ms_type).tobytes()
 
 
 BIG = TensorDef("big", (512, 256), "Float32", make_layout((8,), [[0], []]))

@@ -60,23 +60,64 @@ def entry_filter(choice_func: Callable[[str], bool] | None) -> Callable[[str], b
     return keep
 
 
+HEADERS_FIRST_BYTES = 256 * 1024
+"""Mean bytes per entry of a source file from which every header is walked before the files
+are read ahead. A header alone costs one random read (cold, here: 50-70 us per entry with its
+parsing); reading ahead whole files first puts the last file's headers behind every byte of
+the job (about 1.5 s for 2 GiB), and the plan, and whatever waits for it, behind those. At
+this size the walk takes a fraction of the read (16 ranks of 128 MiB: 4 512 entries in
+0.3 s), and the planning that follows runs while the disk reads the files: a 16 -> 1 024 rank
+transform spent 2 of its 6 s with its main process waiting for the last index (cold, alternating
+runs: 6.04-6.32 s, walking the headers first 4.92-5.14 s). Below it (256 data-parallel ranks of
+8 MiB: 44 544 entries, 2.2 s walked apart) the files are read ahead first, as before."""
+
+
 def read_indexes(
     files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
     while_reading: Callable[[], object] | None = None,
 ) -> dict[int, dict[str, EntryInfo]]:
     """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
-    files (:func:`zckpt.io.fileio.read_soon`), before they are walked: work that can wait for
-    the disk at the same time (ingest imports Zarr there). Files too large to be read ahead
-    whole are walked sparsely: only the pages of their headers come from the disk."""
+    files (:func:`zckpt.io.fileio.read_soon`): work that can wait for the disk at the same time
+    (ingest imports Zarr there). The first local file is walked for its headers alone; where
+    its entries are large (:data:`HEADERS_FIRST_BYTES`) every file is, and the files are read
+    ahead after; else (or where checksums are verified, which reads every byte) they are read
+    ahead first and walked from the page cache. Files too
+    large to be read ahead whole are walked sparsely: only the pages of their headers come
+    from the disk."""
     out: dict[int, dict[str, EntryInfo]] = {}
     local = [p for p in files.values() if isinstance(p, Path)]
+    todo = list(files.items())
+    rank, first = todo[0] if todo else (0, None)
+    if isinstance(first, Path):
+        todo = todo[1:]
+        with open_source(first, storage_options, verify_crc=verify_crc, sparse=True) as r:
+            out[rank] = dict(r.entries)
+            whole = r.has_crc and verify_crc  # its checksum read every byte: so would the others'
+        if not whole and _large_entries(first, len(out[rank])):
+            for rank, path in todo:
+                out[rank] = _index(path, verify_crc, storage_options, sparse=True)
+            todo = []
     sparse = bool(local) and not fileio.read_soon(local)  # headers lie between payloads
     if while_reading is not None:
         while_reading()
-    for rank, path in files.items():
-        with open_source(path, storage_options, verify_crc=verify_crc, sparse=sparse) as r:
-            out[rank] = dict(r.entries)
+    for rank, path in todo:
+        out[rank] = _index(path, verify_crc, storage_options, sparse=sparse)
     return out
+
+
+def _index(path: SourceFile, verify_crc: bool, storage_options: remote.StorageOptions,
+           sparse: bool) -> dict[str, EntryInfo]:
+    with open_source(path, storage_options, verify_crc=verify_crc, sparse=sparse) as r:
+        return dict(r.entries)
+
+
+def _large_entries(path: Path, entries: int) -> bool:
+    """Whether the entries of ``path`` hold :data:`HEADERS_FIRST_BYTES` each on average."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False  # only a choice of order: the walk reports the file by name
+    return size >= HEADERS_FIRST_BYTES * max(1, entries)
 
 
 def relevant_ranks(files: Mapping[int, SourceFile], smap: StrategyMap | None) -> dict[int, SourceFile]:
