@@ -5,8 +5,10 @@ files one by one, on every fixture MindSpore compiled, through export and transf
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ckpt_compare import diff_dirs
 from conftest import scenario
@@ -214,3 +216,43 @@ def test_regions_read_each_distinct_run_once_and_skip_the_gaps() -> None:
     tiled = group_writer.regions([rank(0, (0, 2)), rank(1, (2, 6)), rank(2, (0, 2))], {"w": "tensor", "s": "tensor"})
     assert [(g.name, g.box) for g in tiled] == [("w", Box((0, 0), (6, 4))), ("s", Box((), ()))]
     assert [i for i, _ in tiled[0].parts] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_regions_of_random_slices_are_boxes_their_parts_fill(seed: int) -> None:
+    """Whatever cells of a grid a group holds (1-3 dimensions, replicas, gaps, some cells
+    held by no file), each tensor's regions are boxes that their parts fill exactly, hold
+    each part once in the files' order, each part inside its region, and the arrays each
+    region carries (positions, starts, stops) are its parts; no element is read twice: the
+    regions of a tensor do not meet."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        nd = rng.choice([1, 2, 3])
+        shape = [rng.choice([4, 6, 8]) for _ in range(nd)]
+        cuts = [sorted({0, n, *rng.sample(range(1, n), rng.randint(0, 3) if d == 0 or rng.random() < 0.4 else 0)})
+                for d, n in enumerate(shape)]
+        ranks = []
+        for r in range(rng.randint(1, 10)):
+            cell = [rng.randrange(len(c) - 1) for c in cuts]
+            box = Box(tuple(c[i] for c, i in zip(cuts, cell, strict=True)),
+                      tuple(c[i + 1] for c, i in zip(cuts, cell, strict=True)))
+            ranks.append(RankExport(r, (Slice("t", box),)))
+        got = group_writer.regions(ranks, {"t": "tensor"})
+        held = [(r.rank, r.slices[0].box) for r in ranks]
+        assert sorted(p for g in got for p in g.parts) == sorted(held)
+        seen = np.zeros(shape, dtype=np.int64)
+        for g in got:
+            assert list(g.parts) == sorted(g.parts, key=lambda p: p[0])
+            filled = np.zeros(shape, dtype=bool)
+            for _, box in g.parts:
+                assert all(g.box.start[d] <= box.start[d] and box.stop[d] <= g.box.stop[d] for d in range(nd))
+                filled[box.slices()] = True
+            region = np.zeros(shape, dtype=bool)
+            region[g.box.slices()] = True
+            assert (filled == region).all()
+            seen[g.box.slices()] += 1
+            assert g.corners is not None
+            pos, lo, hi = g.corners
+            assert [(int(p), Box(tuple(a), tuple(b))) for p, a, b in zip(pos, lo.tolist(), hi.tolist(), strict=True)] \
+                == list(g.parts)
+        assert seen.max() <= 1

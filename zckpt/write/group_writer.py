@@ -142,40 +142,41 @@ def _regions(columns: dict[str, _Column]) -> list[Region]:
         if nd == 0:
             out.append(Region(name, parts[0][1], tuple(parts)))
             continue
-        distinct, first = np.unique(np.concatenate([col.lo, col.hi], axis=1), axis=0, return_index=True)
+        distinct, first, inverse = np.unique(np.concatenate([col.lo, col.hi], axis=1), axis=0,
+                                             return_index=True, return_inverse=True)
+        lo, hi = distinct[:, :nd], distinct[:, nd:]
         whole = Box(tuple(col.lo.min(axis=0).tolist()), tuple(col.hi.max(axis=0).tolist()))
-        if whole.size <= int((distinct[:, nd:] - distinct[:, :nd]).prod(axis=1).sum()):
-            out.append(Region(name, whole, tuple(parts)))
+        if whole.size <= int((hi - lo).prod(axis=1).sum()):
+            out.append(Region(name, whole, tuple(parts), (col.pos, col.lo, col.hi)))
             continue
-        runs = _row_runs([parts[i][1] for i in sorted(first.tolist())])
-        run_of = {(b.start, b.stop): k for k, run in enumerate(runs) for b in run}
-        members: list[list[tuple[int, Box]]] = [[] for _ in runs]
-        for p in parts:
-            members[run_of[p[1].start, p[1].stop]].append(p)
-        out.extend(Region(name, _bounds(run), tuple(m)) for run, m in zip(runs, members, strict=True))
+        run = _row_runs(lo, hi, first)[inverse.reshape(-1)]  # each part's run
+        order = np.argsort(run, kind="stable")
+        cuts = np.flatnonzero(np.diff(run[order])) + 1
+        for members in np.split(order, cuts):
+            box = Box(tuple(col.lo[members].min(axis=0).tolist()), tuple(col.hi[members].max(axis=0).tolist()))
+            out.append(Region(name, box, tuple(parts[i] for i in members.tolist()),
+                              (col.pos[members], col.lo[members], col.hi[members])))
     return out
 
 
-def _bounds(boxes: Sequence[Box]) -> Box:
-    return Box(tuple(map(min, *(b.start for b in boxes))) if len(boxes) > 1 else boxes[0].start,
-               tuple(map(max, *(b.stop for b in boxes))) if len(boxes) > 1 else boxes[0].stop)
-
-
-def _row_runs(boxes: Sequence[Box]) -> list[list[Box]]:
-    """``boxes`` (distinct) in runs whose union is a box: the same extent past the first
-    dimension, rows that touch or overlap."""
-    runs: list[list[Box]] = []
-    end = 0  # the last run's furthest row
-    for b in sorted(boxes, key=lambda b: (b.start[1:], b.stop[1:], b.start[:1])):
-        last = runs[-1] if runs else None
-        if last is not None and last[-1].start[1:] == b.start[1:] and last[-1].stop[1:] == b.stop[1:] \
-                and b.ndim and b.start[0] <= end:
-            last.append(b)
-        else:
-            runs.append([b])
-            end = 0
-        end = max(end, b.stop[0]) if b.ndim else end
-    return runs
+def _row_runs(lo: np.ndarray, hi: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """The run of each of the distinct boxes ``lo``, ``hi`` (``first``: where each first
+    appears among the parts), runs numbered in the order they are read: runs whose union is
+    a box, of boxes with the same extent past the first dimension and rows that touch or
+    overlap, ordered by that extent, then by first row (then by first appearance)."""
+    n, nd = lo.shape
+    keys = [first, lo[:, 0], *(hi[:, d] for d in range(nd - 1, 0, -1)), *(lo[:, d] for d in range(nd - 1, 0, -1))]
+    order = np.lexsort(keys)
+    slo, shi = lo[order], hi[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (slo[1:, 1:] != slo[:-1, 1:]).any(axis=1) | (shi[1:, 1:] != shi[:-1, 1:]).any(axis=1)
+    extent = np.cumsum(new) - 1
+    span = int(shi[:, 0].max()) + 1
+    reach = np.maximum.accumulate(extent * span + shi[:, 0])  # furthest row so far, per extent
+    new[1:] |= extent[1:] * span + slo[1:, 0] > reach[:-1]
+    out = np.empty(n, dtype=np.int64)
+    out[order] = np.cumsum(new) - 1
+    return out
 
 
 def small_pieces(reader: BoxReader, ranks: Sequence[RankExport]) -> bool:
