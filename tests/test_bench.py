@@ -190,3 +190,26 @@ def test_where_time_goes_sorts_perf_samples_into_categories() -> None:
 """
     got = shares(report)
     assert [round(got[c]) for c in CATEGORIES] == [25, 10, 40, 8, 7, 6, 4]
+
+
+def test_disk_timeline_sums_its_samples_and_runs_a_command(tmp_path: Path) -> None:
+    """The timeline's totals come from its first and last samples (bytes, busy time, CPU
+    ticks), the first write is the first sample whose written bytes grew; run on a command,
+    it prints a summary and exits with the command's own code."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from disk_timeline import TICK, Sample, summarise
+
+    mib = 2**20
+    samples = [Sample(0.0, 0, 0, 0, 0, 0, 0), Sample(0.5, 100 * mib, 0, 400, 50, 50, TICK // 2),
+               Sample(1.0, 200 * mib, 0, 900, 80, 120, TICK // 4), Sample(2.0, 200 * mib, 300 * mib, 1900, 100, 300, 0)]
+    got = summarise(samples, 0.5)
+    assert (got.wall_s, got.read_mib, got.written_mib, got.first_write_s) == (2.0, 200.0, 300.0, 2.0)
+    assert (got.disk_busy, got.cpu_machine, got.top_process) == (0.95, 0.25, 0.75)
+    script = Path(__file__).resolve().parents[1] / "bench" / "disk_timeline.py"
+    write = f"open({str(tmp_path / 'f')!r}, 'wb').write(bytes(1 << 20)); raise SystemExit(3)"
+    proc = subprocess.run([sys.executable, str(script), "--interval", "0.02", "--", sys.executable, "-c", write],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "wall_s" in proc.stdout and (tmp_path / "f").stat().st_size == 1 << 20
