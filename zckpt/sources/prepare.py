@@ -66,8 +66,8 @@ are read ahead. A header alone costs one random read (cold, here: 50-70 us per e
 parsing); reading ahead whole files first puts the last file's headers behind every byte of
 the job (about 1.5 s for 2 GiB), and the plan, and whatever waits for it, behind those. At
 this size the walk takes a fraction of the read (16 ranks of 128 MiB: 4 512 entries in
-0.3 s), and the planning that follows runs while the disk reads the files: a 16 -> 1 024 rank
-transform spent 2 of its 6 s with its main process waiting for the last index (cold, alternating
+0.3 s), and the planning that follows runs while the disk reads the files: the main process of
+a 16 -> 1 024 rank transform spent 29% of its time waiting for the last index (cold, alternating
 runs: 6.04-6.32 s, walking the headers first 4.92-5.14 s). Below it (256 data-parallel ranks of
 8 MiB: 44 544 entries, 2.2 s walked apart) the files are read ahead first, as before."""
 
@@ -81,9 +81,8 @@ def read_indexes(
     (ingest imports Zarr there). The first local file is walked for its headers alone; where
     its entries are large (:data:`HEADERS_FIRST_BYTES`) every file is, and the files are read
     ahead after; else (or where checksums are verified, which reads every byte) they are read
-    ahead first and walked from the page cache. Files too
-    large to be read ahead whole are walked sparsely: only the pages of their headers come
-    from the disk."""
+    ahead first and walked from the page cache. Files too large to be read ahead whole are
+    walked sparsely: only the pages of their headers come from the disk."""
     out: dict[int, dict[str, EntryInfo]] = {}
     local = [p for p in files.values() if isinstance(p, Path)]
     todo = list(files.items())
