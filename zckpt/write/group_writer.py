@@ -153,9 +153,9 @@ def _regions(columns: dict[str, _Column]) -> list[Region]:
         order = np.argsort(run, kind="stable")
         cuts = np.flatnonzero(np.diff(run[order])) + 1
         for members in np.split(order, cuts):
-            box = Box(tuple(col.lo[members].min(axis=0).tolist()), tuple(col.hi[members].max(axis=0).tolist()))
-            out.append(Region(name, box, tuple(parts[i] for i in members.tolist()),
-                              (col.pos[members], col.lo[members], col.hi[members])))
+            lo_m, hi_m = col.lo[members], col.hi[members]
+            box = Box(tuple(lo_m.min(axis=0).tolist()), tuple(hi_m.max(axis=0).tolist()))
+            out.append(Region(name, box, tuple(parts[i] for i in members.tolist()), (col.pos[members], lo_m, hi_m)))
     return out
 
 
