@@ -213,3 +213,33 @@ def test_disk_timeline_sums_its_samples_and_runs_a_command(tmp_path: Path) -> No
                           capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "wall_s" in proc.stdout and (tmp_path / "f").stat().st_size == 1 << 20
+
+
+def test_alternate_takes_the_trees_in_turn_and_runs_each_tree_s_own_zckpt(tmp_path: Path) -> None:
+    """Rounds alternate which tree goes first; the summary gives each tree its runs in order
+    and their median; a run imports zckpt from its own tree (a tree whose zckpt fails shows
+    as failed runs and a non-zero exit)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from alternate import Run, Tree, order, summary
+
+    a, b = Tree("a", tmp_path), Tree("b", tmp_path)
+    assert [t.name for t in order([a, b], 3)] == ["a", "b", "b", "a", "a", "b"]
+    runs = [Run("a", 3.0, True), Run("b", 2.0, True), Run("b", 4.0, True), Run("a", 1.0, True),
+            Run("a", 2.0, False), Run("b", 3.0, True)]
+    assert summary(runs) == ["a: median 2.00 s, 1.00-3.00 (3.00 1.00 2.00!)",
+                             "b: median 3.00 s, 2.00-4.00 (2.00 4.00 3.00)"]
+    broken = tmp_path / "broken" / "zckpt"
+    (broken / "cli").mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "cli" / "__init__.py").write_text("")
+    (broken / "cli" / "__main__.py").write_text("raise SystemExit(7)\n")
+    script = Path(__file__).resolve().parents[1] / "bench" / "alternate.py"
+    here = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(script), "--tree", f"good={here}", "--tree", f"bad={broken.parent}",
+                           "--pairs", "1", "--warm", "--out", str(tmp_path / "o"), "--", "info",
+                           str(here / "docs" / "example" / "src" / "strategy.ckpt")],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "good: median" in proc.stdout and "bad: every run failed (" in proc.stdout

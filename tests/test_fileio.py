@@ -161,19 +161,6 @@ def test_publisher_failure_leaves_no_final_name(tmp_path: Path, monkeypatch: pyt
     assert (tmp_path / "good").read_bytes() == b"good"
 
 
-def test_read_soon_only_asks_for_what_fits(tmp_path: Path) -> None:
-    """The read-ahead hint is given only when the files fit in the share of memory allowed,
-    and never for a file that is not there (the reader names it instead)."""
-    files = [tmp_path / f"f{i}" for i in range(3)]
-    for f in files:
-        f.write_bytes(os.urandom(4096))
-    if not hasattr(os, "posix_fadvise") or fileio.available_memory() is None:
-        pytest.skip("needs posix_fadvise and /proc/meminfo")
-    assert fileio.read_soon(files) is True
-    assert fileio.read_soon(files, share=0.0) is False
-    assert fileio.read_soon([*files, tmp_path / "missing"]) is False
-
-
 def _opener(tmp_path: Path, opened: list[str]) -> Callable[[str], int]:
     def open_(path: str) -> int:
         opened.append(path)

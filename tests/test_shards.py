@@ -21,7 +21,7 @@ import zckpt
 from zckpt.core.layout import Box
 from zckpt.formats.ckpt import CkptReader
 from zckpt.formats.strategy import StrategyMap, encode_strategy, make_layout
-from zckpt.io import fileio
+from zckpt.io import read_ahead
 from zckpt.jobs.export_job import ExportOptions
 from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
@@ -227,10 +227,10 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
-    monkeypatch.setattr(fileio, "read_soon", lambda paths, share=0.25: False)
+    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25: None)
     _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
     assert len(seen) == RANKS and all(seen)
-    monkeypatch.setattr(fileio, "read_soon", lambda paths, share=0.25: True)
+    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25: read_ahead.ReadAhead([]))
     seen.clear()
     _ingest(src, tmp_path / "whole.zarr", 1 << 20)
     assert seen == [True] + [False] * (RANKS - 1)
@@ -261,12 +261,12 @@ def test_headers_of_large_entries_are_walked_before_the_files_are_read_ahead(
         events.append("sparse" if sparse else "whole")
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
-    def soon(paths: object, share: float = 0.25) -> bool:
+    def soon(paths: object, share: float = 0.25) -> read_ahead.ReadAhead:
         events.append("read ahead")
-        return True
+        return read_ahead.ReadAhead([])
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
-    monkeypatch.setattr(fileio, "read_soon", soon)
+    monkeypatch.setattr(read_ahead, "read_soon", soon)
     report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
     first = ["sparse", "read ahead", *["whole"] * 7]
     assert events[:9] == (first if crc else ["sparse"] * 8 + ["read ahead"])

@@ -279,41 +279,6 @@ def available_memory() -> int | None:
     return None
 
 
-def read_soon(paths: Sequence[Path], share: float = 0.25) -> bool:
-    """Ask the kernel to read whole files about to be read (``posix_fadvise(WILLNEED)``),
-    when together they fit in ``share`` of the available memory; returns whether it asked.
-
-    Planning from hundreds of shards walks each one's headers, which lie between its
-    payloads: with a cold page cache that is one synchronous read per entry, thousands in
-    all (at 512 ranks, 2.7-3.4 s for 512 headers, 1.2-1.5 s once asked first, on a shared
-    machine). Asked first, the kernel reads the files in large requests, and the bytes then
-    copied are in the page cache already. Only the page cache holds them (no process
-    memory); larger jobs are left to the kernel's own read-ahead."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    sizes = []
-    for p in paths:
-        try:
-            sizes.append(os.stat(p).st_size)
-        except OSError:
-            return False
-    room = available_memory()
-    if room is None or sum(sizes) > room * share:
-        return False
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue  # only a hint: the reader reports the file by name
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return True
-
-
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True, files: Opener | None = None) -> None:
     """Write a small file whole as a :class:`~zckpt.io.new_files.NewFile` (unnamed where the
     system allows, never through a planted link; or as ``files`` opens it), then publish it;

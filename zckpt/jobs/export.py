@@ -41,6 +41,7 @@ from zckpt.jobs.export_job import (
     export_session,
     output_jobs,
     plan_export,
+    read_store_ahead,
     task_name,
 )
 from zckpt.plan.values import ExportPlan, RankExport
@@ -86,7 +87,7 @@ def _export(store: Store, plan: ExportPlan, dest: OutputDir, options: ExportOpti
     jobs = output_jobs(store, plan, dest.path, options)
     fingerprint = export_fingerprint(store, jobs, options)
     todo = dest.resume_or_refuse(jobs, fingerprint, options.overwrite)
-    report = _write_jobs(store, todo, dest, options, t0)
+    report = _write_jobs(store, todo, dest, options, t0, plan)
     dest.finish(jobs, fingerprint, options.fsync)
     return replace(report, kept=len(jobs) - len(todo))
 
@@ -105,12 +106,12 @@ def export_iteration(store_or_path: Store | str | Path, out_dir: str | Path, str
         sources = [f.get("path", "") if isinstance(f, dict) else str(f) for f in rank_files.values()]
         report, final = build_iteration(dest.path, plan.ranks, specs, load_strategy(strategy, options.storage_options),
                                         common_document(StoreReader(store, options), specs), sources, options,
-                                        lambda jobs: _write_jobs(store, jobs, dest, options, t0))
+                                        lambda jobs: _write_jobs(store, jobs, dest, options, t0, plan))
     return replace(report, out_dir=str(final), ranks=published(report.ranks, final))
 
 
 def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputDir, options: ExportOptions,
-                t0: float) -> ExportReport:
+                t0: float, plan: ExportPlan) -> ExportReport:
     if options.reader not in ("zarr", "dask"):
         raise OutputError(f"unknown reader {options.reader!r} (zarr or dask)")
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
@@ -119,6 +120,7 @@ def _write_jobs(store: Store, jobs: list[tuple[RankExport, Path]], dest: OutputD
     by_target = {t: n for (_, t), n in zip(units, unit_bytes, strict=True)}
     if not jobs:
         return ExportReport(dest.url, (), time.perf_counter() - t0)
+    read_store_ahead(store, plan, [r for r, _ in units], options)
     local = store.location is None and dest.local
     sources = len((store.manifest.get("source") or {}).get("rank_files") or {})  # ranks the store was ingested from
     # the source ranks only: a second process did not pay where many destination files come from
@@ -252,6 +254,7 @@ def _export_safetensors(store: Store, plan: ExportPlan, dest: OutputDir, options
     sizes = {e.name: ms_dtype(e.ms_type).storage.itemsize for e in store.entries() if e.kind == "tensor"}
     units = [(r, dest.target(p)) for r, p in jobs]
     nbytes = {t: sum(s.box.size * sizes.get(s.name, 0) for s in r.slices) for r, t in units}
+    read_store_ahead(store, plan, [r for r, _ in units], options)
     with placement(options) as place, place.running():
         options = replace(options, block_bytes=place.share(options.block_bytes), overlap=place.overlap())
         cut = source_major(StoreReader(store, options), [r for r, _ in units], options, place.tasks()) \

@@ -19,7 +19,7 @@ from typing import Any, TypedDict, Unpack
 from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
-from zckpt.io import fileio, remote
+from zckpt.io import read_ahead, remote
 from zckpt.plan.ingest_plan import build_ingest_plan
 from zckpt.plan.values import IngestPlan
 from zckpt.sources.discovery import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
@@ -77,12 +77,15 @@ def read_indexes(
     while_reading: Callable[[], object] | None = None,
 ) -> dict[int, dict[str, EntryInfo]]:
     """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
-    files (:func:`zckpt.io.fileio.read_soon`): work that can wait for the disk at the same time
+    files (:func:`zckpt.io.read_ahead.read_soon`): work that can wait for the disk at the same time
     (ingest imports Zarr there). The first local file is walked for its headers alone; where
     its entries are large (:data:`HEADERS_FIRST_BYTES`) every file is, and the files are read
-    ahead after; else (or where checksums are verified, which reads every byte) they are read
-    ahead first and walked from the page cache. Files too large to be read ahead whole are
-    walked sparsely: only the pages of their headers come from the disk."""
+    ahead after, while the plan is made; else (or where checksums are verified, which reads
+    every byte) they are walked once every window of them was asked for: a walk that faults
+    pages in holds the interpreter's lock, so that the thread asking for the next windows waits
+    on it and the disk on both (256 ranks: 3.61 s against 3.88-4.09 s for a transform walking
+    each file as soon as it was asked for). Files too large to be read ahead whole are walked
+    sparsely: only the pages of their headers come from the disk."""
     out: dict[int, dict[str, EntryInfo]] = {}
     local = [p for p in files.values() if isinstance(p, Path)]
     todo = list(files.items())
@@ -96,11 +99,19 @@ def read_indexes(
             for rank, path in todo:
                 out[rank] = _index(path, verify_crc, storage_options, sparse=True)
             todo = []
-    sparse = bool(local) and not fileio.read_soon(local)  # headers lie between payloads
-    if while_reading is not None:
-        while_reading()
-    for rank, path in todo:
-        out[rank] = _index(path, verify_crc, storage_options, sparse=sparse)
+    ahead = read_ahead.read_soon(local) if local else None
+    sparse = bool(local) and ahead is None  # headers lie between payloads
+    try:
+        if while_reading is not None:
+            while_reading()
+        if ahead is not None and todo:
+            ahead.join()  # see the docstring
+        for rank, path in todo:
+            out[rank] = _index(path, verify_crc, storage_options, sparse=sparse)
+    except BaseException:
+        if ahead is not None:
+            ahead.stop()  # a refused file: nothing more is read
+        raise
     return out
 
 

@@ -114,6 +114,10 @@ class ChunkFiles:
                 out[key] = self._chunk_path(info, key)
         return list(out.items())
 
+    def files_of(self, info: ChunkInfo, box: Box) -> list[tuple[str, Path]]:
+        """:meth:`chunk_files` of an array, or the packed chunk file of a packed tensor."""
+        return self.chunk_files(info, box) if info.at is None else [self.packed_file(info)]
+
     def _chunk_path(self, info: ChunkInfo, key: str) -> Path:
         """A chunk file's path; chunk keys with the ``/`` separator have folders of their own,
         checked (once each) like the array's."""
@@ -167,8 +171,7 @@ class ChunkFiles:
         blocks are remembered in ``done`` under ``owner`` (the name the records are filed under)."""
         checked = 0
         buffer: bytearray | None = None
-        files = self.chunk_files(info, box) if info.at is None else [self.packed_file(info)]
-        for file_key, path in files:
+        for file_key, path in self.files_of(info, box):
             for key, want in records_of(file_key):
                 if all_checked(done, owner, key, want):
                     continue

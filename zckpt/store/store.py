@@ -472,6 +472,18 @@ class Store:
         info = self.chunk_info(name)
         return [] if self._files is None else self._files.chunk_files(info, box)
 
+    def files_of(self, names: Iterable[str]) -> list[Path]:
+        """Every file holding the bytes of the tensors ``names``, in their order, each once
+        (raw local stores; else empty): what reading them whole reads."""
+        if self._files is None:
+            return []
+        out: dict[Path, None] = {}
+        for name in names:
+            e = self.entry(name)
+            if e.kind == "tensor":
+                out.update((p, None) for _, p in self._files.files_of(self.chunk_info(name), Box.full(e.shape)))
+        return list(out)
+
     def chunk_keys(self, name: str, box: Box) -> list[str]:
         """Keys of every chunk ``box`` touches when chunks are stored raw (local or remote)."""
         return self.chunk_info(name).keys_in(box)

@@ -1,0 +1,160 @@
+"""The read-ahead of source files (zckpt.io.read_ahead): whole files, window by window."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from zckpt.io import fileio, read_ahead
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise") or fileio.available_memory() is None,
+                                reason="needs posix_fadvise and /proc/meminfo")
+
+
+def test_read_soon_only_asks_for_what_fits(tmp_path: Path) -> None:
+    """The read-ahead is started only when the files fit in the share of memory allowed,
+    and never for a file that is not there (the reader names it instead)."""
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for f in files:
+        f.write_bytes(os.urandom(4096))
+    ahead = read_ahead.read_soon(files)
+    assert ahead is not None
+    ahead.join(30)
+    assert ahead.asked == 3 * 4096
+    assert read_ahead.read_soon(files, share=0.0) is None
+    assert read_ahead.read_soon([*files, tmp_path / "missing"]) is None
+
+
+def test_every_window_of_every_file_is_asked_for_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux reads one read-ahead window per WILLNEED: a file is asked for in steps of the
+    device's window, first byte to last, file after file (one call for a whole shard read
+    only its first 8 MiB); a file that vanished is passed over; stopped, it asks no more."""
+    sizes = [10_000, 0, 25_000]
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for f, n in zip(files, sizes, strict=True):
+        f.write_bytes(bytes(n))
+    asked: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    inodes = {os.stat(f).st_ino: i for i, f in enumerate(files)}
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_WILLNEED
+        asked.append((inodes[os.fstat(fd).st_ino], offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    monkeypatch.setattr(read_ahead, "request_bytes", lambda fd: 4096)
+    ahead = read_ahead.ReadAhead([files[0], tmp_path / "gone", files[1], files[2]])
+    ahead.join(30)
+    want = [(0, o, min(4096, 10_000 - o)) for o in range(0, 10_000, 4096)]
+    want += [(2, o, min(4096, 25_000 - o)) for o in range(0, 25_000, 4096)]
+    assert asked == want and ahead.asked == 35_000
+    asked.clear()
+    stopped = read_ahead.ReadAhead([])
+    stopped.stop()
+    stopped._paths = files  # asked for after the stop: nothing
+    again = threading.Thread(target=stopped._run)
+    again.start()
+    again.join()
+    assert asked == []
+
+
+def test_the_window_is_the_device_s_where_it_is_known(tmp_path: Path) -> None:
+    """A file on a block device is asked for in steps of its device's larger limit
+    (read_ahead_kb, max_sectors_kb), within the bounds; elsewhere in the fallback's."""
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    with open(f, "rb") as fh:
+        step = read_ahead.request_bytes(fh.fileno())
+        st = os.fstat(fh.fileno())
+    assert read_ahead.FALLBACK_BYTES <= step <= read_ahead.MAX_BYTES
+    base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+    queue = base / "queue" if (base / "queue").is_dir() else base.parent / "queue"
+    if (queue / "read_ahead_kb").is_file():
+        kib = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
+        assert step == min(read_ahead.MAX_BYTES, max(read_ahead.FALLBACK_BYTES, kib * 1024))
+    else:
+        assert step == read_ahead.FALLBACK_BYTES
+    r, w = os.pipe()
+    try:
+        assert read_ahead.request_bytes(r) == read_ahead.FALLBACK_BYTES
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _ra_store(tmp_path: Path) -> tuple[Path, Path]:
+    from test_shards import _ingest, _model
+
+    src, dst = _model(tmp_path)
+    _ingest(src, tmp_path / "s.zarr", 0)  # one file per chunk: w in 32 row blocks, v in 4 x 8 blocks
+    return tmp_path / "s.zarr", dst
+
+
+def test_an_export_of_every_rank_reads_ahead_the_files_of_its_tensors(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank of a destination reads every file of its tensors, asked for in the order of
+    the tensors and of their chunks (.ckpt and safetensors); fewer ranks may need a band of
+    each file only, and ask for nothing ahead."""
+    from test_shards import _check_export
+
+    import zckpt
+    from zckpt.jobs import export_job
+
+    store, dst = _ra_store(tmp_path)
+    asked: list[list[Path]] = []
+    monkeypatch.setattr(export_job, "read_soon", lambda paths, share=0.25: asked.append(list(paths)))
+    zckpt.export(store, tmp_path / "all", str(dst))
+    _check_export(tmp_path / "all")
+    w = [store / "tensors" / "w" / f"c.{i}.0" for i in range(32)]
+    v = [store / "tensors" / "v" / f"c.{i}.{j}" for i in range(4) for j in range(8)]
+    assert asked == [w + v]
+    from zckpt.jobs.export import export_safetensors
+
+    export_safetensors(store, tmp_path / "sf", str(dst))
+    assert asked[1] == w + v
+    zckpt.export(store, tmp_path / "one", str(dst), ranks=[0])
+    assert len(asked) == 2
+
+
+def test_no_read_ahead_for_a_cluster_s_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers of a Dask scheduler may run on other hosts, whose page caches this process
+    cannot fill: no read-ahead there (a LocalCluster shares this machine's and gets it)."""
+    from zckpt.jobs import export_job
+    from zckpt.jobs.export_job import ExportOptions, plan_export
+    from zckpt.store.store import Store
+
+    store_path, dst = _ra_store(tmp_path)
+    store = Store.open(store_path)
+    plan = plan_export(store, str(dst))
+    asked: list[list[Path]] = []
+    monkeypatch.setattr(export_job, "read_soon", lambda paths, share=0.25: asked.append(list(paths)))
+    export_job.read_store_ahead(store, plan, plan.ranks, ExportOptions(scheduler="tcp://127.0.0.1:1"))
+    assert asked == []
+    export_job.read_store_ahead(store, plan, plan.ranks, ExportOptions(workers=2))
+    assert len(asked) == 1 and len(asked[0]) == 64
+
+
+def test_only_the_read_ahead_thread_reads_at_idle_priority() -> None:
+    """The read-ahead thread's reads are of the idle I/O class, so that the job's own reads
+    pass them; the rest of the process keeps its class."""
+    import ctypes
+    import platform
+
+    number = read_ahead.IOPRIO_SET.get(platform.machine())
+    if number is None:
+        pytest.skip(f"no ioprio_set number known for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = libc.syscall(number + 1, 1, 0)  # ioprio_get of this thread
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.extend([read_ahead.idle_io(), libc.syscall(number + 1, 1, 0)]))
+    thread.start()
+    thread.join()
+    assert seen == [True, 3 << 13]
+    assert libc.syscall(number + 1, 1, 0) == before != 3 << 13
+    ahead = read_ahead.ReadAhead([])
+    ahead.join(30)
+    assert ahead.idle
