@@ -46,7 +46,7 @@ def test_every_window_of_every_file_is_asked_for_in_order(tmp_path: Path, monkey
         real(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", recording)
-    monkeypatch.setattr(read_ahead, "request_bytes", lambda fd: 4096)
+    monkeypatch.setattr(read_ahead, "request_bytes", lambda device: 4096)
     ahead = read_ahead.ReadAhead([files[0], tmp_path / "gone", files[1], files[2]])
     ahead.join(30)
     want = [(0, o, min(4096, 10_000 - o)) for o in range(0, 10_000, 4096)]
@@ -62,28 +62,37 @@ def test_every_window_of_every_file_is_asked_for_in_order(tmp_path: Path, monkey
     assert asked == []
 
 
+def test_files_read_together_are_asked_for_a_window_of_each_in_turn(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transform reads each tensor from every shard at the same pace: the files are asked
+    for one window of each in turn; a job that reads only their starts, their first window."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(bytes(10))
+    b.write_bytes(bytes(25))
+    monkeypatch.setattr(read_ahead, "request_bytes", lambda device: 8)
+    assert read_ahead.windows([a, b], "together") == [(a, 0, 8), (b, 0, 8), (a, 8, 2), (b, 8, 8), (b, 16, 8),
+                                                       (b, 24, 1)]
+    assert read_ahead.windows([a, b], "files") == [(a, 0, 8), (a, 8, 2), (b, 0, 8), (b, 8, 8), (b, 16, 8),
+                                                    (b, 24, 1)]
+    assert read_ahead.windows([a, tmp_path / "gone", b], "starts") == [(a, 0, 8), (b, 0, 8)]
+
+
 def test_the_window_is_the_device_s_where_it_is_known(tmp_path: Path) -> None:
     """A file on a block device is asked for in steps of its device's larger limit
     (read_ahead_kb, max_sectors_kb), within the bounds; elsewhere in the fallback's."""
     f = tmp_path / "f"
     f.write_bytes(b"x")
-    with open(f, "rb") as fh:
-        step = read_ahead.request_bytes(fh.fileno())
-        st = os.fstat(fh.fileno())
+    device = os.stat(f).st_dev
+    step = read_ahead.request_bytes(device)
     assert read_ahead.FALLBACK_BYTES <= step <= read_ahead.MAX_BYTES
-    base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+    base = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
     queue = base / "queue" if (base / "queue").is_dir() else base.parent / "queue"
     if (queue / "read_ahead_kb").is_file():
         kib = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
         assert step == min(read_ahead.MAX_BYTES, max(read_ahead.FALLBACK_BYTES, kib * 1024))
     else:
         assert step == read_ahead.FALLBACK_BYTES
-    r, w = os.pipe()
-    try:
-        assert read_ahead.request_bytes(r) == read_ahead.FALLBACK_BYTES
-    finally:
-        os.close(r)
-        os.close(w)
+    assert read_ahead.request_bytes(os.makedev(0, 0)) == read_ahead.FALLBACK_BYTES  # no block device
 
 
 def _ra_store(tmp_path: Path) -> tuple[Path, Path]:
@@ -158,3 +167,42 @@ def test_only_the_read_ahead_thread_reads_at_idle_priority() -> None:
     ahead = read_ahead.ReadAhead([])
     ahead.join(30)
     assert ahead.idle
+
+
+def test_each_job_reads_its_sources_ahead_in_the_order_it_reads_them(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards of large entries, walked for their headers first: an ingest reads them ahead
+    file after file, a transform of every rank all together; a transform of one rank and a
+    dry run read nothing ahead (they need their starts, walked already). The outputs are the
+    global values either way."""
+    from test_shards import HUGE
+
+    import zckpt
+    from zckpt.formats.ckpt import CkptReader
+    from zckpt.jobs.dryrun import dry_run_transform
+    from zckpt.jobs.generate import write_model
+    from zckpt.jobs.generate_model import global_value
+    from zckpt.jobs.transform import transform
+
+    src = tmp_path / "src"
+    write_model(src, [HUGE], device_num=8, scalars=False, crc=False)
+    orders: list[str] = []
+    real = read_ahead.read_soon
+
+    def soon(paths: list[Path], share: float = 0.25, order: read_ahead.Order = "starts") -> read_ahead.ReadAhead | None:
+        orders.append(order)
+        return real(paths, share, order)
+
+    monkeypatch.setattr(read_ahead, "read_soon", soon)
+    zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
+    assert orders == ["files"]
+    transform(str(src), tmp_path / "all", str(src / "strategy.ckpt"))
+    assert orders == ["files", "together"]
+    transform(str(src), tmp_path / "one", str(src / "strategy.ckpt"), str(src / "strategy.ckpt"), ranks=[3])
+    dry_run_transform(str(src), tmp_path / "dry", str(src / "strategy.ckpt"), str(src / "strategy.ckpt"))
+    assert orders == ["files", "together"]
+    with CkptReader(tmp_path / "all" / "rank_0" / "checkpoint_0.ckpt") as r:
+        assert r.array(HUGE.name).tobytes() == global_value(HUGE.name, HUGE.shape, HUGE.ms_type).tobytes()
+    with CkptReader(tmp_path / "one" / "rank_3" / "checkpoint_3.ckpt") as r:
+        want = global_value(HUGE.name, HUGE.shape, HUGE.ms_type)[3 * 256 : 4 * 256]
+        assert r.array(HUGE.name).tobytes() == want.tobytes()

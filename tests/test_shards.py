@@ -227,10 +227,10 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
-    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25: None)
+    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25, order="starts": None)
     _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
     assert len(seen) == RANKS and all(seen)
-    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25: read_ahead.ReadAhead([]))
+    monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25, order="starts": read_ahead.ReadAhead([]))
     seen.clear()
     _ingest(src, tmp_path / "whole.zarr", 1 << 20)
     assert seen == [True] + [False] * (RANKS - 1)
@@ -261,7 +261,7 @@ def test_headers_of_large_entries_are_walked_before_the_files_are_read_ahead(
         events.append("sparse" if sparse else "whole")
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
-    def soon(paths: object, share: float = 0.25) -> read_ahead.ReadAhead:
+    def soon(paths: object, share: float = 0.25, order: str = "starts") -> read_ahead.ReadAhead:
         events.append("read ahead")
         return read_ahead.ReadAhead([])
 

@@ -20,12 +20,15 @@ file, bound by its one writing process, waited so with CPUs idle and took 2.58-2
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import os
 import platform
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from zckpt.io.fileio import available_memory
 
@@ -56,13 +59,12 @@ def idle_io() -> bool:
         return False
 
 
-def request_bytes(fd: int) -> int:
-    """The most one ``WILLNEED`` of ``fd`` makes the kernel read: the larger of its device's
-    read-ahead window and largest request (``/sys/dev/block/M:m/queue``, the disk's for a
-    partition), or :data:`FALLBACK_BYTES`."""
+def request_bytes(device: int) -> int:
+    """The most one ``WILLNEED`` makes the kernel read of a file on ``device`` (``st_dev``): the
+    larger of the device's read-ahead window and largest request (``/sys/dev/block/M:m/queue``,
+    the disk's for a partition), or :data:`FALLBACK_BYTES`."""
     try:
-        st = os.fstat(fd)
-        base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        base = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
         queue = base / "queue" if (base / "queue").is_dir() else base.parent / "queue"
         kib = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
     except (OSError, ValueError):
@@ -70,11 +72,22 @@ def request_bytes(fd: int) -> int:
     return min(MAX_BYTES, max(FALLBACK_BYTES, kib * 1024))
 
 
-class ReadAhead:
-    """The thread asking for ``paths``, in their order, window by window."""
+Order = Literal["files", "together", "starts"]
+"""How a job reads its files after planning, and so the order they are asked for in:
+``"files"`` every byte, file after file (an ingest copies rank after rank); ``"together"``
+every byte, every file at the same pace (a transform reads each tensor from all the shards
+that hold part of it); ``"starts"`` only what lies near each file's start, one window each
+(a dry run, a plan, one rank's slice: the headers of small files, as the kernel reads them
+for one call)."""
 
-    def __init__(self, paths: Sequence[Path]) -> None:
+
+class ReadAhead:
+    """The thread asking for ``paths`` window by window, in ``order``; one file open at a time
+    (a job of thousands of files keeps its descriptors)."""
+
+    def __init__(self, paths: Sequence[Path], order: Order = "files") -> None:
         self._paths = list(paths)
+        self.order = order
         self._stop = threading.Event()
         self.asked = 0
         """Bytes asked for so far (for tests)."""
@@ -85,28 +98,24 @@ class ReadAhead:
 
     def _run(self) -> None:
         self.idle = idle_io()
-        for p in self._paths:
-            if self._stop.is_set():
-                return
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except OSError:
-                continue  # only a hint: the reader reports the file by name
-            try:
-                self._ask(fd)
-            except OSError:
-                pass
-            finally:
+        fd, current = -1, None
+        try:
+            for path, offset, n in windows(self._paths, self.order):
+                if self._stop.is_set():
+                    return
+                if path != current:
+                    if fd >= 0:
+                        os.close(fd)
+                    fd, current = -1, path
+                    with contextlib.suppress(OSError):  # only a hint: the reader reports the file by name
+                        fd = os.open(path, os.O_RDONLY)
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+                        self.asked += n
+        finally:
+            if fd >= 0:
                 os.close(fd)
-
-    def _ask(self, fd: int) -> None:
-        size, step = os.fstat(fd).st_size, request_bytes(fd)
-        for offset in range(0, size, step):
-            if self._stop.is_set():
-                return
-            n = min(step, size - offset)
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
-            self.asked += n
 
     def stop(self) -> None:
         """Ask for nothing more (a call under way ends first)."""
@@ -116,10 +125,28 @@ class ReadAhead:
         self._thread.join(timeout)
 
 
-def read_soon(paths: Sequence[Path], share: float = 0.25) -> ReadAhead | None:
-    """Start reading whole files about to be read (:class:`ReadAhead`), when together they fit
-    in ``share`` of the available memory; ``None`` where it did not (larger jobs are left to
-    the kernel's own read-ahead as they are read, a file missing is reported by its reader).
+def windows(paths: Sequence[Path], order: Order) -> list[tuple[Path, int, int]]:
+    """``(file, offset, length)`` of each call, in ``order`` (files that are gone left out)."""
+    files: list[tuple[Path, int, int]] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        files.append((p, st.st_size, request_bytes(st.st_dev)))
+    per_file = [[(p, o, min(step, size - o)) for o in range(0, size, step)] for p, size, step in files]
+    if order == "starts":
+        return [w[0] for w in per_file if w]
+    if order == "files":
+        return [x for w in per_file for x in w]
+    return [x for row in itertools.zip_longest(*per_file) for x in row if x is not None]
+
+
+def read_soon(paths: Sequence[Path], share: float = 0.25, order: Order = "files") -> ReadAhead | None:
+    """Start reading files about to be read (:class:`ReadAhead`, in ``order``), when together
+    they fit in ``share`` of the available memory; ``None`` where it did not (larger jobs are
+    left to the kernel's own read-ahead as they are read, a file missing is reported by its
+    reader).
 
     At 512 ranks the headers of 512 files took 2.7-3.4 s walked cold, 1.2-1.5 s once asked
     for first, on a shared machine."""
@@ -134,4 +161,4 @@ def read_soon(paths: Sequence[Path], share: float = 0.25) -> ReadAhead | None:
     room = available_memory()
     if room is None or sum(sizes) > room * share:
         return None
-    return ReadAhead(paths)
+    return ReadAhead(paths, order)

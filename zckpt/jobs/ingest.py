@@ -169,7 +169,7 @@ def ingest(
                    else 0, ranks=len(found.files),
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
         prepared = plan_sources(
-            found, verify_crc=options.verify_crc,
+            found, verify_crc=options.verify_crc, order="files",
             # with a cold cache the store's import reads its own files from the disk: while the shards are read
             while_reading=lambda: importlib.import_module("zckpt.store.store"))
         return _ingest(prepared, store_path, is_remote, options, place, t0)

@@ -29,6 +29,7 @@ from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import remote
 from zckpt.io.fileio import Publisher
+from zckpt.io.read_ahead import Order
 from zckpt.jobs.export import safetensors_fingerprint
 from zckpt.jobs.export_job import ExportOptions, ExportReport, files_digest, stage_jobs
 from zckpt.plan.export_plan import build_export_plan
@@ -144,10 +145,12 @@ def plan_transform(
     file_suffix: str | None = None,
     choice_func: Callable[[str], bool] | None = None,
     storage_options: remote.StorageOptions = None,
+    order: Order = "starts",
 ) -> TransformPlan:
     """Both plans, refusing any region a planned destination slice needs that no present
-    source file holds (by parameter, with the source ranks that would hold it)."""
-    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc,
+    source file holds (by parameter, with the source ranks that would hold it). ``order``: how
+    the source files are read after (:func:`zckpt.sources.prepare.read_indexes`)."""
+    prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc, order=order,
                               file_suffix=file_suffix, choice_func=choice_func, storage_options=storage_options)
     source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes
     dmap = load_strategy(dst_strategy, storage_options)
@@ -187,7 +190,7 @@ def transform(
     refuse_remote_iteration(options.format, dest)
     plan = plan_transform(src, src_strategy, dst_strategy, ranks, verify_crc=options.verify_crc,
                           file_suffix=options.file_suffix, choice_func=options.choice_func,
-                          storage_options=options.storage_options)
+                          storage_options=options.storage_options, order=_reading(options, ranks))
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     if options.format == "mindformers":
         refuse_source_unsupplied(plan, src)
@@ -199,6 +202,14 @@ def transform(
         refuse_source_unsupplied(plan, src)
     with dest.holding():
         return _transform_into(plan, dest, options, t0)
+
+
+def _reading(options: TransformOptions, ranks: Iterable[int] | None) -> Order:
+    """How a transform reads its source files: every rank of the destination, in this
+    machine's processes, reads every byte, each tensor from all its shards at once (the
+    sources are then read ahead in that order, :mod:`zckpt.io.read_ahead`); else what its
+    ranks need, which may be a thin band of each file."""
+    return "together" if ranks is None and options.scheduler is None else "starts"
 
 
 def _transform_iteration(plan: TransformPlan, dest: OutputDir, options: TransformOptions,

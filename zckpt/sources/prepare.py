@@ -20,6 +20,7 @@ from zckpt.core.errors import SourceError, UsageError
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
 from zckpt.io import read_ahead, remote
+from zckpt.io.read_ahead import Order
 from zckpt.plan.ingest_plan import build_ingest_plan
 from zckpt.plan.values import IngestPlan
 from zckpt.sources.discovery import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
@@ -74,7 +75,7 @@ runs: 6.04-6.32 s, walking the headers first 4.92-5.14 s). Below it (256 data-pa
 
 def read_indexes(
     files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
-    while_reading: Callable[[], object] | None = None,
+    while_reading: Callable[[], object] | None = None, order: Order = "starts",
 ) -> dict[int, dict[str, EntryInfo]]:
     """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
     files (:func:`zckpt.io.read_ahead.read_soon`): work that can wait for the disk at the same time
@@ -85,7 +86,9 @@ def read_indexes(
     pages in holds the interpreter's lock, so that the thread asking for the next windows waits
     on it and the disk on both (256 ranks: 3.61 s against 3.88-4.09 s for a transform walking
     each file as soon as it was asked for). Files too large to be read ahead whole are walked
-    sparsely: only the pages of their headers come from the disk."""
+    sparsely: only the pages of their headers come from the disk. ``order``: how the job reads
+    the files after planning (:data:`zckpt.io.read_ahead.Order`); a job that reads only their
+    starts has nothing read ahead once their headers were walked."""
     out: dict[int, dict[str, EntryInfo]] = {}
     local = [p for p in files.values() if isinstance(p, Path)]
     todo = list(files.items())
@@ -98,8 +101,12 @@ def read_indexes(
         if not whole and _large_entries(first, len(out[rank])):
             for rank, path in todo:
                 out[rank] = _index(path, verify_crc, storage_options, sparse=True)
-            todo = []
-    ahead = read_ahead.read_soon(local) if local else None
+            if order != "starts":
+                read_ahead.read_soon(local, order=order)
+            if while_reading is not None:
+                while_reading()
+            return out
+    ahead = read_ahead.read_soon(local, order=order) if local else None
     sparse = bool(local) and ahead is None  # headers lie between payloads
     try:
         if while_reading is not None:
@@ -228,10 +235,13 @@ def find_sources(
 
 def plan_sources(
     found: FoundSources, *, verify_crc: bool = True, while_reading: Callable[[], object] | None = None,
+    order: Order = "starts",
 ) -> PreparedIngest:
-    """The second step of :func:`prepare_ingest`: every index read, the plan made."""
+    """The second step of :func:`prepare_ingest`: every index read (``order``: see
+    :func:`read_indexes`), the plan made."""
     smap, files, keep, so = found.strategy, found.files, found.keep, found.storage_options
-    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=so, while_reading=while_reading)
+    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=so, while_reading=while_reading,
+                           order=order)
     left_out: set[str] = set()
     if keep is not None:
         left_out = {n for idx in indexes.values() for n in idx if not keep(n)}
@@ -261,10 +271,10 @@ class FindArgs(TypedDict, total=False):
 
 def prepare_ingest(
     src: str | Path | Mapping[int, str | Path], strategy: StrategyArg, *, verify_crc: bool = True,
-    **find: Unpack[FindArgs],
+    order: Order = "starts", **find: Unpack[FindArgs],
 ) -> PreparedIngest:
     """Find the sources and plan the ingest (:func:`find_sources`, then :func:`plan_sources`)."""
-    return plan_sources(find_sources(src, strategy, **find), verify_crc=verify_crc)
+    return plan_sources(find_sources(src, strategy, **find), verify_crc=verify_crc, order=order)
 
 
 @dataclass(frozen=True)
