@@ -85,10 +85,10 @@ def read_indexes(
     every byte) they are walked once every window of them was asked for: a walk that faults
     pages in holds the interpreter's lock, so that the thread asking for the next windows waits
     on it and the disk on both (a 256-rank transform walking each file as soon as it was asked
-    for: medians of 3.88 and 4.09 s against 3.61 s, alternating cold runs). Files too large to be read ahead whole are walked
-    sparsely: only the pages of their headers come from the disk. ``order``: how the job reads
-    the files after planning (:data:`zckpt.io.read_ahead.Order`); a job that reads only their
-    starts has nothing read ahead once their headers were walked."""
+    for: medians of 3.88 and 4.09 s against 3.61 s, alternating cold runs). Files too large to
+    be read ahead whole are walked sparsely: only the pages of their headers come from the disk.
+    ``order``: how the job reads the files after planning (:data:`zckpt.io.read_ahead.Order`); a
+    job that reads only their starts has nothing read ahead once their headers were walked."""
     out: dict[int, dict[str, EntryInfo]] = {}
     local = [p for p in files.values() if isinstance(p, Path)]
     todo = list(files.items())
