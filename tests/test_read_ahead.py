@@ -206,3 +206,49 @@ def test_each_job_reads_its_sources_ahead_in_the_order_it_reads_them(tmp_path: P
     with CkptReader(tmp_path / "one" / "rank_3" / "checkpoint_3.ckpt") as r:
         want = global_value(HUGE.name, HUGE.shape, HUGE.ms_type)[3 * 256 : 4 * 256]
         assert r.array(HUGE.name).tobytes() == want.tobytes()
+
+
+def test_the_headers_of_large_entries_are_asked_for_together_from_the_first_file_s_layout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the first shard's entries are large, the other shards are asked for the 512 bytes
+    before each payload of the first (its Value headers), all before any is walked; the
+    indexes walked after are each file's own. read_headers asks each file for exactly those
+    spans."""
+    from test_shards import HUGE
+
+    import zckpt
+    from zckpt.formats.ckpt import CkptReader
+    from zckpt.jobs.generate import write_model
+
+    src = tmp_path / "src"
+    write_model(src, [HUGE], device_num=8, scalars=False, crc=False)
+    with CkptReader(src / "rank_0" / "checkpoint_0.ckpt") as r:
+        offsets = sorted(s.offset for e in r.entries.values() for s in e.segments)
+    want = [(max(0, o - 512), min(512, o)) for o in offsets]
+    calls: list[tuple[list[Path], list[tuple[int, int]]]] = []
+    walked: list[str] = []
+    real_headers, real_init = read_ahead.read_headers, CkptReader.__init__
+
+    def headers(paths: list[Path], spans: list[tuple[int, int]]) -> None:
+        calls.append((list(paths), list(spans)))
+        walked.append("headers")
+        real_headers(paths, spans)
+
+    def init(self: CkptReader, path: str | os.PathLike[str], *, verify_crc: bool = True, sparse: bool = False) -> None:
+        walked.append(Path(path).parent.name)
+        real_init(self, path, verify_crc=verify_crc, sparse=sparse)
+
+    monkeypatch.setattr(read_ahead, "read_headers", headers)
+    monkeypatch.setattr(CkptReader, "__init__", init)
+    report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
+    assert report.complete
+    assert walked[:2] == ["rank_0", "headers"] and sorted(walked[2:9]) == [f"rank_{r}" for r in range(1, 8)]
+    assert calls == [([src / f"rank_{r}" / f"checkpoint_{r}.ckpt" for r in range(1, 8)], want)]
+
+    asked: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, a: (asked.append((os.readlink(f"/proc/self/fd/{fd}"),
+                                                                                 o, n)), real(fd, o, n, a)))
+    real_headers([src / "rank_1" / "checkpoint_1.ckpt", tmp_path / "gone"], [(0, 100), (4096, 512)])
+    assert asked == [(str(src / "rank_1" / "checkpoint_1.ckpt"), 0, 100),
+                     (str(src / "rank_1" / "checkpoint_1.ckpt"), 4096, 512)]

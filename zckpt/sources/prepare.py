@@ -81,7 +81,8 @@ def read_indexes(
     files (:func:`zckpt.io.read_ahead.read_soon`): work that can wait for the disk at the same time
     (ingest imports Zarr there). The first local file is walked for its headers alone; where
     its entries are large (:data:`HEADERS_FIRST_BYTES`) every file is, and the files are read
-    ahead after, while the plan is made; else (or where checksums are verified, which reads
+    ahead after, while the plan is made (the headers of the others asked for at once first,
+    where the first file has them); else (or where checksums are verified, which reads
     every byte) they are walked once every window of them was asked for: a walk that faults
     pages in holds the interpreter's lock, so that the thread asking for the next windows waits
     on it and the disk on both (a 256-rank transform walking each file as soon as it was asked
@@ -99,6 +100,7 @@ def read_indexes(
             out[rank] = dict(r.entries)
             whole = r.has_crc and verify_crc  # its checksum read every byte: so would the others'
         if not whole and _large_entries(first, len(out[rank])):
+            read_ahead.read_headers([p for _, p in todo if isinstance(p, Path)], header_spans(out[rank]))
             for rank, path in todo:
                 out[rank] = _index(path, verify_crc, storage_options, sparse=True)
             if order != "starts":
@@ -120,6 +122,18 @@ def read_indexes(
             ahead.stop()  # a refused file: nothing more is read
         raise
     return out
+
+
+HEADER_BYTES = 512
+"""Bytes before each payload asked for ahead of the walk (:func:`zckpt.io.read_ahead.read_headers`):
+the ``Value`` header (tag, dims, type) lies there; a longer one is read by the walk itself."""
+
+
+def header_spans(index: Mapping[str, EntryInfo]) -> list[tuple[int, int]]:
+    """Where the headers of a file laid out as ``index`` lie: the :data:`HEADER_BYTES` before
+    each payload, as ``(offset, length)``, in file order."""
+    return sorted({(max(0, s.offset - HEADER_BYTES), min(HEADER_BYTES, s.offset))
+                   for e in index.values() for s in e.segments})
 
 
 def _index(path: SourceFile, verify_crc: bool, storage_options: remote.StorageOptions,
