@@ -1,4 +1,5 @@
-"""Whole files read into the page cache before their reader gets to them, on a thread.
+"""Source and store files read into the page cache before their reader gets to them: whole
+files on a thread (:class:`ReadAhead`), or the headers of many files at once (:func:`read_headers`).
 
 Planning a job from its shards walks each file's headers, which lie between its payloads, and
 the copy that follows reads the payloads: with a cold page cache, asking the kernel first
@@ -25,6 +26,7 @@ import ctypes
 import itertools
 import os
 import platform
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +52,7 @@ _IDLE = 3 << 13
 def idle_io() -> bool:
     """Put the calling thread's reads in the idle I/O class; whether that was done."""
     number = IOPRIO_SET.get(platform.machine())
-    if number is None or not hasattr(os, "posix_fadvise"):
+    if number is None or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
