@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from zckpt.io import fileio, read_ahead
+from zckpt.sources.same_layout import Layouts
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise") or fileio.available_memory() is None,
                                 reason="needs posix_fadvise and /proc/meminfo")
@@ -240,6 +241,12 @@ def test_the_headers_of_large_entries_are_asked_for_together_from_the_first_file
 
     monkeypatch.setattr(read_ahead, "read_headers", headers)
     monkeypatch.setattr(CkptReader, "__init__", init)
+    report = zckpt.ingest(str(src), tmp_path / "alike.zarr", str(src / "strategy.ckpt"))
+    assert report.complete and walked == ["rank_0", "headers"]  # the others laid out as rank 0 (same_layout)
+    assert calls == [([src / f"rank_{r}" / f"checkpoint_{r}.ckpt" for r in range(1, 8)], want)]
+    calls.clear()
+    walked.clear()
+    monkeypatch.setattr(Layouts, "index_of", lambda self, path, group=None: None)  # each file walked
     report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
     assert report.complete
     assert walked[:2] == ["rank_0", "headers"] and sorted(walked[2:9]) == [f"rank_{r}" for r in range(1, 8)]

@@ -27,6 +27,7 @@ from zckpt.jobs.generate import write_model
 from zckpt.jobs.generate_model import TensorDef, global_value
 from zckpt.jobs.ingest import IngestOptions
 from zckpt.jobs.verify import verify
+from zckpt.sources.same_layout import Layouts
 from zckpt.store import chunk_writer, task_files
 from zckpt.store.reader import StoreReader
 
@@ -227,6 +228,7 @@ def test_sources_too_large_to_read_ahead_are_walked_sparsely(tmp_path: Path, mon
         original(self, path, verify_crc=verify_crc, sparse=sparse)
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
+    monkeypatch.setattr(Layouts, "index_of", lambda self, path, group=None: None)  # every file walked: how is tested
     monkeypatch.setattr(read_ahead, "read_soon", lambda paths, share=0.25, order="starts": None)
     _ingest(src, tmp_path / "sparse.zarr", 1 << 20)
     assert len(seen) == RANKS and all(seen)
@@ -248,7 +250,7 @@ HUGE = TensorDef("huge", (2048, 512), "Float32", make_layout((8,), [[0], []]))
 @pytest.mark.parametrize("crc", [False, True])
 def test_headers_of_large_entries_are_walked_before_the_files_are_read_ahead(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc: bool) -> None:
-    """Where a shard's entries are large (:data:`zckpt.sources.prepare.HEADERS_FIRST_BYTES`),
+    """Where a shard's entries are large (:data:`zckpt.sources.indexes.HEADERS_FIRST_BYTES`),
     every shard is walked for its headers before the files are read ahead, so that the plan
     does not wait for the last byte of the job; where their checksums are verified (every
     byte read anyway) they are read ahead first. The store is the same either way."""
@@ -266,6 +268,7 @@ def test_headers_of_large_entries_are_walked_before_the_files_are_read_ahead(
         return read_ahead.ReadAhead([])
 
     monkeypatch.setattr(CkptReader, "__init__", spy)
+    monkeypatch.setattr(Layouts, "index_of", lambda self, path, group=None: None)  # every file walked: when is tested
     monkeypatch.setattr(read_ahead, "read_soon", soon)
     report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
     first = ["sparse", "read ahead", *["whole"] * 7]

@@ -149,7 +149,7 @@ def plan_transform(
 ) -> TransformPlan:
     """Both plans, refusing any region a planned destination slice needs that no present
     source file holds (by parameter, with the source ranks that would hold it). ``order``: how
-    the source files are read after (:func:`zckpt.sources.prepare.read_indexes`)."""
+    the source files are read after (:class:`zckpt.sources.indexes.IndexReading`)."""
     prepared = prepare_ingest(src, src_strategy, require_complete=False, verify_crc=verify_crc, order=order,
                               file_suffix=file_suffix, choice_func=choice_func, storage_options=storage_options)
     source, smap, indexes = prepared.plan, prepared.strategy, prepared.indexes

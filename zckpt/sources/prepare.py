@@ -11,19 +11,21 @@ nothing but the files found (ingest's helper process) while their indexes are re
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
-from zckpt.core.errors import SourceError, UsageError
+from zckpt.core.errors import SourceError, UsageError, ZckptError
 from zckpt.formats.entries import EntryInfo
 from zckpt.formats.strategy import StrategyMap
-from zckpt.io import read_ahead, remote
+from zckpt.io import remote
 from zckpt.io.read_ahead import Order
 from zckpt.plan.ingest_plan import build_ingest_plan
 from zckpt.plan.values import IngestPlan
 from zckpt.sources.discovery import SourceFile, SourceSet, check_rank_map, discover_sources, open_source
+from zckpt.sources.indexes import IndexReading
 from zckpt.sources.layouts import implied_strategy
 from zckpt.sources.partial_inputs import left_behind, partial_record, refuse_stageless
 from zckpt.sources.strategies import StrategyArg, load_strategy
@@ -59,96 +61,6 @@ def entry_filter(choice_func: Callable[[str], bool] | None) -> Callable[[str], b
         return out
 
     return keep
-
-
-HEADERS_FIRST_BYTES = 256 * 1024
-"""Mean bytes per entry of a source file from which every header is walked before the files
-are read ahead. A header alone costs one random read (cold, here: 50-70 us per entry with its
-parsing); reading ahead whole files first puts the last file's headers behind every byte of
-the job (about 1.5 s for 2 GiB), and the plan, and whatever waits for it, behind those. At
-this size the walk takes a fraction of the read (16 ranks of 128 MiB: 4 512 entries in
-0.3 s), and the planning that follows runs while the disk reads the files: the main process of
-a 16 -> 1 024 rank transform spent 29% of its time waiting for the last index (cold, alternating
-runs: 6.04-6.32 s, walking the headers first 4.92-5.14 s). Below it (256 data-parallel ranks of
-8 MiB: 44 544 entries, 2.2 s walked apart) the files are read ahead first, as before."""
-
-
-def read_indexes(
-    files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
-    while_reading: Callable[[], object] | None = None, order: Order = "starts",
-) -> dict[int, dict[str, EntryInfo]]:
-    """Every source file's index. ``while_reading`` runs once the kernel was asked to read the
-    files (:func:`zckpt.io.read_ahead.read_soon`): work that can wait for the disk at the same time
-    (ingest imports Zarr there). The first local file is walked for its headers alone; where
-    its entries are large (:data:`HEADERS_FIRST_BYTES`) every file is, and the files are read
-    ahead after, while the plan is made (the headers of the others asked for at once first,
-    where the first file has them); else (or where checksums are verified, which reads
-    every byte) they are walked once every window of them was asked for: a walk that faults
-    pages in holds the interpreter's lock, so that the thread asking for the next windows waits
-    on it and the disk on both (a 256-rank transform walking each file as soon as it was asked
-    for: medians of 3.88 and 4.09 s against 3.61 s, alternating cold runs). Files too large to
-    be read ahead whole are walked sparsely: only the pages of their headers come from the disk.
-    ``order``: how the job reads the files after planning (:data:`zckpt.io.read_ahead.Order`); a
-    job that reads only their starts has nothing read ahead once their headers were walked."""
-    out: dict[int, dict[str, EntryInfo]] = {}
-    local = [p for p in files.values() if isinstance(p, Path)]
-    todo = list(files.items())
-    rank, first = todo[0] if todo else (0, None)
-    if isinstance(first, Path):
-        todo = todo[1:]
-        with open_source(first, storage_options, verify_crc=verify_crc, sparse=True) as r:
-            out[rank] = dict(r.entries)
-            whole = r.has_crc and verify_crc  # its checksum read every byte: so would the others'
-        if not whole and _large_entries(first, len(out[rank])):
-            read_ahead.read_headers([p for _, p in todo if isinstance(p, Path)], header_spans(out[rank]))
-            for rank, path in todo:
-                out[rank] = _index(path, verify_crc, storage_options, sparse=True)
-            if order != "starts":
-                read_ahead.read_soon(local, order=order)
-            if while_reading is not None:
-                while_reading()
-            return out
-    ahead = read_ahead.read_soon(local, order=order) if local else None
-    sparse = bool(local) and ahead is None  # headers lie between payloads
-    try:
-        if while_reading is not None:
-            while_reading()
-        if ahead is not None and todo:
-            ahead.join()  # see the docstring
-        for rank, path in todo:
-            out[rank] = _index(path, verify_crc, storage_options, sparse=sparse)
-    except BaseException:
-        if ahead is not None:
-            ahead.stop()  # a refused file: nothing more is read
-        raise
-    return out
-
-
-HEADER_BYTES = 512
-"""Bytes before each payload asked for ahead of the walk (:func:`zckpt.io.read_ahead.read_headers`):
-the ``Value`` header (tag, dims, type) lies there; a longer one is read by the walk itself."""
-
-
-def header_spans(index: Mapping[str, EntryInfo]) -> list[tuple[int, int]]:
-    """Where the headers of a file laid out as ``index`` lie: the :data:`HEADER_BYTES` before
-    each payload, as ``(offset, length)``, in file order."""
-    return sorted({(max(0, s.offset - HEADER_BYTES), min(HEADER_BYTES, s.offset))
-                   for e in index.values() for s in e.segments})
-
-
-def _index(path: SourceFile, verify_crc: bool, storage_options: remote.StorageOptions,
-           sparse: bool) -> dict[str, EntryInfo]:
-    with open_source(path, storage_options, verify_crc=verify_crc, sparse=sparse) as r:
-        return dict(r.entries)
-
-
-def _large_entries(path: Path, entries: int) -> bool:
-    """Whether the entries of ``path`` hold :data:`HEADERS_FIRST_BYTES` each on average."""
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return False  # only a choice of order: the walk reports the file by name
-    return size >= HEADERS_FIRST_BYTES * max(1, entries)
 
 
 def relevant_ranks(files: Mapping[int, SourceFile], smap: StrategyMap | None) -> dict[int, SourceFile]:
@@ -252,10 +164,25 @@ def plan_sources(
     order: Order = "starts",
 ) -> PreparedIngest:
     """The second step of :func:`prepare_ingest`: every index read (``order``: see
-    :func:`read_indexes`), the plan made."""
+    :class:`~zckpt.sources.indexes.IndexReading`), the plan made. Where the files are read ahead
+    before they are walked, the plan is made first from the indexes expected of them (each
+    like the first file of its pipeline stage), while the disk reads, and made again only
+    where a file turns out laid out otherwise."""
+    smap = found.strategy
+    stage_dev = smap.stage_device_num() if smap is not None else 0
+    reading = IndexReading(found.files, verify_crc=verify_crc, storage_options=found.storage_options, order=order,
+                           group=lambda rank: rank // stage_dev if stage_dev else None)
+    reading.start(while_reading)
+    early = None
+    if reading.guess is not None:
+        with contextlib.suppress(ZckptError):  # a plan refused on a guess is made again from the files
+            early = _plan(found, reading.guess)
+    indexes = reading.finish()
+    return early if early is not None and reading.as_guessed() else _plan(found, indexes)
+
+
+def _plan(found: FoundSources, indexes: dict[int, dict[str, EntryInfo]]) -> PreparedIngest:
     smap, files, keep, so = found.strategy, found.files, found.keep, found.storage_options
-    indexes = read_indexes(files, verify_crc=verify_crc, storage_options=so, while_reading=while_reading,
-                           order=order)
     left_out: set[str] = set()
     if keep is not None:
         left_out = {n for idx in indexes.values() for n in idx if not keep(n)}
