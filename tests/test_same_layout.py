@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,10 +23,12 @@ from zckpt.formats.entries import EntryInfo, Segment
 from zckpt.formats.strategy import make_layout
 from zckpt.jobs.generate import encode_tensor, write_model, write_pipeline_model
 from zckpt.jobs.generate_model import TensorDef, global_value
+from zckpt.jobs.verify import verify
 from zckpt.sources import prepare, same_layout
 from zckpt.sources.discovery import discover_sources
 from zckpt.sources.indexes import IndexReading
 from zckpt.sources.same_layout import Layouts, walked_spans
+from zckpt.store.store import Store
 
 RANKS = 8
 A = TensorDef("a", (64, 16), "Float32", make_layout((RANKS,), [[0], []]))
@@ -64,6 +67,19 @@ def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
     monkeypatch.setattr(prepare, "_plan", plan)
     return planned
+
+
+def _count_defines(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """One item per store defined (:meth:`Store.define`)."""
+    defined: list[str] = []
+    real = Store.define
+
+    def define(self: Store, *args: Any, **kwargs: Any) -> None:
+        defined.append("store")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "define", define)
+    return defined
 
 
 def _swap_values(path: Path) -> None:
@@ -127,8 +143,12 @@ def test_a_file_of_the_same_size_laid_out_otherwise_is_walked_and_the_plan_made_
     assert reading.finish() == want and not reading.as_guessed()
     assert walked == ["rank_0", "rank_5"]
     planned = _count_plans(monkeypatch)
-    zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
-    assert len(planned) == 2 and planned[1] == want
+    defined = _count_defines(monkeypatch)
+    report = zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
+    assert len(planned) == 2 and planned[1] == want and report.complete
+    assert defined == ["store", "store"]  # defined from the guess while reading, removed, defined again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr", "src"]
+    assert verify(tmp_path / "s.zarr", src, str(src / "strategy.ckpt")).ok
     _check_export(tmp_path / "s.zarr", tmp_path / "out")
 
 
@@ -191,3 +211,21 @@ def test_stages_of_one_size_are_each_walked_once(tmp_path: Path, monkeypatch: py
     prepared = prepare.plan_sources(found, order="files")
     assert walked == ["rank_0", "rank_4"] and len(planned) == 1
     assert prepared.indexes == _own_indexes(model.root)
+
+
+def test_a_damaged_header_found_after_the_store_was_defined_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 3's first header is damaged in place (same size): the guess gives it rank 0's
+    index, the store is defined from it while the files are read, and then the walk of rank 3
+    refuses it by name; the store defined meanwhile is removed."""
+    src = tmp_path / "src"
+    write_model(src, [A, B], device_num=RANKS, scalars=False)
+    three = src / "rank_3" / "checkpoint_3.ckpt"
+    data = bytearray(three.read_bytes())
+    data[0] = 0x12  # the first Value's key: another field
+    three.write_bytes(bytes(data))
+    defined = _count_defines(monkeypatch)
+    with pytest.raises(CheckpointFormatError) as err:
+        zckpt.ingest(str(src), tmp_path / "s.zarr", str(src / "strategy.ckpt"))
+    assert "rank_3" in str(err.value) and defined == ["store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

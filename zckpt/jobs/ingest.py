@@ -35,7 +35,7 @@ from zckpt.run.collect import fewer_collections
 from zckpt.run.engines import travelling, wants_overlap
 from zckpt.run.progress import Report, Ticker
 from zckpt.sources.discovery import SourceFile, open_source
-from zckpt.sources.prepare import PreparedIngest, find_sources, plan_sources, store_source
+from zckpt.sources.prepare import PreparedIngest, Settle, find_sources, plan_sources_early, store_source
 from zckpt.sources.replicas import CheckJob, compare_replicas, merged, replica_jobs, spot_checks
 from zckpt.sources.strategies import StrategyArg, load_strategy
 from zckpt.store import integrity, packed, rerun
@@ -168,11 +168,31 @@ def ingest(
     with placement(options, helper_possible=possible, nbytes=_source_bytes(found.files, options.helper) if possible
                    else 0, ranks=len(found.files),
                    modules=("zckpt.jobs.ingest", "zckpt.store.store")) as place:
-        prepared = plan_sources(
+        early = not is_remote and not os.path.lexists(remote.local_path(store_path))
+        prepared, settle = plan_sources_early(
             found, verify_crc=options.verify_crc, order="files",
             # with a cold cache the store's import reads its own files from the disk: while the shards are read
             while_reading=lambda: importlib.import_module("zckpt.store.store"))
-        return _ingest(prepared, store_path, is_remote, options, place, t0)
+        if not early:
+            prepared, settle = settle() or prepared, _settled
+        try:
+            return _ingest(prepared, settle, store_path, is_remote, options, place, t0)
+        except _Replanned as again:  # the store made from the guess was removed
+            return _ingest(again.prepared, _settled, store_path, is_remote, options, place, t0)
+
+
+class _Replanned(ZckptError):
+    """A new store was defined from a plan made while the source files were read
+    (:func:`zckpt.sources.prepare.plan_sources_early`), and a file turned out laid out otherwise:
+    the store is removed (as on any zckpt error) and made again from :attr:`prepared`."""
+
+    def __init__(self, prepared: PreparedIngest) -> None:
+        super().__init__("the source files are not laid out as their first ones: planned again")
+        self.prepared = prepared
+
+
+def _settled() -> PreparedIngest | None:
+    return None
 
 
 def served_by(plan: IngestPlan, options: IngestOptions) -> dict[str, list[Box]]:
@@ -182,8 +202,11 @@ def served_by(plan: IngestPlan, options: IngestOptions) -> dict[str, list[Box]]:
     return served_boxes(plan.tensors, [load_strategy(s, options.storage_options) for s in options.serve])
 
 
-def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, options: IngestOptions,
-            place: Placement, t0: float) -> IngestReport:
+def _ingest(prepared: PreparedIngest, settle: Settle, store_path: str | Path, is_remote: bool,
+            options: IngestOptions, place: Placement, t0: float) -> IngestReport:
+    """The ingest of a plan; ``settle`` (:func:`zckpt.sources.prepare.plan_sources_early`) is called
+    once the store is defined (a new store: defined while the source files are read), before
+    anything of a store found there is changed."""
     plan, smap = prepared.plan, prepared.strategy
     options = replace(options, choice_func=None)  # applied in the plan; tasks need not carry (pickle) it
     values = store_source(plan, smap, options.storage_options)
@@ -205,6 +228,7 @@ def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, o
         store, state = open_for_ingest(target, layout.fingerprint(), options.overwrite, options.storage_options)
         redone: dict[int, str] = {}
         if state != "new":
+            _settle(settle)
             redone = rerun.to_redo(store, required, plan.rank_files)
             if redone or (state == "complete" and rerun.unsealed(store)):
                 store.unseal()
@@ -214,6 +238,7 @@ def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, o
             if state == "new":
                 store.define(layout.tensors, layout.writers, layout.chunks, layout.strings, layout.source,
                              fingerprint=layout.fingerprint(), shards=layout.shards, packing=layout.packing)
+                _settle(settle)
             done = ((0, 0, ()) if state == "complete"
                     else _run(plan, layout, store, options, place, prepared.indexes))
             if not plan.uncovered and state != "complete":
@@ -232,6 +257,12 @@ def _ingest(prepared: PreparedIngest, store_path: str | Path, is_remote: bool, o
             drop_temporaries(target)
             raise full from None
     return _report(store, prepared, done, state, redone, t0)
+
+
+def _settle(settle: Settle) -> None:
+    again = settle()
+    if again is not None:
+        raise _Replanned(again)
 
 
 def _report(store: Store, prepared: PreparedIngest, done: tuple[int, int, tuple[int, ...]], state: str,

@@ -159,15 +159,32 @@ def find_sources(
     return FoundSources(smap, sources, files, same, keep, require_complete, storage_options)
 
 
+Settle = Callable[[], "PreparedIngest | None"]
+"""The second value of :func:`plan_sources_early`."""
+
+
 def plan_sources(
     found: FoundSources, *, verify_crc: bool = True, while_reading: Callable[[], object] | None = None,
     order: Order = "starts",
 ) -> PreparedIngest:
     """The second step of :func:`prepare_ingest`: every index read (``order``: see
-    :class:`~zckpt.sources.indexes.IndexReading`), the plan made. Where the files are read ahead
-    before they are walked, the plan is made first from the indexes expected of them (each
-    like the first file of its pipeline stage), while the disk reads, and made again only
-    where a file turns out laid out otherwise."""
+    :class:`~zckpt.sources.indexes.IndexReading`), the plan made (:func:`plan_sources_early`,
+    settled)."""
+    prepared, settle = plan_sources_early(found, verify_crc=verify_crc, while_reading=while_reading, order=order)
+    return settle() or prepared
+
+
+def plan_sources_early(
+    found: FoundSources, *, verify_crc: bool = True, while_reading: Callable[[], object] | None = None,
+    order: Order = "starts",
+) -> tuple[PreparedIngest, Settle]:
+    """:func:`plan_sources` that returns as soon as there is a plan. Where the files are read
+    ahead before they are walked, that plan is made from the indexes expected of them (each
+    like the first file of its pipeline stage), while the disk reads; the caller may prepare
+    its work from it meanwhile. The second value then reads the indexes to the end and answers
+    ``None`` where every file holds the expected index, else the plan made from the files
+    (the first one must not be used then). Elsewhere the plan is made from the files and the
+    second value answers ``None``."""
     smap = found.strategy
     stage_dev = smap.stage_device_num() if smap is not None else 0
     reading = IndexReading(found.files, verify_crc=verify_crc, storage_options=found.storage_options, order=order,
@@ -177,8 +194,14 @@ def plan_sources(
     if reading.guess is not None:
         with contextlib.suppress(ZckptError):  # a plan refused on a guess is made again from the files
             early = _plan(found, reading.guess)
-    indexes = reading.finish()
-    return early if early is not None and reading.as_guessed() else _plan(found, indexes)
+    if early is None:
+        return _plan(found, reading.finish()), lambda: None
+
+    def settle() -> PreparedIngest | None:
+        indexes = reading.finish()
+        return None if reading.as_guessed() else _plan(found, indexes)
+
+    return early, settle
 
 
 def _plan(found: FoundSources, indexes: dict[int, dict[str, EntryInfo]]) -> PreparedIngest:

@@ -44,15 +44,6 @@ def walked_spans(index: Mapping[str, EntryInfo], end: int) -> tuple[tuple[int, i
     return tuple(spans)
 
 
-def has_trailer(path: Path, size: int) -> bool | None:
-    """Whether the reader takes the last bytes of ``path`` for MindSpore's CRC trailer (as
-    :class:`~zckpt.formats.ckpt.CkptReader` decides it); ``None`` where they cannot be read."""
-    if size < CRC_TRAILER_LEN:
-        return False
-    got = read_spans(path, ((size - CRC_TRAILER_LEN, len(CRC_MAGIC)),))
-    return None if got is None else got == CRC_MAGIC
-
-
 def read_spans(path: Path, spans: tuple[tuple[int, int], ...]) -> bytes | None:
     """The bytes of ``path`` at ``spans``, joined; ``None`` where the file cannot be read so
     (its own walk then says what is wrong)."""
@@ -112,8 +103,12 @@ class Layouts:
         """The index of ``path`` where it is laid out as a file of ``group`` walked before; else ``None``."""
         size = file_size(path)
         known = self.known.get((size, group)) if size is not None else None
-        if known is None or has_trailer(path, known.size) != known.trailer \
-                or read_spans(path, known.spans) != known.framing:
+        if known is None:
+            return None
+        tail = ((known.size - CRC_TRAILER_LEN, len(CRC_MAGIC)),) if known.size >= CRC_TRAILER_LEN else ()
+        got = read_spans(path, known.spans + tail)  # one file opened: its framing and where a trailer starts
+        if got is None or got[: len(known.framing)] != known.framing \
+                or (got[len(known.framing):] == CRC_MAGIC) != known.trailer:
             return None
         self.matched += 1
         return known.index
