@@ -259,3 +259,22 @@ def test_the_headers_of_large_entries_are_asked_for_together_from_the_first_file
     real_headers([src / "rank_1" / "checkpoint_1.ckpt", tmp_path / "gone"], [(0, 100), (4096, 512)])
     assert asked == [(str(src / "rank_1" / "checkpoint_1.ckpt"), 0, 100),
                      (str(src / "rank_1" / "checkpoint_1.ckpt"), 4096, 512)]
+
+
+def test_the_device_s_window_is_looked_up_once_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 files on one disk: one look at /sys for its window, not one per file."""
+    files = []
+    for i in range(256):
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(b"x" * 10)
+    looked: list[int] = []
+    real = read_ahead.request_bytes
+
+    def look(dev: int) -> int:
+        looked.append(dev)
+        return real(dev)
+
+    monkeypatch.setattr(read_ahead, "request_bytes", look)
+    got = read_ahead.windows(files, "files")
+    assert [(p, o, n) for p, o, n in got] == [(p, 0, 10) for p in files]
+    assert looked == [files[0].stat().st_dev]

@@ -130,12 +130,16 @@ class ReadAhead:
 def windows(paths: Sequence[Path], order: Order) -> list[tuple[Path, int, int]]:
     """``(file, offset, length)`` of each call, in ``order`` (files that are gone left out)."""
     files: list[tuple[Path, int, int]] = []
+    steps: dict[int, int] = {}  # by device: one look at /sys, not one per file
     for p in paths:
         try:
             st = os.stat(p)
         except OSError:
             continue
-        files.append((p, st.st_size, request_bytes(st.st_dev)))
+        step = steps.get(st.st_dev)
+        if step is None:
+            step = steps[st.st_dev] = request_bytes(st.st_dev)
+        files.append((p, st.st_size, step))
     per_file = [[(p, o, min(step, size - o)) for o in range(0, size, step)] for p, size, step in files]
     if order == "starts":
         return [w[0] for w in per_file if w]
