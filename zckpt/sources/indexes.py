@@ -66,7 +66,7 @@ def header_spans(index: Mapping[str, EntryInfo]) -> list[tuple[int, int]]:
 
 class IndexReading:
     """The indexes of ``files`` being read (see the module doc): :meth:`start`, then
-    :meth:`finish`; :func:`read_indexes` does both.
+    :meth:`finish` (:func:`zckpt.sources.prepare.plan_sources` plans between the two).
 
     ``group``: which files may share a layout (the pipeline stage of a rank); ``order``: how
     the job reads the files after planning (:data:`zckpt.io.read_ahead.Order`): a job that
@@ -182,16 +182,6 @@ class IndexReading:
             if isinstance(path, Path) and type(r) is CkptReader and not whole:  # not a subclass: see same_layout
                 self.layouts.learn(path, index, r.has_crc, self.group(rank))
         return whole
-
-
-def read_indexes(
-    files: Mapping[int, SourceFile], *, verify_crc: bool, storage_options: remote.StorageOptions = None,
-    while_reading: Callable[[], object] | None = None, order: Order = "starts",
-) -> dict[int, Index]:
-    """Every source file's index (:class:`IndexReading`, started and finished)."""
-    reading = IndexReading(files, verify_crc=verify_crc, storage_options=storage_options, order=order)
-    reading.start(while_reading)
-    return reading.finish()
 
 
 def _large_entries(path: Path, entries: int) -> bool:
