@@ -185,9 +185,7 @@ class IndexReading:
 
 
 def _large_entries(path: Path, entries: int) -> bool:
-    """Whether the entries of ``path`` hold :data:`HEADERS_FIRST_BYTES` each on average."""
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return False  # only a choice of order: the walk reports the file by name
-    return size >= HEADERS_FIRST_BYTES * max(1, entries)
+    """Whether the entries of ``path`` hold :data:`HEADERS_FIRST_BYTES` each on average (a file
+    that cannot be looked at is reported by its walk: here it is only a choice of order)."""
+    size = file_size(path)
+    return size is not None and size >= HEADERS_FIRST_BYTES * max(1, entries)

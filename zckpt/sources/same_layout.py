@@ -61,6 +61,7 @@ def read_spans(path: Path, spans: tuple[tuple[int, int], ...]) -> bytes | None:
 
 
 def file_size(path: Path) -> int | None:
+    """The size of ``path``; ``None`` where it cannot be looked at."""
     try:
         return path.stat().st_size
     except (OSError, ValueError):
